@@ -1,0 +1,23 @@
+"""tfformer's Keras layers: one public layer per module."""
+
+from tfformer.layers import masks
+from tfformer.layers.attention import MultiHeadAttention
+from tfformer.layers.decoder_block import DecoderBlock
+from tfformer.layers.encoder_block import EncoderBlock
+from tfformer.layers.feedforward import FeedForward
+from tfformer.layers.position_embedding import PositionEmbedding
+from tfformer.layers.rotary_embedding import RotaryEmbedding
+from tfformer.layers.sinusoidal_position_encoding import SinusoidalPositionEncoding
+from tfformer.layers.token_embedding import TokenEmbedding
+
+__all__ = [
+    "masks",
+    "MultiHeadAttention",
+    "DecoderBlock",
+    "EncoderBlock",
+    "FeedForward",
+    "PositionEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionEncoding",
+    "TokenEmbedding",
+]

@@ -1,0 +1,305 @@
+import math
+
+import keras
+from keras import ops
+
+from tfformer.layers import masks as masks_lib
+
+SCORES = ("scaled_dot", "dot", "general", "additive")
+
+
+def _check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer"
+            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
+        )
+
+
+def check_dropout(value, name="dropout"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (Vaswani et al., 2017), with a key/value cache.
+
+    Projects the query, key and value into `num_heads` heads, computes the
+    attention weights `softmax(score(q, k))` per head, takes the weighted sum of
+    the values, concatenates the heads and projects back with `W_O`:
+    `MultiHead(Q, K, V) = Concat(head_1..head_h) W_O`.
+
+    When query, key and value inputs have the same width the three projections
+    live in one fused kernel `(D, N*(2*key_dim + value_dim))`: self-attention
+    does a single matmul, cross-attention slices it.
+
+    Score functions (`score=`): `"scaled_dot"` q.k/sqrt(key_dim) (the paper),
+    `"dot"` q.k, `"general"` q^T W k (one `W` per head), and `"additive"`
+    w^T tanh(W_q q + W_k k) (the projections play W_q, W_k; one `w` per head).
+
+    Masking: every mask is boolean with True = may attend. `attention_mask`
+    `(B, T, S)`, `use_causal_mask`, the restricted window and Keras' implicit
+    masks (`query_mask` `(B, T)`, `value_mask`/`key_mask` `(B, S)`, filled in
+    by Keras from `Embedding(mask_zero=True)` and friends) are ANDed. The
+    softmax runs in float32 with a finite mask value; a query that sees no key
+    gets all-zero weights, so its output is the output bias, never NaN.
+
+    Args:
+        num_heads: int. Number of heads `N`.
+        key_dim: int. Width `H` of each query/key head.
+        value_dim: int. Width of each value head. Defaults to `key_dim`.
+        dropout: float. Dropout on the attention weights. Defaults to `0.0`.
+        use_bias: bool. Whether projections have biases. Defaults to `True`.
+        output_dim: int. Width of the output. Defaults to the query width.
+        score: str. One of `"scaled_dot"`, `"dot"`, `"general"`, `"additive"`.
+        window: int. If set, query `i` only sees keys `j` with `|i - j| <= window`
+            (restricted self-attention). Defaults to `None` (no restriction).
+        kernel_initializer: initializer for the projection kernels.
+        bias_initializer: initializer for the projection biases.
+        **kwargs: Base layer arguments (`name`, `dtype`, `trainable`).
+
+    Call arguments:
+        query: `(B, T, Dq)`.
+        value: `(B, S, Dv)`.
+        key: optional `(B, S, Dk)`; defaults to `value`.
+        attention_mask: optional bool `(B, T, S)`.
+        use_causal_mask: bool. Query `i` (at absolute position
+            `cache_index + i` when decoding with a cache) sees keys `j <= i`.
+        return_attention_scores: bool. Also return the weights `(B, N, T, S)`.
+        cache: optional `(B, 2, N, S_max, H)` keys (index 0) and values
+            (index 1). With `cache_index`, the new keys/values of `key`/`value`
+            are written at `cache_index` and attention runs over the whole
+            cache; positions `>= cache_index + T` are masked. Without
+            `cache_index` the cache is read as precomputed keys/values (e.g.
+            cross-attention over a fixed encoder output) and `value` is ignored.
+            Implicit `value_mask`/`key_mask` are ignored when a cache is used;
+            pass padding through `attention_mask`.
+        cache_index: int scalar, where the `T` new positions start.
+        training: bool, enables dropout.
+
+    Returns:
+        `outputs` `(B, T, output_dim)`; `(outputs, scores)` with
+        `return_attention_scores`; `(outputs, cache)` when `cache` is given;
+        `(outputs, scores, cache)` with both.
+
+    Example:
+    ```python
+    layer = tfformer.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    x = np.random.rand(1, 5, 8).astype("float32")
+    y = layer(x, x, use_causal_mask=True)  # (1, 5, 8)
+    ```
+
+    Reference:
+        Vaswani et al., "Attention Is All You Need", 2017; Luong et al., 2015
+        (general score); Bahdanau et al., 2015 (additive score).
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        dropout=0.0,
+        use_bias=True,
+        output_dim=None,
+        score="scaled_dot",
+        window=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        _check_positive_int("num_heads", num_heads)
+        _check_positive_int("key_dim", key_dim)
+        _check_positive_int("value_dim", value_dim, allow_none=True)
+        _check_positive_int("output_dim", output_dim, allow_none=True)
+        check_dropout(dropout)
+        if score not in SCORES:
+            raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"`window` must be a non-negative integer or None. Received: window={window!r}")
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.value_dim = value_dim
+        self.dropout = dropout
+        self.use_bias = use_bias
+        self.output_dim = output_dim
+        self.score = score
+        self.window = window
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+        self._dropout_layer = keras.layers.Dropout(dropout)
+
+    @property
+    def _value_dim(self):
+        return self.value_dim or self.key_dim
+
+    def _kernel(self, name, input_dim, units):
+        kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
+        bias = self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer) if self.use_bias else None
+        return kernel, bias
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        query_dim, value_dim = query_shape[-1], value_shape[-1]
+        key_dim = value_dim if key_shape is None else key_shape[-1]
+        n, h, hv = self.num_heads, self.key_dim, self._value_dim
+        self._q_units, self._k_units, self._v_units = n * h, n * h, n * hv
+        self._fused = query_dim == value_dim == key_dim
+        if self._fused:
+            self.qkv_kernel, self.qkv_bias = self._kernel("qkv", query_dim, 2 * n * h + n * hv)
+        else:
+            self.query_kernel, self.query_bias = self._kernel("query", query_dim, n * h)
+            self.key_kernel, self.key_bias = self._kernel("key", key_dim, n * h)
+            self.value_kernel, self.value_bias = self._kernel("value", value_dim, n * hv)
+        if self.score == "general":
+            self.general_kernel = self.add_weight(name="general_kernel", shape=(n, h, h), initializer=self.kernel_initializer)
+        elif self.score == "additive":
+            self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h), initializer=self.kernel_initializer)
+        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)
+        self.built = True
+
+    # === Projections ===
+    def _dense(self, x, kernel, bias, start, stop):
+        # One matmul with columns [start, stop) of a (possibly fused) kernel.
+        if self._fused and (start, stop) != (0, kernel.shape[-1]):
+            kernel = kernel[:, start:stop]
+            bias = None if bias is None else bias[start:stop]
+        y = ops.matmul(x, ops.cast(kernel, x.dtype))
+        return y if bias is None else y + ops.cast(bias, x.dtype)
+
+    def _split_heads(self, x, head_dim):
+        b, t = ops.shape(x)[0], ops.shape(x)[1]
+        x = ops.reshape(x, (b, t, self.num_heads, head_dim))  # (B, T, N, H)
+        return ops.transpose(x, (0, 2, 1, 3))  # (B, N, T, H)
+
+    def _project_query(self, query):
+        if self._fused:
+            return self._dense(query, self.qkv_kernel, self.qkv_bias, 0, self._q_units)
+        return self._dense(query, self.query_kernel, self.query_bias, 0, self._q_units)
+
+    def _project(self, query, value, key):
+        """Returns q `(B, N, T, H)`, k `(B, N, S, H)`, v `(B, N, S, Hv)`."""
+        qu, ku, vu = self._q_units, self._k_units, self._v_units
+        if self._fused and value is query and (key is None or key is query):
+            qkv = self._dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*(2H+Hv))
+            q, k, v = qkv[..., :qu], qkv[..., qu : qu + ku], qkv[..., qu + ku :]
+        elif self._fused:
+            q = self._project_query(query)
+            if key is None or key is value:
+                kv = self._dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
+                k, v = kv[..., :ku], kv[..., ku:]
+            else:
+                k = self._dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
+                v = self._dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)
+        else:
+            q = self._project_query(query)
+            k = self._dense(value if key is None else key, self.key_kernel, self.key_bias, 0, ku)
+            v = self._dense(value, self.value_kernel, self.value_bias, 0, vu)
+        return (
+            self._split_heads(q, self.key_dim),
+            self._split_heads(k, self.key_dim),
+            self._split_heads(v, self._value_dim),
+        )
+
+    def compute_cache(self, value, key=None):
+        """Keys/values of a fixed memory as a read-only cache `(B, 2, N, S, H)`.
+
+        Used for cross-attention during decoding: the encoder output is
+        projected once instead of at every step.
+        """
+        if self._value_dim != self.key_dim:
+            raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+        dummy_query = value[:, :1]
+        _, k, v = self._project(dummy_query, value, key)
+        return ops.stack([k, v], axis=1)  # (B, 2, N, S, H)
+
+    # === Scores ===
+    def _scores(self, q, k):
+        # q (B, N, T, H), k (B, N, S, H) -> (B, N, T, S)
+        if self.score == "additive":
+            w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
+            hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
+            return ops.sum(hidden * w, axis=-1)
+        if self.score == "general":
+            q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
+        elif self.score == "scaled_dot":
+            q = q * ops.cast(1.0 / math.sqrt(self.key_dim), q.dtype)
+        return ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        return_attention_scores=False,
+        cache=None,
+        cache_index=None,
+        training=None,
+    ):
+        query_length = ops.shape(query)[1]
+        if cache is not None and cache_index is None:
+            # Read-only cache: precomputed keys/values of a fixed memory.
+            q = self._split_heads(self._project_query(query), self.key_dim)
+            k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
+        else:
+            q, k, v = self._project(query, value, key)
+        if cache is not None and cache_index is not None:
+            if self._value_dim != self.key_dim:
+                raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+            start = [0, 0, 0, cache_index, 0]
+            cache = ops.slice_update(cache, start, ops.cast(ops.stack([k, v], axis=1), cache.dtype))  # (B, 2, N, S_max, H)
+            k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
+        key_length = ops.shape(k)[2]
+        offset = 0 if cache_index is None else cache_index
+
+        mask = masks_lib.merge_masks(
+            attention_mask,
+            masks_lib.query_mask(query_mask),
+            None if cache is not None else masks_lib.key_mask(value_mask),
+            None if cache is not None else masks_lib.key_mask(key_mask),
+            masks_lib.causal_mask(query_length, key_length, offset) if use_causal_mask else None,
+            masks_lib.window_mask(query_length, key_length, self.window, offset) if self.window is not None else None,
+            # Cache slots past the ones written so far hold no keys yet.
+            masks_lib.causal_mask(1, key_length, offset + query_length - 1) if cache_index is not None else None,
+        )
+        scores = self._scores(q, k)  # (B, N, T, S)
+        weights = masks_lib.masked_softmax(scores, None if mask is None else ops.expand_dims(mask, 1))  # (B, N, T, S) float32
+        dropped = self._dropout_layer(weights, training=training)
+        x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
+        x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
+        x = ops.reshape(x, (ops.shape(x)[0], query_length, self._v_units))  # (B, T, N*Hv)
+        outputs = self._dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1])
+
+        result = (outputs,)
+        if return_attention_scores:
+            result += (weights,)
+        if cache is not None:
+            result += (cache,)
+        return result[0] if len(result) == 1 else result
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "dropout": self.dropout,
+                "use_bias": self.use_bias,
+                "output_dim": self.output_dim,
+                "score": self.score,
+                "window": self.window,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            }
+        )
+        return config

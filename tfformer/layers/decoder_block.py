@@ -1,0 +1,148 @@
+import keras
+
+from tfformer.layers import masks as masks_lib
+from tfformer.layers.encoder_block import EncoderBlock
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class DecoderBlock(EncoderBlock):
+    """Transformer decoder block: causal self-attention, cross-attention, FFN.
+
+    The paper's decoder layer: masked self-attention over the target, attention
+    over the encoder output (`cross_attention=True`), then the feed-forward
+    network, each wrapped in residual dropout + LayerNorm (post-LN by default,
+    pre-LN with `norm_first=True`). With `cross_attention=False` it is a
+    GPT-style decoder-only block.
+
+    Masking: self-attention is causal by default (`use_causal_mask=True`) and
+    ANDs `padding_mask` `(B, T)` (or, with a cache, `(B, S_max)` over the cache
+    slots) and `attention_mask` `(B, T, T)`. Cross-attention hides padded
+    encoder positions through `encoder_padding_mask` `(B, S)`. Outputs at
+    position `t` never depend on inputs after `t`.
+
+    Incremental decoding: pass `cache` `(B, 2, N, S_max, H)` and `cache_index`;
+    the block writes this step's keys/values and returns `(outputs, cache)`.
+    `cross_attention_cache` (from `compute_cross_attention_cache`) saves
+    re-projecting the encoder output at every step.
+
+    Args:
+        num_heads, intermediate_dim, dropout, activation, norm_first,
+        layer_norm_epsilon, score, window, kernel_initializer: as `EncoderBlock`.
+        cross_attention: bool. Whether the block attends over an encoder
+            output. Defaults to `True`.
+        **kwargs: Base layer arguments.
+
+    Call arguments:
+        inputs: `(B, T, hidden_dim)`.
+        encoder_outputs: `(B, S, hidden_dim)`, needed when `cross_attention`.
+        padding_mask: optional bool `(B, T)` (`(B, S_max)` with a cache).
+        encoder_padding_mask: optional bool `(B, S)`.
+        attention_mask: optional bool `(B, T, T)` for the self-attention.
+        use_causal_mask: bool. Defaults to `True`.
+        cache: optional self-attention cache `(B, 2, N, S_max, H)`.
+        cache_index: int scalar, position of the first of the `T` inputs.
+        cross_attention_cache: optional `(B, 2, N, S, H)`.
+        training: bool.
+        return_attention_scores: bool. Also return the cross-attention weights
+            `(B, N, T, S)` (self-attention weights for a decoder-only block).
+
+    Returns:
+        `outputs` `(B, T, hidden_dim)`, then `scores` if asked, then `cache` if given.
+
+    Example:
+    ```python
+    block = tfformer.layers.DecoderBlock(num_heads=2, intermediate_dim=16)
+    y = block(np.zeros((1, 4, 8)), np.zeros((1, 6, 8)))  # (1, 4, 8)
+    ```
+    """
+
+    def __init__(self, num_heads, intermediate_dim, cross_attention=True, **kwargs):
+        super().__init__(num_heads, intermediate_dim, **kwargs)
+        self.cross_attention = cross_attention
+
+    def build(self, inputs_shape, encoder_outputs_shape=None):
+        self._build_common(inputs_shape)
+        if self.cross_attention:
+            encoder_outputs_shape = encoder_outputs_shape or inputs_shape
+            self.cross_attention_layer = self._attention(inputs_shape[-1], "cross_attention")
+            self.cross_attention_layer.build(inputs_shape, encoder_outputs_shape)
+            self.cross_attention_norm = self._norm("cross_attention_norm")
+            self.cross_attention_norm.build(inputs_shape)
+        self.built = True
+
+    def compute_cross_attention_cache(self, encoder_outputs):
+        """Keys/values of the encoder output for cross-attention, `(B, 2, N, S, H)`."""
+        return self.cross_attention_layer.compute_cache(encoder_outputs)
+
+    def call(
+        self,
+        inputs,
+        encoder_outputs=None,
+        padding_mask=None,
+        encoder_padding_mask=None,
+        attention_mask=None,
+        use_causal_mask=True,
+        cache=None,
+        cache_index=None,
+        cross_attention_cache=None,
+        training=None,
+        return_attention_scores=False,
+    ):
+        if self.cross_attention and encoder_outputs is None and cross_attention_cache is None:
+            raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or `cross_attention_cache`).")
+        if cache is not None and cache_index is None:
+            raise ValueError("`cache_index` is required with `cache` (the position of the first new token).")
+
+        # Causal self-attention block.
+        self_mask = masks_lib.merge_masks(masks_lib.key_mask(padding_mask), attention_mask)
+        x, extra = self._sublayer(
+            inputs,
+            self.self_attention_norm,
+            lambda h: self.self_attention(
+                h,
+                h,
+                attention_mask=self_mask,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=return_attention_scores and not self.cross_attention,
+                cache=cache,
+                cache_index=cache_index,
+                training=training,
+            ),
+            training,
+        )
+        scores = extra[0] if return_attention_scores and not self.cross_attention else None
+        cache = extra[-1] if cache is not None else None
+
+        # Cross-attention block.
+        if self.cross_attention:
+            memory = inputs if encoder_outputs is None else encoder_outputs  # ignored with a cross cache
+            x, extra = self._sublayer(
+                x,
+                self.cross_attention_norm,
+                lambda h: self.cross_attention_layer(
+                    h,
+                    memory,
+                    attention_mask=masks_lib.key_mask(encoder_padding_mask),
+                    return_attention_scores=return_attention_scores,
+                    cache=cross_attention_cache,
+                    training=training,
+                ),
+                training,
+            )
+            if return_attention_scores:
+                scores = extra[0]
+
+        # Feed-forward block.
+        x, _ = self._sublayer(x, self.feedforward_norm, lambda h: self.feedforward(h, training=training), training)
+
+        result = (x,)
+        if return_attention_scores:
+            result += (scores,)
+        if cache is not None:
+            result += (cache,)
+        return result[0] if len(result) == 1 else result
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"cross_attention": self.cross_attention})
+        return config

@@ -1,0 +1,92 @@
+import keras
+from keras import ops
+
+from tfformer.layers.attention import _check_positive_int, check_dropout
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class FeedForward(keras.layers.Layer):
+    """Position-wise feed-forward network: `W_2 act(W_1 x + b_1) + b_2`.
+
+    The paper's FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 with `activation="relu"`;
+    `"gelu"` as in BERT/GPT; `"swiglu"` (Shazeer, 2020) computes
+    `W_2 (silu(x W_g) * x W_1)` with `W_g` and `W_1` in one fused kernel.
+    Masks pass through unchanged.
+
+    Args:
+        hidden_dim: int. Output width (`d_model`).
+        intermediate_dim: int. Inner width (`d_ff`).
+        activation: str. One of `"relu"`, `"gelu"`, `"swiglu"`. Defaults to `"relu"`.
+        dropout: float. Dropout on the inner activations. Defaults to `0.0`.
+        kernel_initializer: initializer for both kernels.
+        **kwargs: Base layer arguments.
+
+    Call arguments:
+        inputs: `(B, T, D)`.
+        training: bool, enables dropout.
+
+    Returns:
+        `(B, T, hidden_dim)`.
+
+    Example:
+    ```python
+    ffn = tfformer.layers.FeedForward(hidden_dim=8, intermediate_dim=32)
+    ffn(np.zeros((2, 3, 8))).shape  # (2, 3, 8)
+    ```
+    """
+
+    def __init__(self, hidden_dim, intermediate_dim, activation="relu", dropout=0.0, kernel_initializer="glorot_uniform", **kwargs):
+        _check_positive_int("hidden_dim", hidden_dim)
+        _check_positive_int("intermediate_dim", intermediate_dim)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={activation!r}")
+        check_dropout(dropout)
+        super().__init__(**kwargs)
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.activation = activation
+        self.dropout = dropout
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.supports_masking = True
+
+    def build(self, inputs_shape):
+        inner = 2 * self.intermediate_dim if self.activation == "swiglu" else self.intermediate_dim
+        dense = lambda units, name: keras.layers.Dense(  # noqa: E731
+            units, kernel_initializer=self.kernel_initializer, dtype=self.dtype_policy, name=name
+        )
+        self.intermediate_dense = dense(inner, "intermediate_dense")
+        self.intermediate_dense.build(inputs_shape)
+        self.output_dense = dense(self.hidden_dim, "output_dense")
+        self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
+        self._dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        x = self.intermediate_dense(inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
+        if self.activation == "swiglu":
+            gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
+            x = ops.silu(gate) * x
+        elif self.activation == "gelu":
+            x = ops.gelu(x, approximate=False)
+        else:
+            x = ops.relu(x)
+        x = self._dropout_layer(x, training=training)
+        return self.output_dense(x)
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape[:-1]) + (self.hidden_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "hidden_dim": self.hidden_dim,
+                "intermediate_dim": self.intermediate_dim,
+                "activation": self.activation,
+                "dropout": self.dropout,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            }
+        )
+        return config

@@ -1,0 +1,79 @@
+"""Attention masks: one vocabulary everywhere.
+
+Every mask here is boolean and `True` means "may attend". Shapes use
+B = batch, T = query length, S = key length. A mask of shape `(B, T, S)` (or
+anything that broadcasts to it) is what `MultiHeadAttention` consumes.
+
+Scores are masked with a finite value and the softmax runs in float32, so a
+row with no visible key gives all-zero weights instead of NaN in float32,
+bfloat16 and float16 alike.
+"""
+
+from keras import ops
+
+# Finite, and far below any real float32 score. Never `-inf`: `-inf - -inf`
+# inside softmax gives NaN for a fully masked row.
+MASK_VALUE = -1e9
+
+
+def causal_mask(query_length, key_length=None, offset=0):
+    """Lower-triangular mask `(1, T, S)`: query `i` sees keys `j <= i + offset`.
+
+    `offset` is the position of the first query, e.g. the cache index during
+    incremental decoding (the queries are positions `offset .. offset+T-1`).
+    """
+    key_length = query_length if key_length is None else key_length
+    i = ops.arange(query_length, dtype="int32") + ops.cast(offset, "int32")
+    j = ops.arange(key_length, dtype="int32")
+    return ops.expand_dims(i[:, None] >= j[None, :], 0)  # (1, T, S)
+
+
+def window_mask(query_length, key_length, window, offset=0):
+    """Restricted attention `(1, T, S)`: query `i` sees keys with `|i + offset - j| <= window`."""
+    i = ops.arange(query_length, dtype="int32") + ops.cast(offset, "int32")
+    j = ops.arange(key_length, dtype="int32")
+    return ops.expand_dims(ops.abs(i[:, None] - j[None, :]) <= window, 0)  # (1, T, S)
+
+
+def padding_mask(token_ids, padding_id=0):
+    """`(B, T)` boolean mask, True where `token_ids != padding_id` (a real token)."""
+    return ops.not_equal(token_ids, padding_id)
+
+
+def key_mask(mask):
+    """A `(B, S)` padding mask as an attention mask `(B, 1, S)`."""
+    return None if mask is None else ops.expand_dims(ops.cast(mask, "bool"), 1)
+
+
+def query_mask(mask):
+    """A `(B, T)` padding mask as an attention mask `(B, T, 1)`."""
+    return None if mask is None else ops.expand_dims(ops.cast(mask, "bool"), 2)
+
+
+def merge_masks(*masks):
+    """AND together boolean masks that broadcast to `(B, T, S)`; `None`s are skipped.
+
+    Returns `None` when every mask is `None` (attend everywhere).
+    """
+    merged = None
+    for mask in masks:
+        if mask is None:
+            continue
+        mask = ops.cast(mask, "bool")
+        merged = mask if merged is None else ops.logical_and(merged, mask)
+    return merged
+
+
+def masked_softmax(scores, mask=None, axis=-1):
+    """Softmax in float32 over `axis` with masked positions set to exactly 0.
+
+    `mask` broadcasts to `scores`. A row whose keys are all masked gets all-zero
+    weights (no NaN), whatever the dtype of `scores`.
+    """
+    scores = ops.cast(scores, "float32")
+    if mask is None:
+        return ops.softmax(scores, axis=axis)
+    mask = ops.cast(mask, "bool")
+    weights = ops.softmax(ops.where(mask, scores, MASK_VALUE), axis=axis)
+    # A fully masked row softmaxes to uniform weights; zero them like any masked key.
+    return ops.where(mask, weights, 0.0)

@@ -1,0 +1,78 @@
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class RotaryEmbedding(keras.layers.Layer):
+    """Rotary position embedding, RoPE (Su et al., 2021), applied to q or k.
+
+    Feature pairs `(x[2i], x[2i+1])` are rotated by the angle
+    `pos * max_wavelength^(-2i/d)`, so the dot product of a rotated query and a
+    rotated key depends only on their relative position. No weights.
+
+    Args:
+        max_wavelength: float. Defaults to `10000`.
+        sequence_axis: int. Axis of the positions. Defaults to `1`.
+        feature_axis: int. Axis of the rotated features. Defaults to `-1`.
+        **kwargs: Base layer arguments.
+
+    Call arguments:
+        inputs: e.g. `(B, T, N, H)` or `(B, T, D)`; the feature size must be even.
+        start_index: int. Position of the first timestep (for cached decoding).
+
+    Returns:
+        A tensor of the input's shape.
+
+    Example:
+    ```python
+    rope = tfformer.layers.RotaryEmbedding()
+    q = rope(np.random.rand(1, 6, 2, 4).astype("float32"))  # (B, T, N, H)
+    ```
+    """
+
+    def __init__(self, max_wavelength=10000.0, sequence_axis=1, feature_axis=-1, **kwargs):
+        if not isinstance(max_wavelength, (int, float)) or isinstance(max_wavelength, bool) or max_wavelength <= 1:
+            raise ValueError(f"`max_wavelength` must be a number > 1. Received: max_wavelength={max_wavelength!r}")
+        super().__init__(**kwargs)
+        self.max_wavelength = max_wavelength
+        self.sequence_axis = sequence_axis
+        self.feature_axis = feature_axis
+        self.supports_masking = True
+        self.built = True
+
+    def call(self, inputs, start_index=0):
+        rank = len(inputs.shape)
+        seq_axis, feat_axis = self.sequence_axis % rank, self.feature_axis % rank
+        dim = inputs.shape[feat_axis]
+        if dim is None or dim % 2:
+            raise ValueError(f"RotaryEmbedding needs an even feature size. Received: {dim} on axis {self.feature_axis}")
+        length = ops.shape(inputs)[seq_axis]
+        positions = ops.cast(ops.arange(length) + start_index, "float32")  # (T,)
+        inverse_freq = ops.power(float(self.max_wavelength), -ops.arange(0, dim, 2, dtype="float32") / dim)  # (D/2,)
+        angles = ops.repeat(positions[:, None] * inverse_freq[None, :], 2, axis=-1)  # (T, D): each angle twice
+        shape = [1] * rank
+        shape[seq_axis], shape[feat_axis] = -1, dim
+        cos = ops.reshape(ops.cos(angles), shape)  # T and D on their axes, 1 elsewhere
+        sin = ops.reshape(ops.sin(angles), shape)
+        x = ops.cast(inputs, "float32")
+        # rotate_half: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)
+        x_last = ops.moveaxis(x, feat_axis, -1)  # (..., D)
+        pairs = ops.reshape(x_last, ops.shape(x_last)[:-1] + (dim // 2, 2))  # (..., D/2, 2)
+        rotated = ops.stack([-pairs[..., 1], pairs[..., 0]], axis=-1)  # (..., D/2, 2)
+        rotated = ops.reshape(rotated, ops.shape(x_last))  # (..., D)
+        rotated = ops.moveaxis(rotated, -1, feat_axis)
+        return ops.cast(x * cos + rotated * sin, self.compute_dtype)
+
+    def compute_output_shape(self, inputs_shape):
+        return inputs_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "max_wavelength": self.max_wavelength,
+                "sequence_axis": self.sequence_axis,
+                "feature_axis": self.feature_axis,
+            }
+        )
+        return config

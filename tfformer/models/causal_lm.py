@@ -1,0 +1,62 @@
+import keras
+
+from tfformer import layers
+from tfformer.models import base
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class CausalLM(base.TransformerModel):
+    """A GPT-style decoder-only language model.
+
+    Input: `{"token_ids": (B, T) int32}`, id 0 = padding (right padding; padded
+    keys are masked). Output: next-token logits `(B, T, V)` in float32, from the
+    tied token embedding when `tie_embeddings`. Position `t` depends only on
+    tokens `<= t`.
+    """
+
+    def _build(self, config):
+        token_embedding = layers.TokenEmbedding(
+            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, name="token_embedding"
+        )
+        output_projection = None
+        if not config.tie_embeddings:
+            output_projection = keras.layers.Dense(
+                config.vocabulary_size,
+                kernel_initializer=base.kernel_initializer(config),
+                dtype="float32",
+                name="output_projection",
+            )
+        position = base.position_layer(config, "position")
+        dropout = keras.layers.Dropout(config.dropout, name="embedding_dropout")
+        blocks = [
+            layers.DecoderBlock(**base.block_kwargs(config), cross_attention=False, name=f"decoder_block_{i}")
+            for i in range(config.num_decoder_layers)
+        ]
+        norm = base.final_norm(config, "final_norm")
+
+        # === Functional model ===
+        token_ids = base.token_ids_input("token_ids")
+        padding_mask = base.padding_mask_of(token_ids)  # (B, T)
+        x = dropout(base.embed_tokens(token_embedding, position, token_ids))  # (B, T, D)
+        for block in blocks:
+            x = block(x, padding_mask=padding_mask)
+        if norm:
+            x = norm(x)
+        logits = token_embedding(x, reverse=True) if output_projection is None else output_projection(x)  # (B, T, V)
+
+        sublayers = dict(
+            token_embedding=token_embedding,
+            output_projection=output_projection,
+            position=position,
+            decoder_blocks=blocks,
+            final_norm=norm,
+        )
+        return {"token_ids": token_ids}, logits, sublayers
+
+
+def build_causal_lm(config):
+    """Build a GPT-style decoder-only LM from a `TransformerConfig` (or dict)."""
+    config = base.as_config(config)
+    if config.architecture != "causal_lm":
+        config = config.replace(architecture="causal_lm")
+    return CausalLM(config)

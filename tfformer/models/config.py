@@ -1,0 +1,106 @@
+"""TransformerConfig: one vocabulary of hyperparameter names for every model."""
+
+import dataclasses
+import json
+from typing import Optional
+
+ARCHITECTURES = ("seq2seq", "encoder", "causal_lm", "regressor")
+POSITIONS = ("sinusoidal", "learned")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+SCORES = ("scaled_dot", "dot", "general", "additive")
+
+
+@dataclasses.dataclass
+class TransformerConfig:
+    """Hyperparameters of a Transformer, shared by every builder.
+
+    `architecture` picks the builder: `"seq2seq"` (the paper's encoder-decoder),
+    `"encoder"` (BERT-style), `"causal_lm"` (GPT-style) or `"regressor"`
+    (encoder over continuous vectors, `input_dim` features per step).
+    Token id 0 is padding in every token model.
+    """
+
+    architecture: str = "seq2seq"
+    vocabulary_size: int = 37000  # the paper's shared source/target BPE vocabulary
+    hidden_dim: int = 512  # d_model
+    num_heads: int = 8
+    intermediate_dim: int = 2048  # d_ff
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout: float = 0.1
+    max_sequence_length: int = 512
+    activation: str = "relu"
+    norm_first: bool = False  # the paper is post-LN
+    layer_norm_epsilon: float = 1e-5
+    position: str = "sinusoidal"  # or "learned"
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
+    tie_embeddings: bool = True  # share source, target and pre-softmax matrices
+    score: str = "scaled_dot"
+    num_segments: int = 0  # BERT token-type vocabulary; 0 = no segment_ids input
+    num_classes: Optional[int] = None  # encoder: add a classifier head on pooled_output
+    input_dim: Optional[int] = None  # regressor: features per timestep
+    output_dim: int = 1  # regressor: predicted values per sequence
+    initializer_range: Optional[float] = None  # stddev of a truncated normal init; None = Glorot
+
+    def __post_init__(self):
+        def choice(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
+
+        def positive(name, allow_zero=False, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+                kind = "a non-negative" if allow_zero else "a positive"
+                raise ValueError(f"`{name}` must be {kind} integer. Received: {name}={value!r}")
+
+        choice("architecture", ARCHITECTURES)
+        choice("position", POSITIONS)
+        choice("activation", ACTIVATIONS)
+        choice("score", SCORES)
+        for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length", "output_dim"):
+            positive(name)
+        for name in ("num_encoder_layers", "num_decoder_layers", "num_segments"):
+            positive(name, allow_zero=True)
+        positive("num_classes", allow_none=True)
+        positive("input_dim", allow_none=True)
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"`hidden_dim` must be divisible by `num_heads`. "
+                f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={self.dropout!r}")
+        if self.architecture == "regressor" and self.input_dim is None:
+            raise ValueError("`input_dim` is required when architecture='regressor'. Received: input_dim=None")
+        needs = {"seq2seq": ("num_encoder_layers", "num_decoder_layers"), "encoder": ("num_encoder_layers",),
+                 "regressor": ("num_encoder_layers",), "causal_lm": ("num_decoder_layers",)}
+        for name in needs[self.architecture]:
+            positive(name)
+
+    @property
+    def head_dim(self):
+        return self.hidden_dim // self.num_heads
+
+    def replace(self, **overrides):
+        """A copy with some fields changed (validated); unknown names raise ValueError."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"Unknown config field(s) {unknown}. Allowed: {sorted(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls().replace(**dict(data))
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,88 @@
+"""The zoo: preset name -> TransformerConfig."""
+
+from tfformer.models.causal_lm import build_causal_lm
+from tfformer.models.config import TransformerConfig
+from tfformer.models.encoder import build_encoder
+from tfformer.models.regressor import build_regressor
+from tfformer.models.seq2seq import build_seq2seq
+
+BUILDERS = {
+    "seq2seq": build_seq2seq,
+    "encoder": build_encoder,
+    "causal_lm": build_causal_lm,
+    "regressor": build_regressor,
+}
+
+PRESETS = {
+    # Vaswani et al. 2017, Table 3: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1,
+    # shared 37000-token BPE vocabulary, tied embeddings, post-LN.
+    "transformer-base": TransformerConfig(),
+    "transformer-big": TransformerConfig(hidden_dim=1024, num_heads=16, intermediate_dim=4096, dropout=0.3),
+    # Small enough to train English->German on 2 CPU cores in minutes.
+    "transformer-tiny": TransformerConfig(
+        vocabulary_size=8192,
+        hidden_dim=256,
+        num_heads=4,
+        intermediate_dim=1024,
+        num_encoder_layers=3,
+        num_decoder_layers=3,
+        max_sequence_length=128,
+    ),
+    # BERT-mini (Turc et al. 2019: L=4, H=256, A=4), BERT's uncased vocabulary size.
+    "bert-mini": TransformerConfig(
+        architecture="encoder",
+        vocabulary_size=30522,
+        hidden_dim=256,
+        num_heads=4,
+        intermediate_dim=1024,
+        num_encoder_layers=4,
+        num_decoder_layers=0,
+        activation="gelu",
+        position="learned",
+        scale_embeddings=False,
+        num_segments=2,
+        layer_norm_epsilon=1e-12,
+        initializer_range=0.02,
+    ),
+    # A GPT-2-shaped small LM (pre-LN, GELU, learned positions, tied output).
+    "gpt-mini": TransformerConfig(
+        architecture="causal_lm",
+        vocabulary_size=8192,
+        hidden_dim=256,
+        num_heads=4,
+        intermediate_dim=1024,
+        num_encoder_layers=0,
+        num_decoder_layers=4,
+        max_sequence_length=256,
+        activation="gelu",
+        norm_first=True,
+        position="learned",
+        scale_embeddings=False,
+        initializer_range=0.02,
+    ),
+}
+
+
+def list_presets():
+    """Names of every preset, sorted."""
+    return sorted(PRESETS)
+
+
+def get_preset(name, **overrides):
+    """The `TransformerConfig` of preset `name`, with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}. `name` must be one of {list_presets()}.")
+    return PRESETS[name].replace(**overrides)
+
+
+def build_model(config):
+    """Build the model of `config.architecture`."""
+    return BUILDERS[config.architecture](config)
+
+
+def from_preset(name, **overrides):
+    """Build preset `name` (randomly initialised) with `overrides` applied.
+
+    Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`.
+    """
+    return build_model(get_preset(name, **overrides))
