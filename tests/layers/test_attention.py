@@ -1,0 +1,194 @@
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from tests.harness import check_layer
+from tfformer.layers import MultiHeadAttention
+
+B, T, S, D, N, H = 2, 5, 7, 16, 4, 4
+
+
+def _np_softmax(x, mask):
+    x = np.where(mask, x, -1e9)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return np.where(mask, e / e.sum(-1, keepdims=True), 0.0)
+
+
+def _copy_from_keras(ours, ref):
+    """Our fused [q|k|v] kernel from keras' per-projection (D, N, H) kernels."""
+    q, k, v, o = ref._query_dense, ref._key_dense, ref._value_dense, ref._output_dense
+    flat = lambda w: w.numpy().reshape(w.shape[0], -1) if len(w.shape) == 3 else w.numpy().reshape(-1)  # noqa: E731
+    ours.qkv_kernel.assign(np.concatenate([flat(q.kernel), flat(k.kernel), flat(v.kernel)], axis=1))
+    ours.qkv_bias.assign(np.concatenate([flat(q.bias), flat(k.bias), flat(v.bias)]))
+    ours.output_kernel.assign(o.kernel.numpy().reshape(-1, o.kernel.shape[-1]))
+    ours.output_bias.assign(o.bias.numpy())
+
+
+def _pair(rng, query, value):
+    ref = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H)
+    ref(query, value)
+    ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
+    ours = MultiHeadAttention(num_heads=N, key_dim=H)
+    ours(query, value)
+    _copy_from_keras(ours, ref)
+    return ours, ref
+
+
+@pytest.mark.parametrize("case", ["self", "self_causal", "self_padding", "cross", "cross_padding", "self_causal_padding"])
+def test_matches_keras_multi_head_attention(rng, case):
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    value = query if case.startswith("self") else rng.normal(size=(B, S, D)).astype("float32")
+    ours, ref = _pair(rng, query, value)
+    kwargs = {}
+    if "padding" in case:
+        lengths = np.array([value.shape[1] - 2, value.shape[1]])
+        keep = np.arange(value.shape[1])[None, :] < lengths[:, None]  # (B, S)
+        kwargs["attention_mask"] = np.repeat(keep[:, None, :], T, axis=1)  # (B, T, S)
+    if "causal" in case:
+        kwargs["use_causal_mask"] = True
+    ours_out, ours_w = ours(query, value, return_attention_scores=True, **kwargs)
+    ref_out, ref_w = ref(query, value, return_attention_scores=True, **kwargs)
+    np.testing.assert_allclose(ours_out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(ours_w, ref_w, atol=1e-5)
+
+
+def test_implicit_keras_masks_match_keras(rng):
+    ids = np.array([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5]])
+    emb = keras.layers.Embedding(10, D, mask_zero=True)
+    ours, ref = _pair(rng, emb(ids), emb(ids))
+    # keras' layer clears the masks of its inputs, so each call gets fresh embeddings.
+    x = emb(ids)
+    out = ours(x, x)
+    x = emb(ids)
+    expected = ref(x, x)
+    real = ids != 0
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(expected)[real], atol=1e-5)
+    # Output carries the query mask, as keras' layer does.
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(out._keras_mask), real)
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "dot", "general", "additive"])
+def test_matches_numpy_reference(rng, score):
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    value = rng.normal(size=(B, S, D)).astype("float32")
+    mask = rng.random((B, T, S)) > 0.3
+    mask[0, 0] = False  # a fully masked row
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, score=score)
+    out, weights = layer(query, value, attention_mask=mask, return_attention_scores=True)
+
+    W = layer.qkv_kernel.numpy()
+    bias = layer.qkv_bias.numpy()
+    heads = lambda x: x.reshape(x.shape[0], x.shape[1], N, H).transpose(0, 2, 1, 3)  # noqa: E731  (B, N, L, H)
+    q = heads(query @ W[:, : N * H] + bias[: N * H])
+    k = heads(value @ W[:, N * H : 2 * N * H] + bias[N * H : 2 * N * H])
+    v = heads(value @ W[:, 2 * N * H :] + bias[2 * N * H :])
+    if score == "scaled_dot":
+        logits = q @ k.transpose(0, 1, 3, 2) / np.sqrt(H)
+    elif score == "dot":
+        logits = q @ k.transpose(0, 1, 3, 2)
+    elif score == "general":
+        logits = np.einsum("bnth,nhg,bnsg->bnts", q, layer.general_kernel.numpy(), k)
+    else:
+        w = layer.additive_vector.numpy()[:, 0, :]  # (N, H)
+        logits = np.einsum("bntsh,nh->bnts", np.tanh(q[:, :, :, None, :] + k[:, :, None, :, :]), w)
+    expected_w = _np_softmax(logits, mask[:, None])
+    ctx = (expected_w @ v).transpose(0, 2, 1, 3).reshape(B, T, N * H)
+    expected = ctx @ layer.output_kernel.numpy() + layer.output_bias.numpy()
+    np.testing.assert_allclose(weights, expected_w, atol=1e-5)
+    np.testing.assert_allclose(out, expected, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(weights)[0, :, 0], 0.0)
+
+
+def test_restricted_window_attention(rng):
+    x = rng.normal(size=(1, 9, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, window=2)
+    _, w = layer(x, x, return_attention_scores=True)
+    i, j = np.meshgrid(np.arange(9), np.arange(9), indexing="ij")
+    w = np.asarray(w)
+    assert np.all(w[..., np.abs(i - j) > 2] == 0)
+    assert np.all(w[..., np.abs(i - j) <= 2] > 0)
+
+
+def test_causal_no_future_leakage(rng):
+    x = rng.normal(size=(1, 8, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    base = np.asarray(layer(x, x, use_causal_mask=True))
+    for t in range(7):
+        changed = x.copy()
+        changed[:, t + 1 :] = rng.normal(size=changed[:, t + 1 :].shape)
+        out = np.asarray(layer(changed, changed, use_causal_mask=True))
+        np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-6)
+        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def test_incremental_decoding_with_cache_equals_full(rng):
+    x = rng.normal(size=(B, T, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    full = np.asarray(layer(x, x, use_causal_mask=True))
+    max_len = T + 3  # a cache longer than the sequence: unfilled slots must be ignored
+    cache = np.zeros((B, 2, N, max_len, H), "float32")
+    steps = []
+    # A two-token prefill, then one token at a time.
+    out, cache = layer(x[:, :2], x[:, :2], use_causal_mask=True, cache=cache, cache_index=0)
+    steps.append(np.asarray(out))
+    for t in range(2, T):
+        out, cache = layer(x[:, t : t + 1], x[:, t : t + 1], use_causal_mask=True, cache=cache, cache_index=t)
+        steps.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_read_only_cache_equals_cross_attention(rng):
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    memory = rng.normal(size=(B, S, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    expected = layer(query, memory)
+    out, _ = layer(query, memory, cache=layer.compute_cache(memory))
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_fully_masked_rows_are_finite(rng, policy):
+    x = rng.normal(size=(B, T, D)).astype("float32") * 10
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, dtype=policy)
+    mask = np.zeros((B, T, T), bool)
+    mask[1, 2:] = True
+    out, w = layer(x, x, attention_mask=mask, return_attention_scores=True)
+    out = ops.convert_to_numpy(ops.cast(out, "float32"))
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(np.asarray(w)))
+    assert keras.backend.standardize_dtype(w.dtype) == "float32"  # softmax ran in float32
+    np.testing.assert_array_equal(np.asarray(w)[0], 0.0)
+
+
+def test_unequal_widths_use_separate_projections(rng):
+    query = rng.normal(size=(B, T, 6)).astype("float32")
+    value = rng.normal(size=(B, S, 10)).astype("float32")
+    layer = MultiHeadAttention(num_heads=2, key_dim=3, value_dim=5, output_dim=7)
+    assert layer(query, value).shape == (B, T, 7)
+    assert not layer._fused and layer.key_kernel.shape == (10, 6) and layer.value_kernel.shape == (10, 10)
+
+
+def test_layer_harness(rng):
+    x = rng.normal(size=(B, T, D)).astype("float32")
+    check_layer(
+        MultiHeadAttention,
+        dict(num_heads=N, key_dim=H, dropout=0.1, score="general", window=3),
+        {"query": x, "value": x},
+        {"use_causal_mask": True},
+        expected_output_shape=(B, T, D),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_heads=0, key_dim=4), "num_heads"),
+        (dict(num_heads=2, key_dim=-1), "key_dim"),
+        (dict(num_heads=2, key_dim=4, score="cosine"), "score.*scaled_dot"),
+        (dict(num_heads=2, key_dim=4, dropout=1.5), "dropout"),
+        (dict(num_heads=2, key_dim=4, window=-2), "window"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(**kwargs)

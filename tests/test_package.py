@@ -1,0 +1,68 @@
+"""Package-level checks: import direction, registration, the CLI."""
+
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import tfformer
+from tfformer import cli, layers
+
+ROOT = pathlib.Path(tfformer.__file__).parent
+# Which tfformer packages each package may import (the brief: layers -> models -> generation -> export;
+# data and training beside them; nothing imports cli).
+ALLOWED = {
+    "layers": {"layers"},
+    "models": {"layers", "models"},
+    "generation": {"layers", "models", "generation"},
+    "export": {"layers", "models", "generation", "export"},
+    "data": {"data"},
+    "training": {"models", "data", "training", "layers"},
+    "serving": {"serving", "export"},
+}
+
+
+def _tfformer_imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tfformer" and len(parts) > 1:
+                yield parts[1]
+
+
+def test_imports_flow_one_way():
+    for path in ROOT.rglob("*.py"):
+        package = path.relative_to(ROOT).parts[0]
+        for imported in _tfformer_imports(path):
+            assert imported != "cli" or package == "cli.py", f"{path} imports tfformer.cli"
+            if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training", "serving"}:
+                assert imported in ALLOWED[package], f"{path} ({package}) must not import tfformer.{imported}"
+
+
+def test_every_public_layer_is_registered():
+    for name in layers.__all__:
+        obj = getattr(layers, name)
+        if inspect.isclass(obj):
+            assert keras.saving.get_registered_name(obj) == f"tfformer>{name}"
+
+
+def test_cli_presets_and_bad_command(capsys):
+    assert cli.main(["presets"]) == 0
+    assert "transformer-base" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-command"])
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "tfformer.cli", "presets"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "gpt-mini" in out.stdout
