@@ -1,0 +1,40 @@
+"""Run in a subprocess: 3 SGD steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights."""
+
+import sys
+
+import numpy as np
+
+replicas, weights_in, weights_out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+from tfformer.training import get_strategy  # noqa: E402
+
+strategy = get_strategy(replicas=replicas)  # before any tensor exists
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfformer import models  # noqa: E402
+from tfformer.training import MaskedSparseCrossEntropy  # noqa: E402
+
+assert strategy.num_replicas_in_sync == replicas, strategy.num_replicas_in_sync
+config = models.TransformerConfig(vocabulary_size=30, hidden_dim=16, num_heads=2, intermediate_dim=32,
+                                  num_encoder_layers=1, num_decoder_layers=1, dropout=0.0)
+rng = np.random.default_rng(0)
+src = rng.integers(1, 30, size=(8, 7)).astype("int32")
+tgt = rng.integers(1, 30, size=(8, 6)).astype("int32")
+for i in range(8):  # ragged lengths -> padding, unevenly spread over the replicas
+    src[i, 7 - (i % 4):] = 0
+    tgt[i, 6 - (i % 3) * 2:] = 0
+dec_in = np.concatenate([np.full((8, 1), 2, "int32"), tgt[:, :-1]], axis=1)
+dataset = tf.data.Dataset.from_tensor_slices(({"encoder_token_ids": src, "decoder_token_ids": dec_in}, tgt))
+dataset = dataset.repeat().batch(8)  # the global batch
+
+with strategy.scope():
+    model = models.build_seq2seq(config)
+    model.load_weights(weights_in) if weights_in != "-" else None
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=MaskedSparseCrossEntropy(0.1), jit_compile=False)
+if weights_in == "-":
+    model.save_weights(weights_out)
+    sys.exit(0)
+model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)
+model.save_weights(weights_out)

@@ -1,0 +1,82 @@
+import keras
+import numpy as np
+import pytest
+
+from tfformer import training
+
+
+def test_transformer_schedule_is_the_formula():
+    schedule = training.TransformerSchedule(hidden_dim=512, warmup_steps=4000)
+    for step in [0, 1, 100, 3999, 4000, 10000, 100000]:
+        s = step + 1
+        expected = 512**-0.5 * min(s**-0.5, s * 4000**-1.5)
+        np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
+    peak = max(float(schedule(s)) for s in range(3990, 4010))
+    np.testing.assert_allclose(peak, 512**-0.5 * 4000**-0.5, rtol=1e-3)
+    assert training.TransformerSchedule.from_config(schedule.get_config()).get_config() == schedule.get_config()
+
+
+def test_warmup_cosine():
+    schedule = training.WarmupCosine(1e-3, warmup_steps=10, decay_steps=100, end_learning_rate=1e-5)
+    np.testing.assert_allclose(float(schedule(4)), 1e-3 * 5 / 10, rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(60)), 1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + np.cos(np.pi * 0.5)), rtol=1e-5)
+    np.testing.assert_allclose(float(schedule(500)), 1e-5, rtol=1e-5)
+
+
+def test_optimizer_has_the_papers_betas():
+    opt = training.transformer_optimizer(hidden_dim=256, clipnorm=1.0)
+    assert (opt.beta_1, opt.beta_2, opt.epsilon, opt.clipnorm) == (0.9, 0.98, 1e-9, 1.0)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_masked_loss_matches_numpy(rng, smoothing):
+    logits = rng.normal(size=(3, 5, 7)).astype("float32") * 3
+    labels = rng.integers(1, 7, size=(3, 5))
+    labels[0, 3:] = 0
+    labels[2, 1:] = 0
+    loss = training.MaskedSparseCrossEntropy(label_smoothing=smoothing)
+    got = float(loss(labels, logits))
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    target = np.full(logits.shape, smoothing / 7)
+    target[np.arange(3)[:, None], np.arange(5)[None, :], labels] += 1 - smoothing
+    per_token = -(target * log_p).sum(-1) * (labels != 0)
+    np.testing.assert_allclose(got, per_token.sum() / labels.size, rtol=1e-5)
+
+
+def test_masked_metrics(rng):
+    logits = rng.normal(size=(2, 4, 6)).astype("float32")
+    labels = np.argmax(logits, -1)
+    labels[0, 0] = (labels[0, 0] + 1) % 6 or 1  # one wrong real token
+    labels[1, 2:] = 0  # padding, ignored even if "right"
+    labels[labels == 0] = 0
+    real = labels != 0
+    acc = training.MaskedAccuracy()
+    acc.update_state(labels, logits)
+    expected = (np.argmax(logits, -1) == labels)[real].mean()
+    np.testing.assert_allclose(float(acc.result()), expected, rtol=1e-6)
+    ppl = training.Perplexity()
+    ppl.update_state(labels, logits)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(ppl.result()), np.exp(nll[real].mean()), rtol=1e-5)
+
+
+def test_bleu():
+    assert training.corpus_bleu(["the cat sat on the mat"], ["the cat sat on the mat"]) == pytest.approx(100.0)
+    assert training.corpus_bleu(["a b c d"], ["w x y z"]) < 1.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        training.TransformerSchedule(512, warmup_steps=0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        training.MaskedSparseCrossEntropy(label_smoothing=1.2)
+    with pytest.raises(ValueError, match="replicas"):
+        training.get_strategy(replicas=0)
+
+
+def test_loss_and_metrics_serialize():
+    for obj in (training.MaskedSparseCrossEntropy(0.2), training.MaskedAccuracy(), training.Perplexity()):
+        clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(obj))
+        assert type(clone) is type(obj)

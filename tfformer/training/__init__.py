@@ -1,0 +1,18 @@
+"""Everything model.fit needs: schedules, losses, metrics, strategies."""
+
+from tfformer.training.losses import MaskedSparseCrossEntropy
+from tfformer.training.metrics import MaskedAccuracy, Perplexity, corpus_bleu
+from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
+from tfformer.training.strategy import get_strategy, mixed_precision_policy
+
+__all__ = [
+    "MaskedAccuracy",
+    "MaskedSparseCrossEntropy",
+    "Perplexity",
+    "TransformerSchedule",
+    "WarmupCosine",
+    "corpus_bleu",
+    "get_strategy",
+    "mixed_precision_policy",
+    "transformer_optimizer",
+]
