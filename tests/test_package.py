@@ -20,9 +20,13 @@ ALLOWED = {
     "models": {"layers", "models"},
     "generation": {"layers", "models", "generation"},
     "export": {"layers", "models", "generation", "export"},
+    "convert": {"layers", "models", "convert"},
     "data": {"data"},
     "training": {"models", "data", "training", "layers"},
     "serving": {"serving", "export"},
+    "convert": {"layers", "models", "convert"},
+    # recipes are end-to-end jobs: everything but the CLI
+    "recipes": {"layers", "models", "generation", "export", "data", "training", "serving", "convert", "recipes"},
 }
 
 
@@ -45,7 +49,7 @@ def test_imports_flow_one_way():
         package = path.relative_to(ROOT).parts[0]
         for imported in _tfformer_imports(path):
             assert imported != "cli" or package == "cli.py", f"{path} imports tfformer.cli"
-            if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training", "serving"}:
+            if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training", "serving", "convert"}:
                 assert imported in ALLOWED[package], f"{path} ({package}) must not import tfformer.{imported}"
 
 

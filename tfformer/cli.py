@@ -1,15 +1,94 @@
 """The `tfformer` command. Glue only: every piece of logic lives in the library."""
 
 import argparse
+import os
 import sys
 
 
+def _overrides(pairs):
+    """`--set hidden_dim=64 --set dropout=0.0` -> {"hidden_dim": 64, "dropout": 0.0}."""
+    import json
+
+    result = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ValueError(f"--set expects name=value, received {pair!r}.")
+        name, value = pair.split("=", 1)
+        try:
+            result[name] = json.loads(value)
+        except json.JSONDecodeError:
+            result[name] = value
+    return result
+
+
 def _demo(args):
+    minutes = float(os.environ.get("DEMO_MINUTES", "20"))
+    from tfformer.recipes import translation
+
+    import time
+
+    out = args.out or time.strftime("runs/demo-en-de-%Y%m%d-%H%M%S")
+    print(f"tfformer demo: English→German on this machine's gettext catalogs, {minutes:g} minutes in all.")
+    metrics = translation.train_translation(out, time_budget=f"{minutes}m")
+    print(f"\nRun written to {out}/ (model.keras, tokenizer.model, config.json, metrics.json, loss.png, samples.txt).")
+    print(f"BLEU {metrics['bleu_test']:.2f} on {metrics['test_pairs']} test pairs.")
+    print("Next:")
+    print(f"  .venv/bin/tfformer translate --run {out} \"File not found\"")
+    print(f"  .venv/bin/tfformer evaluate --run {out}")
+    return 0
+
+
+def _train(args):
+    from tfformer.recipes import language_model, translation
+
+    common = dict(time_budget=args.time_budget, overwrite=args.overwrite, replicas=args.replicas,
+                  mixed_precision=args.mixed_precision, batch_size=args.batch_size, eval_every=args.eval_every,
+                  **_overrides(args.set))
+    if args.task == "translation":
+        translation.train_translation(args.out, preset=args.preset or "transformer-tiny",
+                                      target_language=args.target_language, data_file=args.data, **common)
+    else:
+        language_model.train_lm(args.out, preset=args.preset or "gpt-mini", text_files=args.text, **common)
+    return 0
+
+
+def _translate(args):
+    from tfformer import generation
+    from tfformer.recipes import translation
+
+    model, tokenizer = translation.load_run(args.run)
+    for line in generation.translate(model, tokenizer, args.texts, max_new_tokens=args.max_new_tokens):
+        print(line)
+    return 0
+
+
+def _generate(args):
+    from tfformer import generation
+    from tfformer.recipes import translation
+
+    model, tokenizer = translation.load_run(args.run)
+    for line in generation.generate(model, tokenizer, args.prompts, max_new_tokens=args.max_new_tokens):
+        print(line)
+    return 0
+
+
+def _evaluate(args):
+    from tfformer.recipes import rundir, translation
+
+    model, tokenizer = translation.load_run(args.run)
+    run = rundir.read_json(os.path.join(args.run, translation.RUN_FILE))
+    splits = translation.load_pairs(run["target_language"], run["data_file"])
+    pairs = translation.filter_by_length(splits[args.split], tokenizer, run["max_length"])
+    bleu, _ = translation.evaluate_bleu(model, tokenizer, pairs, max_new_tokens=run["max_length"])
+    print(f"BLEU {bleu:.2f} on {len(pairs)} {args.split} pairs")
+    return 0
+
+
+def _demo_presets(args):
     import numpy as np
 
     from tfformer import models
 
-    print("tfformer demo: building every preset and running one forward pass.")
     for name in models.list_presets():
         config = models.get_preset(name)
         model = models.build_model(config)
@@ -26,16 +105,73 @@ def _demo(args):
 def _presets(args):
     from tfformer import models
 
+    if args.build:
+        return _demo_presets(args)
     for name in models.list_presets():
         print(name, models.get_preset(name).to_json().replace("\n", " "))
+    return 0
+
+
+def _embed(args):
+    from tfformer import models
+
+    model = models.from_preset(args.preset)
+    if not isinstance(model, models.SentenceEncoder):
+        raise ValueError(f"`--preset` must be a sentence-embedding preset such as 'all-minilm-l6-v2'. Received: {args.preset!r}")
+    vectors = model.encode(args.texts, batch_size=args.batch_size)
+    rows, digits = (models.cosine_similarity(vectors), 4) if args.similarity else (vectors, 6)
+    for row in rows:
+        print(" ".join(f"{value:.{digits}f}" for value in row))
     return 0
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="the main job (for now: build every preset and run it once)").set_defaults(fn=_demo)
-    commands.add_parser("presets", help="list the preset zoo").set_defaults(fn=_presets)
+
+    demo = commands.add_parser("demo", help="the main job: train English→German within DEMO_MINUTES (default 20)")
+    demo.add_argument("--out", help="run directory (default: a new runs/demo-en-de-<time>)")
+    demo.set_defaults(fn=_demo)
+
+    train = commands.add_parser("train", help="train a model")
+    train.add_argument("task", choices=["translation", "lm"])
+    train.add_argument("--preset")
+    train.add_argument("--target-language", default="de")
+    train.add_argument("--data", help="a TSV of source<TAB>target pairs instead of the gettext catalogs")
+    train.add_argument("--text", nargs="+", help="text files for `lm` (default: the Python standard library)")
+    train.add_argument("--time-budget", default="15m", help="e.g. 90s, 15m, 1h (vocabulary + training + evaluation)")
+    train.add_argument("--out", required=True)
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    train.add_argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices")
+    train.add_argument("--mixed-precision", action="store_true", help="mixed_bfloat16 on CPU, mixed_float16 on GPU")
+    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--eval-every", type=int, default=200, help="validate (and back up) every N steps")
+    train.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a config field")
+    train.set_defaults(fn=_train)
+
+    for name, fn, arg in (("translate", _translate, "texts"), ("generate", _generate, "prompts")):
+        sub = commands.add_parser(name, help=f"{name} with a trained run")
+        sub.add_argument("--run", required=True)
+        sub.add_argument("--max-new-tokens", type=int, default=64)
+        sub.add_argument(arg, nargs="+")
+        sub.set_defaults(fn=fn)
+
+    evaluate = commands.add_parser("evaluate", help="BLEU of a translation run on a split")
+    evaluate.add_argument("--run", required=True)
+    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    evaluate.set_defaults(fn=_evaluate)
+
+    presets = commands.add_parser("presets", help="list the preset zoo")
+    presets.add_argument("--build", action="store_true", help="build each preset and run one forward pass")
+    presets.set_defaults(fn=_presets)
+
+    embed = commands.add_parser("embed", help="sentence embeddings of TEXT... (one vector per line)")
+    embed.add_argument("texts", nargs="+", metavar="TEXT")
+    embed.add_argument("--similarity", action="store_true", help="print the cosine similarity matrix instead")
+    embed.add_argument("--preset", default="all-minilm-l6-v2", help="a sentence-embedding preset (default: %(default)s)")
+    embed.add_argument("--batch-size", type=int, default=32)
+    embed.set_defaults(fn=_embed)
+
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

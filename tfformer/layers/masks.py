@@ -71,9 +71,11 @@ def masked_softmax(scores, mask=None, axis=-1):
     weights (no NaN), whatever the dtype of `scores`.
     """
     scores = ops.cast(scores, "float32")
-    if mask is None:
-        return ops.softmax(scores, axis=axis)
-    mask = ops.cast(mask, "bool")
-    weights = ops.softmax(ops.where(mask, scores, MASK_VALUE), axis=axis)
+    if mask is not None:
+        mask = ops.cast(mask, "bool")
+        scores = ops.where(mask, scores, MASK_VALUE)
+    # exp(x - max) / sum, written out: ops.softmax warns about size-1 axes (one-key cached steps).
+    weights = ops.exp(scores - ops.max(scores, axis=axis, keepdims=True))
+    weights = weights / ops.sum(weights, axis=axis, keepdims=True)
     # A fully masked row softmaxes to uniform weights; zero them like any masked key.
-    return ops.where(mask, weights, 0.0)
+    return weights if mask is None else ops.where(mask, weights, 0.0)

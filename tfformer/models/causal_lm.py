@@ -1,4 +1,5 @@
 import keras
+from keras import ops
 
 from tfformer import layers
 from tfformer.models import base
@@ -52,6 +53,24 @@ class CausalLM(base.TransformerModel):
             final_norm=norm,
         )
         return {"token_ids": token_ids}, logits, sublayers
+
+    # === Incremental decoding ===
+    def empty_cache(self, batch_size, max_length, dtype="float32"):
+        """A zero key/value cache `(L, B, 2, N, max_length, H)`."""
+        c = self.config
+        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
+
+    def decode_step(self, token_ids, cache, cache_index):
+        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
+        x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
+        caches = []
+        for i, block in enumerate(self.decoder_blocks):
+            x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
+            caches.append(layer_cache)
+        if self.final_norm:
+            x = self.final_norm(x)
+        logits = self.token_embedding(x, reverse=True) if self.output_projection is None else self.output_projection(x)
+        return logits, ops.stack(caches)
 
 
 def build_causal_lm(config):

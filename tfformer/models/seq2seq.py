@@ -1,4 +1,5 @@
 import keras
+from keras import ops
 
 from tfformer import layers
 from tfformer.models import base
@@ -76,6 +77,42 @@ class Seq2SeqTransformer(base.TransformerModel):
             decoder_norm=decoder_norm,
         )
         return inputs, logits, sublayers
+
+    # === Incremental decoding ===
+    def encode(self, encoder_token_ids):
+        """Encoder outputs `(B, S, D)` and the source padding mask `(B, S)` (inference mode)."""
+        mask = base.padding_mask_of(encoder_token_ids)
+        x = base.embed_tokens(self.token_embedding, self.encoder_position, encoder_token_ids)
+        for block in self.encoder_blocks:
+            x = block(x, padding_mask=mask)
+        return (self.encoder_norm(x) if self.encoder_norm else x), mask
+
+    def cross_attention_caches(self, encoder_outputs):
+        """Per-layer cross-attention keys/values of the encoder output, `(L, B, 2, N, S, H)`."""
+        return ops.stack([block.compute_cross_attention_cache(encoder_outputs) for block in self.decoder_blocks])
+
+    def empty_cache(self, batch_size, max_length, dtype="float32"):
+        """A zero self-attention cache `(L, B, 2, N, max_length, H)`."""
+        c = self.config
+        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
+
+    def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask):
+        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
+        y = base.embed_tokens(self.decoder_token_embedding, self.decoder_position, token_ids, start_index=cache_index)
+        caches = []
+        for i, block in enumerate(self.decoder_blocks):
+            y, layer_cache = block(
+                y,
+                encoder_padding_mask=encoder_padding_mask,
+                cache=cache[i],
+                cache_index=cache_index,
+                cross_attention_cache=cross_caches[i],
+            )
+            caches.append(layer_cache)
+        if self.decoder_norm:
+            y = self.decoder_norm(y)
+        logits = self.token_embedding(y, reverse=True) if self.output_projection is None else self.output_projection(y)
+        return logits, ops.stack(caches)
 
 
 def build_seq2seq(config):

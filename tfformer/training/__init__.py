@@ -1,11 +1,20 @@
 """Everything model.fit needs: schedules, losses, metrics, strategies."""
 
+from tfformer.training.callbacks import AtomicBackupAndRestore, EvaluateEvery, TimeBudget, parse_duration
+from tfformer.training.fit import default_callbacks, distributed_loop, fit
 from tfformer.training.losses import MaskedSparseCrossEntropy
 from tfformer.training.metrics import MaskedAccuracy, Perplexity, corpus_bleu
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
 from tfformer.training.strategy import get_strategy, mixed_precision_policy
 
 __all__ = [
+    "AtomicBackupAndRestore",
+    "EvaluateEvery",
+    "TimeBudget",
+    "default_callbacks",
+    "distributed_loop",
+    "fit",
+    "parse_duration",
     "MaskedAccuracy",
     "MaskedSparseCrossEntropy",
     "Perplexity",

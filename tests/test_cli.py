@@ -1,0 +1,85 @@
+"""The CLI end to end on tiny data: bad input, no silent overwrite, resume after SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfformer import cli
+
+TINY = ["--set", "hidden_dim=16", "--set", "num_heads=2", "--set", "intermediate_dim=32",
+        "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1", "--batch-size", "8"]
+
+
+def _tsv(path, n=300):
+    words = ["open", "close", "file", "folder", "the", "a", "new", "old", "save", "delete"]
+    german = ["öffnen", "schließen", "Datei", "Ordner", "die", "eine", "neue", "alte", "speichern", "löschen"]
+    lines = []
+    for i in range(n):
+        a, b = i % 10, (i * 7 + 3) % 10
+        lines.append(f"{words[a]} {words[b]} {i}\t{german[a]} {german[b]} {i}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _cli(*args, timeout=600):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "tfformer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "translation", "--data", "/nonexistent.tsv", "--out", "{tmp}/r"], "does not exist"),
+        (["train", "translation", "--target-language", "xx-none", "--out", "{tmp}/r"], "No gettext catalogs"),
+        (["train", "translation", "--preset", "nope", "--data", "{tsv}", "--out", "{tmp}/r"], "Unknown preset"),
+        (["train", "translation", "--time-budget", "soon", "--data", "{tsv}", "--out", "{tmp}/r"], "time budget"),
+        (["train", "translation", "--data", "{empty}", "--out", "{tmp}/r"], "no source<TAB>target"),
+        (["train", "translation", "--data", "{notab}", "--out", "{tmp}/r"], "notab.tsv:1: .*no tab"),
+    ],
+)
+def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "notab.tsv").write_text("just one column\n")
+    fill = dict(tmp=tmp_path, tsv=_tsv(tmp_path / "ok.tsv", 20), empty=tmp_path / "empty.tsv", notab=tmp_path / "notab.tsv")
+    assert cli.main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1
+    import re
+    assert re.search(message, err), err
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert cli.main(["train", "translation", "--data", _tsv(tmp_path / "d.tsv", 20), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
+    data = _tsv(tmp_path / "d.tsv")
+    out = tmp_path / "run"
+    args = ["train", "translation", "--data", data, "--out", str(out), "--time-budget", "45s", "--eval-every", "5", *TINY]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-m", "tfformer.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metadata = out / "backup" / "training_metadata.json"
+    deadline = time.monotonic() + 240
+    while not metadata.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert metadata.exists(), "no backup was written before the deadline"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)  # mid-epoch, maybe mid-save
+    proc.wait()
+    assert not (out / "metrics.json").exists()
+    resumed = _cli(*args)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    assert (out / "metrics.json").exists() and (out / "model.keras").exists()
+    assert not (out / "backup").exists()  # deleted once training finished

@@ -1,0 +1,133 @@
+"""In-graph decoding with a per-layer key/value cache (tf.while_loop; XLA-compilable).
+
+Each step feeds one token and attends over the cache, so a new token costs
+O(current length) instead of a full re-run. Compiled functions are cached per
+model, sampler and length, and take dynamic batch/length shapes, so repeated
+calls do not retrace.
+"""
+
+import warnings
+
+import tensorflow as tf
+
+from tfformer.generation.samplers import as_sampler
+
+START_ID, END_ID, PAD_ID = 2, 3, 0
+
+
+def _check_max_new_tokens(max_new_tokens):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+
+
+def _compiled(model, key, make):
+    cache = model.__dict__.setdefault("_tfformer_generate_fns", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _ids_spec():
+    return tf.TensorSpec([None, None], tf.int32)
+
+
+def _seq2seq_fn(model, max_new_tokens, sampler, jit_compile):
+    def run(encoder_token_ids):
+        batch = tf.shape(encoder_token_ids)[0]
+        encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
+        cross = model.cross_attention_caches(encoder_outputs)
+        cache = model.empty_cache(batch, max_new_tokens, dtype=cross.dtype)
+        tokens = tf.fill([batch, 1], START_ID)
+        output = tf.zeros([batch, max_new_tokens], tf.int32)
+        done = tf.zeros([batch], tf.bool)
+
+        def cond(i, tokens, cache, output, done):
+            return tf.logical_and(i < max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+
+        def body(i, tokens, cache, output, done):
+            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask)  # (B, 1, V)
+            next_ids = sampler(logits[:, -1, :], i)
+            next_ids = tf.where(done, PAD_ID, next_ids)  # (B,)
+            output = tf.tensor_scatter_nd_update(
+                output, tf.stack([tf.range(batch), tf.fill([batch], i)], axis=1), next_ids
+            )
+            done = done | tf.equal(next_ids, END_ID)
+            return i + 1, next_ids[:, None], cache, output, done
+
+        _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), tokens, cache, output, done))
+        return output
+
+    return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
+
+
+def _causal_fn(model, max_new_tokens, sampler, jit_compile):
+    def run(prompt_ids):
+        batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
+        lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
+        total = prompt_length + max_new_tokens
+        tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
+        start = tf.reduce_min(lengths)
+        cache = model.empty_cache(batch, total)
+        # Prefill the part every prompt shares, in one pass.
+        logits, cache = model.decode_step(tokens[:, :start], cache, 0)
+        next_ids = sampler(logits[:, -1, :], start)
+        done = tf.zeros([batch], tf.bool)
+
+        def cond(i, next_ids, tokens, cache, done):
+            return tf.logical_and(i < tf.reduce_max(lengths) + max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+
+        def body(i, next_ids, tokens, cache, done):
+            in_prompt = i < lengths
+            chosen = tf.where(in_prompt, tokens[:, i], tf.where(done, PAD_ID, next_ids))  # (B,)
+            tokens = tf.tensor_scatter_nd_update(tokens, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), chosen)
+            done = done | (~in_prompt & tf.equal(chosen, END_ID)) | (i + 1 >= lengths + max_new_tokens)
+            logits, cache = model.decode_step(chosen[:, None], cache, i)
+            return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
+
+        _, _, tokens, _, _ = tf.while_loop(cond, body, (start, next_ids, tokens, cache, done))
+        # Each row's continuation starts at its own prompt length.
+        index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
+        return tf.gather(tokens, index, batch_dims=1)
+
+    return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
+
+
+def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, jit_compile=False):
+    """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
+
+    Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
+    Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling.
+    """
+    _check_max_new_tokens(max_new_tokens)
+    sampler = as_sampler(sampler)
+    token_ids = tf.convert_to_tensor(token_ids, tf.int32)
+    limit = model.config.max_sequence_length
+    architecture = model.config.architecture
+    if architecture == "seq2seq":
+        if max_new_tokens > limit and model.config.position == "learned":
+            raise ValueError(f"`max_new_tokens`={max_new_tokens} exceeds max_sequence_length={limit}.")
+        if token_ids.shape[1] is not None and token_ids.shape[1] > limit:
+            warnings.warn(f"Source of {token_ids.shape[1]} tokens truncated to max_sequence_length={limit}.")
+            token_ids = token_ids[:, :limit]
+        make = lambda: _seq2seq_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
+    elif architecture == "causal_lm":
+        if token_ids.shape[1] + max_new_tokens > limit:
+            raise ValueError(
+                f"Prompt of {token_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds "
+                f"max_sequence_length={limit}; shorten the prompt or ask for fewer tokens."
+            )
+        if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
+            raise ValueError("Every prompt needs at least one token; received an empty prompt.")
+        make = lambda: _causal_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
+    else:
+        raise ValueError(f"generate_ids needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
+    fn = _compiled(model, (architecture, max_new_tokens, sampler.key(), jit_compile), make)
+    return fn(token_ids)
+
+
+def strip_after_end(ids):
+    """Python lists of ids with the end token and everything after it removed."""
+    rows = []
+    for row in tf.convert_to_tensor(ids).numpy().tolist():
+        rows.append(row[: row.index(END_ID)] if END_ID in row else [t for t in row if t != PAD_ID])
+    return rows

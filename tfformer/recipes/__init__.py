@@ -1,0 +1,1 @@
+"""End-to-end jobs (train, evaluate) that use every other package; only the CLI sits above them."""

@@ -1,0 +1,62 @@
+"""Causal language modelling on plain text (default: the Python standard library's sources)."""
+
+import os
+import time
+
+import keras
+
+from tfformer import data, generation, models, training
+from tfformer.recipes import rundir
+from tfformer.recipes.translation import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
+
+
+def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
+             vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
+             eval_every=200, seed=0, printer=print, **overrides):
+    """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`."""
+    budget = training.parse_duration(time_budget)
+    start = time.monotonic()
+    state = rundir.prepare(out, overwrite=overwrite)
+    strategy = training.get_strategy(replicas)
+    if mixed_precision:
+        keras.config.set_dtype_policy(training.mixed_precision_policy())
+    keras.utils.set_random_seed(seed)
+    lines = data.text_corpus(text_files)
+    splits = {"train": [], "validation": [], "test": []}
+    for line in lines:
+        splits[data.split_of(line)].append(line)
+    tokenizer_path = os.path.join(out, TOKENIZER_FILE)
+    if state == "resume" and os.path.exists(tokenizer_path):
+        tokenizer = data.SubwordTokenizer.load(tokenizer_path)
+    else:
+        tokenizer = data.SubwordTokenizer.train(splits["train"], vocabulary_size)
+        tokenizer.save(tokenizer_path)
+    printer(f"lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f"; vocabulary {tokenizer.vocabulary_size}")
+    config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
+                               max_sequence_length=max(sequence_length, 64), **overrides)
+    if config.architecture != "causal_lm":
+        raise ValueError(f"Language modelling needs a causal_lm preset; {preset!r} is {config.architecture!r}.")
+    rundir.write_json(os.path.join(out, CONFIG_FILE), config.to_dict())
+    train_ds = data.make_lm_dataset(splits["train"], tokenizer, sequence_length, batch_size, seed=seed)
+    val_ds = data.make_lm_dataset(splits["validation"] or splits["train"][:50], tokenizer, sequence_length,
+                                  batch_size, shuffle=False)
+    with strategy.scope():
+        model = models.build_model(config)
+        model.compile(
+            optimizer=training.transformer_optimizer(config.hidden_dim, warmup_steps=warmup_steps, clipnorm=1.0),
+            loss=training.MaskedSparseCrossEntropy(0.0),
+            metrics=[training.MaskedAccuracy(), training.Perplexity()],
+            jit_compile=False,
+        )
+    evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
+    remaining = budget - (time.monotonic() - start)
+    training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=[evaluator], strategy=strategy,
+                 run_dir=out, time_budget=max(remaining - 0.05 * budget, 1.0), backup_every=eval_every, verbose=0)
+    model.save(os.path.join(out, MODEL_FILE))
+    val = model.evaluate(val_ds, verbose=0, return_dict=True)
+    sample = generation.generate(model, tokenizer, ["def "], max_new_tokens=min(48, sequence_length - 8))[0]
+    metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]), "curve": evaluator.rows,
+               "sample": "def " + sample, "seconds": round(time.monotonic() - start, 1)}
+    rundir.write_json(os.path.join(out, rundir.FINISHED_MARKER), metrics)
+    printer(f"validation perplexity {metrics['val_perplexity']:.2f}\nsample: {metrics['sample']!r}")
+    return metrics
