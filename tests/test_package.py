@@ -20,7 +20,6 @@ ALLOWED = {
     "models": {"layers", "models"},
     "generation": {"layers", "models", "generation"},
     "export": {"layers", "models", "generation", "export"},
-    "convert": {"layers", "models", "convert"},
     "data": {"data"},
     "training": {"models", "data", "training", "layers"},
     "serving": {"serving", "export"},

@@ -117,7 +117,9 @@ def _embed(args):
 
     model = models.from_preset(args.preset)
     if not isinstance(model, models.SentenceEncoder):
-        raise ValueError(f"`--preset` must be a sentence-embedding preset such as 'all-minilm-l6-v2'. Received: {args.preset!r}")
+        raise ValueError(
+            f"`--preset` must be a sentence-embedding preset such as 'all-minilm-l6-v2'. Received: {args.preset!r}"
+        )
     vectors = model.encode(args.texts, batch_size=args.batch_size)
     rows, digits = (models.cosine_similarity(vectors), 4) if args.similarity else (vectors, 6)
     for row in rows:

@@ -136,7 +136,9 @@ def test_parameter_counts_of_the_paper():
 
 
 def test_presets_build_and_run():
-    assert models.list_presets() == ["bert-mini", "gpt-mini", "transformer-base", "transformer-big", "transformer-tiny"]
+    assert models.list_presets() == [
+        "all-minilm-l6-v2", "bert-mini", "gpt-mini", "transformer-base", "transformer-big", "transformer-tiny"
+    ]
     tiny = models.from_preset("transformer-tiny")
     assert isinstance(tiny, models.Seq2SeqTransformer) and tiny.config.hidden_dim == 256
     bert = models.from_preset("bert-mini", num_encoder_layers=1)

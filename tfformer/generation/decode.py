@@ -92,14 +92,20 @@ def _causal_fn(model, max_new_tokens, sampler, jit_compile):
     return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
 
-def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, jit_compile=False):
+def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
+                 jit_compile=False):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
-    Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling.
+    Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
+    search with the GNMT `length_penalty`.
     """
+    from tfformer.generation import beam
+
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)
+    if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
+        raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
     token_ids = tf.convert_to_tensor(token_ids, tf.int32)
     limit = model.config.max_sequence_length
     architecture = model.config.architecture
@@ -110,6 +116,8 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, jit_compile=
             warnings.warn(f"Source of {token_ids.shape[1]} tokens truncated to max_sequence_length={limit}.")
             token_ids = token_ids[:, :limit]
         make = lambda: _seq2seq_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
+        if beam_size:
+            make = lambda: beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty, jit_compile)  # noqa: E731
     elif architecture == "causal_lm":
         if token_ids.shape[1] + max_new_tokens > limit:
             raise ValueError(
@@ -119,9 +127,12 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, jit_compile=
         if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
         make = lambda: _causal_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
+        if beam_size:
+            make = lambda: beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty, jit_compile)  # noqa: E731
     else:
         raise ValueError(f"generate_ids needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
-    fn = _compiled(model, (architecture, max_new_tokens, sampler.key(), jit_compile), make)
+    key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile)
+    fn = _compiled(model, key, make)
     return fn(token_ids)
 
 

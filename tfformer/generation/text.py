@@ -27,18 +27,18 @@ def _decode(tokenizer, ids):
     return [s.decode("utf-8") for s in tokenizer.detokenize(ids).numpy()]
 
 
-def translate(model, tokenizer, texts, max_new_tokens=64, sampler=None, batch_size=64, jit_compile=False):
+def translate(model, tokenizer, texts, max_new_tokens=64, sampler=None, batch_size=64, beam_size=None, jit_compile=False):
     """Translate strings with a `Seq2SeqTransformer` and its `SubwordTokenizer`. Returns a list of str."""
     texts = _check_texts(texts, "texts")
     results = []
     for start in range(0, len(texts), batch_size):
         ids = tokenizer.tokenize(texts[start : start + batch_size]).to_tensor()
-        results += _decode(tokenizer, generate_ids(model, ids, max_new_tokens, sampler, jit_compile))
+        results += _decode(tokenizer, generate_ids(model, ids, max_new_tokens, sampler, beam_size, jit_compile=jit_compile))
     return results
 
 
-def generate(model, tokenizer, prompts, max_new_tokens=64, sampler=None, jit_compile=False):
+def generate(model, tokenizer, prompts, max_new_tokens=64, sampler=None, beam_size=None, jit_compile=False):
     """Continue each prompt with a `CausalLM`. Returns the continuations (without the prompt)."""
     prompts = _check_texts(prompts, "prompts")
     ids = tokenizer.tokenize(prompts).to_tensor()
-    return _decode(tokenizer, generate_ids(model, ids, max_new_tokens, sampler, jit_compile))
+    return _decode(tokenizer, generate_ids(model, ids, max_new_tokens, sampler, beam_size, jit_compile=jit_compile))

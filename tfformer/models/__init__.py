@@ -5,10 +5,12 @@ from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import TransformerEncoder, build_encoder
 from tfformer.models.presets import build_model, from_preset, get_preset, list_presets
 from tfformer.models.regressor import SequenceRegressor, build_regressor
+from tfformer.models.sentence_encoder import SentenceEncoder, cosine_similarity
 from tfformer.models.seq2seq import Seq2SeqTransformer, build_seq2seq
 
 __all__ = [
     "CausalLM",
+    "SentenceEncoder",
     "SequenceRegressor",
     "Seq2SeqTransformer",
     "TransformerConfig",
@@ -18,6 +20,7 @@ __all__ = [
     "build_model",
     "build_regressor",
     "build_seq2seq",
+    "cosine_similarity",
     "from_preset",
     "get_preset",
     "list_presets",

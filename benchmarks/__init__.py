@@ -1,0 +1,1 @@
+"""Benchmarks: tfformer against keras-hub (and PyTorch where installed) on the same machine, same run."""

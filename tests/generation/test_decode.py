@@ -1,0 +1,160 @@
+import itertools
+
+import keras
+import numpy as np
+import pytest
+
+from tfformer import generation, models
+from tfformer.generation.decode import END_ID
+
+CFG = dict(vocabulary_size=24, hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1,
+           num_decoder_layers=2, dropout=0.0, max_sequence_length=32, norm_first=True, tie_embeddings=False)
+
+
+def _spread(model, seed=0):
+    """Random weights large enough that greedy decoding does not just repeat one token."""
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(size=w.shape).astype("float32") * 0.5 if w.ndim >= 2 else w for w in model.get_weights()])
+    return model
+
+
+@pytest.fixture(scope="module")
+def seq2seq():
+    return _spread(models.build_seq2seq(models.TransformerConfig(**CFG)))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return _spread(models.build_causal_lm(models.TransformerConfig(architecture="causal_lm", **CFG)), seed=1)
+
+
+SOURCE = np.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [4, 0, 0, 0, 0, 0]], "int32")
+PROMPTS = np.array([[5, 6, 7, 0, 0], [9, 10, 11, 12, 13], [8, 0, 0, 0, 0]], "int32")
+
+
+def _uncached_seq2seq(model, src, steps):
+    out = []
+    for row in src:
+        dec = [2]
+        for _ in range(steps):
+            logits = np.asarray(model({"encoder_token_ids": row[None], "decoder_token_ids": np.array([dec], "int32")}))
+            dec.append(int(logits[0, -1].argmax()))
+            if dec[-1] == END_ID:
+                break
+        out.append(dec[1:])
+    return out
+
+
+def _uncached_lm(model, prompts, steps):
+    out = []
+    for row in prompts:
+        seq = [int(t) for t in row if t]
+        new = []
+        for _ in range(steps):
+            logits = np.asarray(model({"token_ids": np.array([seq], "int32")}))
+            seq.append(int(logits[0, -1].argmax()))
+            new.append(seq[-1])
+            if new[-1] == END_ID:
+                break
+        out.append(new)
+    return out
+
+
+def _trim(ids):
+    rows = []
+    for row in np.asarray(ids).tolist():
+        rows.append(row[: row.index(END_ID) + 1] if END_ID in row else row)
+    return rows
+
+
+def test_cached_greedy_equals_uncached_seq2seq(seq2seq):
+    cached = generation.generate_ids(seq2seq, SOURCE, max_new_tokens=8)
+    expected = _uncached_seq2seq(seq2seq, SOURCE, 8)
+    assert _trim(cached) == expected
+    assert len({tuple(r) for r in expected}) > 1 and any(len(set(r)) > 2 for r in expected)  # a non-trivial test
+    # After an end token, only padding.
+    for row in np.asarray(cached).tolist():
+        if END_ID in row:
+            assert all(t == 0 for t in row[row.index(END_ID) + 1 :])
+
+
+def test_cached_greedy_equals_uncached_causal_with_ragged_prompts(lm):
+    cached = generation.generate_ids(lm, PROMPTS, max_new_tokens=7)
+    assert _trim(cached) == _uncached_lm(lm, PROMPTS, 7)
+
+
+@pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
+def test_beam_one_and_top_k_one_equal_greedy(request, fixture):
+    model = request.getfixturevalue(fixture)
+    ids = SOURCE if fixture == "seq2seq" else PROMPTS
+    greedy = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6))
+    beam1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6, beam_size=1))
+    topk1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6, sampler=generation.Sampler("top_k", k=1, seed=3)))
+    assert _trim(beam1) == _trim(greedy)
+    np.testing.assert_array_equal(topk1, greedy)
+
+
+@pytest.mark.parametrize("kind, extra", [("temperature", {}), ("top_k", {"k": 5}), ("top_p", {"p": 0.8})])
+def test_sampling_is_reproducible_with_a_seed(seq2seq, kind, extra):
+    a = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=7, **extra))
+    b = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=7, **extra))
+    c = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=8, **extra))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_top_p_only_samples_from_the_nucleus():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], "float32"))
+    sampler = generation.Sampler("top_p", p=0.75)
+    seen = {int(sampler(logits, step)[0]) for step in range(200)}
+    assert seen == {0, 1}
+
+
+def test_exhaustive_search_equals_wide_beam():
+    """With beam width V^(L-1), beam search is exact: it must find the best sequence by enumeration."""
+    config = models.TransformerConfig(**dict(CFG, vocabulary_size=6))
+    model = _spread(models.build_seq2seq(config), seed=4)
+    src = np.array([[4, 5, 1]], "int32")
+    length, vocab = 3, 6
+
+    memo = {}
+
+    def log_probs(prefix):
+        if prefix not in memo:
+            dec = np.array([[2, *prefix]], "int32")
+            logits = np.asarray(model({"encoder_token_ids": src, "decoder_token_ids": dec}))[0, -1].astype("float64")
+            memo[prefix] = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        return memo[prefix]
+
+    def score(seq):
+        return sum(log_probs(tuple(seq[:k]))[token] for k, token in enumerate(seq))
+
+    candidates = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        cut = seq[: seq.index(END_ID) + 1] if END_ID in seq else seq
+        candidates[cut] = score(cut)
+    best = max(candidates, key=candidates.get)
+    beam = np.asarray(generation.generate_ids(model, src, length, beam_size=vocab ** (length - 1), length_penalty=0.0))
+    assert tuple(_trim(beam)[0]) == best
+
+
+def test_generate_does_not_retrace(seq2seq):
+    generation.generate_ids(seq2seq, SOURCE, 5)
+    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), False)]
+    before = fn.experimental_get_tracing_count()
+    for length in (3, 7, 9):
+        generation.generate_ids(seq2seq, np.ones((2, length), "int32") * 5, 5)
+    assert fn.experimental_get_tracing_count() == before
+
+
+def test_bad_arguments(seq2seq, lm):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generation.generate_ids(seq2seq, SOURCE, 0)
+    with pytest.raises(ValueError, match="beam_size"):
+        generation.generate_ids(seq2seq, SOURCE, 4, beam_size=0)
+    with pytest.raises(ValueError, match="max_sequence_length=32"):
+        generation.generate_ids(lm, np.ones((1, 30), "int32"), 5)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generation.generate_ids(lm, np.array([[5, 6], [0, 0]], "int32"), 3)
+    with pytest.raises(ValueError, match="kind"):
+        generation.Sampler("nucleus")

@@ -1,0 +1,78 @@
+"""SentenceEncoder on a tiny random encoder: pooling, normalisation, batching, .keras round trip."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfformer import convert, models
+
+VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", "##s", "."]
+
+
+def _encoder():
+    config = models.TransformerConfig(
+        architecture="encoder", vocabulary_size=len(VOCABULARY), hidden_dim=16, num_heads=2, intermediate_dim=32,
+        num_encoder_layers=2, num_decoder_layers=0, dropout=0.0, max_sequence_length=32, activation="gelu",
+        position="learned", scale_embeddings=False, num_segments=2,
+    )
+    return models.build_encoder(config)
+
+
+def _model(normalize=True):
+    tokenizer = convert.BertTokenizer(VOCABULARY, max_length=16)
+    return models.SentenceEncoder(_encoder(), tokenizer=tokenizer, normalize=normalize)
+
+
+TEXTS = ["The cat sat on the mat.", "a dog", "Dogs!", "the the the the the the the the the the the the the the"]
+
+
+def test_mean_pooling_over_real_tokens():
+    model = _model(normalize=False)
+    tokens = model.tokenize(TEXTS)
+    sequence = np.asarray(model.encoder({"token_ids": tokens["token_ids"],
+                                         "segment_ids": np.zeros_like(tokens["token_ids"])})["sequence_output"])
+    mask = tokens["padding_mask"][..., None]
+    expected = (sequence * mask).sum(1) / mask.sum(1)
+    np.testing.assert_allclose(model.encode(TEXTS), expected, atol=1e-5)
+
+
+def test_vectors_are_unit_length_and_independent_of_the_batch():
+    model = _model()
+    together = model.encode(TEXTS, batch_size=3)
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-6)
+    alone = np.concatenate([model.encode([text]) for text in TEXTS])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+    assert model.encode([]).shape == (0, 16)
+
+
+def test_save_load_round_trip(tmp_path):
+    model = _model()
+    path = tmp_path / "sentence_encoder.keras"
+    model.save(path)
+    reloaded = keras.models.load_model(path, safe_mode=True)
+    assert isinstance(reloaded, models.SentenceEncoder) and reloaded.normalize
+    assert reloaded.tokenizer.get_config() == model.tokenizer.get_config()
+    np.testing.assert_array_equal(reloaded.encode(TEXTS), model.encode(TEXTS))
+    tokens = model.tokenize(TEXTS)
+    np.testing.assert_array_equal(reloaded(tokens), model(tokens))
+
+
+def test_without_tokenizer_it_runs_on_ids_only(tmp_path):
+    model = models.SentenceEncoder(_encoder())
+    ids = np.array([[2, 6, 7, 3, 0]], "int32")
+    assert model({"token_ids": ids, "padding_mask": (ids != 0).astype("int32")}).shape == (1, 16)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        model.encode(["the cat"])
+    model.save(tmp_path / "no_tokenizer.keras")
+    assert keras.models.load_model(tmp_path / "no_tokenizer.keras", safe_mode=True).tokenizer is None
+
+
+def test_bad_batch_size():
+    with pytest.raises(ValueError, match="batch_size.*positive integer.*batch_size=0"):
+        _model().encode(TEXTS, batch_size=0)
+
+
+def test_cosine_similarity():
+    a = np.array([[3.0, 4.0], [1.0, 0.0]])
+    np.testing.assert_allclose(models.cosine_similarity(a), [[1.0, 0.6], [0.6, 1.0]], atol=1e-6)
+    assert models.cosine_similarity(a, a[:1]).shape == (2, 1)
