@@ -19,7 +19,9 @@ ALLOWED = {
     "layers": {"layers"},
     "models": {"layers", "models"},
     "generation": {"layers", "models", "generation"},
-    "export": {"layers", "models", "generation", "export"},
+    # export may read the run's tokenizer (tfformer.data) to put it in the graph
+    "export": {"layers", "models", "generation", "export", "data"},
+    "edge": {"edge", "export"},
     "data": {"data"},
     "training": {"models", "data", "training", "layers"},
     "serving": {"serving", "export"},

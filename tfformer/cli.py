@@ -35,6 +35,8 @@ def _demo(args):
     print("Next:")
     print(f"  .venv/bin/tfformer translate --run {out} \"File not found\"")
     print(f"  .venv/bin/tfformer evaluate --run {out}")
+    print(f"  .venv/bin/tfformer export {out} --format all --out export/models/en-de")
+    print("  .venv/bin/tfformer serve --model_name en-de --model_base_path export/models/en-de")
     return 0
 
 
@@ -69,6 +71,27 @@ def _generate(args):
     model, tokenizer = translation.load_run(args.run)
     for line in generation.generate(model, tokenizer, args.prompts, max_new_tokens=args.max_new_tokens):
         print(line)
+    return 0
+
+
+def _export(args):
+    from tfformer import export
+    from tfformer.recipes import translation
+
+    model, tokenizer = translation.load_run(args.run)
+    if args.format in ("saved_model", "all"):
+        path = export.saved_model(model, args.out, version=args.version, tokenizer=tokenizer,
+                                  max_new_tokens=args.max_new_tokens, beam_size=args.beam_size)
+        print(f"SavedModel: {path}  (serve: docker run ... tensorflow/serving, or `tfformer serve "
+              f"--model_name NAME --model_base_path {args.out}`)")
+    if args.format in ("tflite", "all"):
+        import os
+
+        os.makedirs(args.out, exist_ok=True)
+        ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize)
+        decoder = export.tflite_decoder(model, os.path.join(args.out, "decoder.tflite"), tokenizer=tokenizer,
+                                        quantize=args.quantize)
+        print(f"TFLite: {ids} (token ids -> logits), {decoder} (single-step decoder + tokenizer, for tfformer.edge)")
     return 0
 
 
@@ -157,6 +180,16 @@ def main(argv=None):
         sub.add_argument("--max-new-tokens", type=int, default=64)
         sub.add_argument(arg, nargs="+")
         sub.set_defaults(fn=fn)
+
+    exporter = commands.add_parser("export", help="write a trained run as a TF Serving SavedModel and/or TFLite")
+    exporter.add_argument("run")
+    exporter.add_argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model")
+    exporter.add_argument("--out", required=True, help="the model's base path, e.g. export/models/en-de")
+    exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
+    exporter.add_argument("--max-new-tokens", type=int, default=64)
+    exporter.add_argument("--beam-size", type=int)
+    exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
+    exporter.set_defaults(fn=_export)
 
     evaluate = commands.add_parser("evaluate", help="BLEU of a translation run on a split")
     evaluate.add_argument("--run", required=True)

@@ -111,6 +111,18 @@ class SubwordTokenizer(tf.Module):
         keep = (ids != PAD_ID) & (ids != START_ID) & (ids != END_ID)
         return _unescape(self._tokenizer.detokenize(tf.ragged.boolean_mask(ids, keep)))
 
+    def tokenize_for_tflite(self, texts):
+        """`tokenize` with only TF-Text TFLite registrar ops: tab/newline escaping is skipped
+        (it needs regex ops), so those characters tokenize as the model's unknown piece."""
+        return tf.cast(self._tokenizer.tokenize(texts), tf.int32)
+
+    def detokenize_for_tflite(self, ids):
+        """`detokenize` with registrar ops only, for one sequence: ids `(1, T)`; ids 0-3 are dropped."""
+        flat = tf.reshape(tf.cast(ids, tf.int32), [-1])
+        kept = tf.boolean_mask(flat, flat > END_ID)
+        splits = tf.stack([0, tf.size(kept)])  # int32 splits: the TFLite kernel reads them as int32
+        return self._tokenizer.detokenize(tf.RaggedTensor.from_row_splits(kept, splits, validate=False))
+
     def id_to_piece(self, ids):
         return self._tokenizer.id_to_string(ids)
 

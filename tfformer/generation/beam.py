@@ -42,7 +42,7 @@ def _penalized(scores, lengths, length_penalty):
     return scores / tf.pow((5.0 + tf.cast(lengths, tf.float32)) / 6.0, length_penalty)
 
 
-def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty, jit_compile):
+def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
     vocab = model.config.vocabulary_size
 
     def run(encoder_token_ids):
@@ -79,11 +79,10 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty, jit_compile):
         best = tf.argmax(_penalized(scores, lengths, length_penalty), axis=1, output_type=tf.int32)  # (B,)
         return tf.gather(output, best, batch_dims=1)
 
-    return tf.function(run, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile,
-                       reduce_retracing=True)
+    return run
 
 
-def causal_beam_fn(model, max_new_tokens, beam, length_penalty, jit_compile):
+def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
     vocab = model.config.vocabulary_size
 
     def run(prompt_ids):
@@ -126,5 +125,4 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty, jit_compile):
         index = prompt_lengths[:, None] + tf.range(max_new_tokens)[None, :]
         return tf.gather(tokens, index, batch_dims=1)
 
-    return tf.function(run, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile,
-                       reduce_retracing=True)
+    return run

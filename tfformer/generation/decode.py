@@ -31,7 +31,7 @@ def _ids_spec():
     return tf.TensorSpec([None, None], tf.int32)
 
 
-def _seq2seq_fn(model, max_new_tokens, sampler, jit_compile):
+def _seq2seq_fn(model, max_new_tokens, sampler):
     def run(encoder_token_ids):
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
@@ -57,10 +57,10 @@ def _seq2seq_fn(model, max_new_tokens, sampler, jit_compile):
         _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), tokens, cache, output, done))
         return output
 
-    return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
+    return run
 
 
-def _causal_fn(model, max_new_tokens, sampler, jit_compile):
+def _causal_fn(model, max_new_tokens, sampler):
     def run(prompt_ids):
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
@@ -89,7 +89,28 @@ def _causal_fn(model, max_new_tokens, sampler, jit_compile):
         index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
         return tf.gather(tokens, index, batch_dims=1)
 
-    return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
+    return run
+
+
+def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6):
+    """The (untraced) decoding function `ids (B, L) int32 -> new ids (B, max_new_tokens)` of `model`.
+
+    Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
+    embeds it in its serving signature.
+    """
+    from tfformer.generation import beam
+
+    sampler = as_sampler(sampler)
+    architecture = model.config.architecture
+    if architecture == "seq2seq":
+        if beam_size:
+            return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
+        return _seq2seq_fn(model, max_new_tokens, sampler)
+    if architecture == "causal_lm":
+        if beam_size:
+            return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
+        return _causal_fn(model, max_new_tokens, sampler)
+    raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
@@ -100,8 +121,6 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
     search with the GNMT `length_penalty`.
     """
-    from tfformer.generation import beam
-
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)
     if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
@@ -115,9 +134,6 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         if token_ids.shape[1] is not None and token_ids.shape[1] > limit:
             warnings.warn(f"Source of {token_ids.shape[1]} tokens truncated to max_sequence_length={limit}.")
             token_ids = token_ids[:, :limit]
-        make = lambda: _seq2seq_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
-        if beam_size:
-            make = lambda: beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty, jit_compile)  # noqa: E731
     elif architecture == "causal_lm":
         if token_ids.shape[1] + max_new_tokens > limit:
             raise ValueError(
@@ -126,14 +142,13 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
             )
         if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
-        make = lambda: _causal_fn(model, max_new_tokens, sampler, jit_compile)  # noqa: E731
-        if beam_size:
-            make = lambda: beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty, jit_compile)  # noqa: E731
-    else:
-        raise ValueError(f"generate_ids needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
     key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile)
-    fn = _compiled(model, key, make)
-    return fn(token_ids)
+
+    def make():
+        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty)
+        return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
+
+    return _compiled(model, key, make)(token_ids)
 
 
 def strip_after_end(ids):

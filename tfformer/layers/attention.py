@@ -23,6 +23,20 @@ def check_dropout(value, name="dropout"):
         raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
 
 
+def _write_cache(cache, new, index):
+    """`cache` (B, 2, N, S, H) with `new` (B, 2, N, T, H) written at positions `index .. index+T-1`.
+
+    Pad + select instead of `ops.slice_update`: on TensorFlow the latter is
+    XlaDynamicUpdateSlice, which needs XLA at run time (not in every TF Serving
+    build) and does not lower to TFLite builtins.
+    """
+    size, length = ops.shape(cache)[3], ops.shape(new)[3]
+    padded = ops.pad(new, [[0, 0], [0, 0], [0, 0], [index, size - index - length], [0, 0]])  # (B, 2, N, S, H)
+    positions = ops.arange(size)
+    written = ops.logical_and(positions >= index, positions < index + length)[None, None, None, :, None]
+    return ops.where(written, padded, cache)
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention (Vaswani et al., 2017), with a key/value cache.
@@ -255,8 +269,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None and cache_index is not None:
             if self._value_dim != self.key_dim:
                 raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
-            start = [0, 0, 0, cache_index, 0]
-            cache = ops.slice_update(cache, start, ops.cast(ops.stack([k, v], axis=1), cache.dtype))  # (B, 2, N, S_max, H)
+            cache = _write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index)  # (B, 2, N, S_max, H)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         key_length = ops.shape(k)[2]
         offset = 0 if cache_index is None else cache_index

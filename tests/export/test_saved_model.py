@@ -1,0 +1,129 @@
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tfformer import export, generation
+
+FRESH = os.path.join(os.path.dirname(__file__), "fresh_process.py")
+TEXTS = ["open the file", "delete a file", "Error: %s\n", "", "save the folder and close the file"]
+
+
+def _fresh(path, request, tmp_path):
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    out = tmp_path / "out.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, FRESH, path, str(tmp_path / "request.json"), str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(np.load(out, allow_pickle=True))
+
+
+def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2seq, tokenizer):
+    base = tmp_path / "models" / "translator"
+    path = export.saved_model(seq2seq, str(base), tokenizer=tokenizer, max_new_tokens=12)
+    assert path == str(base / "1") and sorted(os.listdir(base)) == ["1"]
+    ids = tokenizer.tokenize(TEXTS[:3]).to_tensor().numpy()
+    dec = np.array([[2, 5, 6], [2, 7, 0], [2, 0, 0]], "int32")
+    out = _fresh(path, {
+        "serving_default": {"text": [TEXTS + ["caf\xe9 \xff bytes"], "bytes"]},
+        "predict_ids": {"encoder_token_ids": [ids.tolist(), "int32"], "decoder_token_ids": [dec.tolist(), "int32"]},
+    }, tmp_path)
+    served = [s.decode("utf-8") for s in out["serving_default/translation"]]
+    expected = generation.translate(seq2seq, tokenizer, [t for t in TEXTS if t], max_new_tokens=12)
+    assert [s for t, s in zip(TEXTS, served) if t] == expected  # same strings as `tfformer translate`
+    assert served[TEXTS.index("")] == ""  # empty input -> empty output, no error
+    assert any(len(s) > 3 for s in expected)
+    keras_logits = np.asarray(seq2seq({"encoder_token_ids": ids, "decoder_token_ids": dec}))
+    np.testing.assert_allclose(out["predict_ids/logits"], keras_logits, atol=1e-4)
+
+
+def test_causal_lm_saved_model_and_generate_ids(tmp_path, causal_lm, tokenizer):
+    path = export.saved_model(causal_lm, str(tmp_path / "lm"), tokenizer=tokenizer, max_new_tokens=6)
+    prompts = ["open the", "Error"]
+    out = _fresh(path, {"serving_default": {"text": [prompts, "bytes"]},
+                        "generate_ids": {"token_ids": [[[5, 6, 7]], "int32"]}}, tmp_path)
+    served = [s.decode("utf-8") for s in out["serving_default/continuation"]]
+    assert served == generation.generate(causal_lm, tokenizer, prompts, max_new_tokens=6)
+    np.testing.assert_array_equal(out["generate_ids/token_ids"],
+                                  generation.generate_ids(causal_lm, np.array([[5, 6, 7]], "int32"), 6).numpy())
+
+
+def test_saved_model_cli_lists_the_signatures(tmp_path, seq2seq, tokenizer):
+    path = export.saved_model(seq2seq, str(tmp_path / "m"), tokenizer=tokenizer, max_new_tokens=4)
+    cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    out = subprocess.run([cli, "show", "--all", "--dir", path], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name in ("serving_default", "predict_ids", "generate_ids", "encoder_token_ids", "translation", "logits"):
+        assert name in out.stdout
+
+
+def test_versions_are_numbered_and_never_overwritten(tmp_path, seq2seq, tokenizer):
+    base = str(tmp_path / "m")
+    export.saved_model(seq2seq, base, tokenizer=tokenizer, max_new_tokens=4)
+    export.saved_model(seq2seq, base, version=7, tokenizer=tokenizer, max_new_tokens=4)
+    assert export.saved_model(seq2seq, base, tokenizer=tokenizer, max_new_tokens=4).endswith("/8")
+    with pytest.raises(ValueError, match="already exists"):
+        export.saved_model(seq2seq, base, version=7, tokenizer=tokenizer, max_new_tokens=4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        export.saved_model(seq2seq, base, tokenizer=None, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        export.saved_model(seq2seq, base, tokenizer=tokenizer, max_new_tokens=0)
+    assert sorted(os.listdir(base)) == ["1", "7", "8"]  # failed exports leave nothing behind
+
+
+KILL_SCRIPT = """
+import sys
+from tfformer import export, data, models
+import tests.export.conftest as c
+tok = data.SubwordTokenizer.train([s for p in c.PAIRS for s in p] * 20, vocabulary_size=60)
+model = c.spread(models.build_seq2seq(models.TransformerConfig(vocabulary_size=tok.vocabulary_size, **c.CFG)))
+print("ready", flush=True)
+while True:
+    export.saved_model(model, sys.argv[1], tokenizer=tok, max_new_tokens=4)
+    print("exported", flush=True)
+"""
+
+
+def test_killed_exports_leave_only_complete_versions(tmp_path):
+    """SIGKILL the exporter at random moments (>= 20 times): base_path only ever holds loadable versions."""
+    base = tmp_path / "base"
+    script = tmp_path / "exporter.py"
+    script.write_text(KILL_SCRIPT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    rng = random.Random(0)
+    trials = 0
+    while trials < 20:
+        proc = subprocess.Popen([sys.executable, str(script), str(base)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        # Kill somewhere inside the export loop: several kills per process.
+        for _ in range(4):
+            time.sleep(rng.uniform(0.0, 2.5))
+            trials += 1
+            if proc.poll() is not None:
+                break
+        proc.kill()
+        proc.wait()
+        for name in os.listdir(base) if base.exists() else []:
+            if name.isdigit():
+                assert (base / name / "saved_model.pb").exists() and (base / name / "variables").is_dir()
+    versions = sorted(int(n) for n in os.listdir(base) if n.isdigit())
+    assert versions, "no export completed"
+    # Anything else is a killed export's hidden temporary directory, which TF Serving ignores.
+    assert all(n.startswith(".tmp-") for n in os.listdir(base) if not n.isdigit())
+    check = "\n".join([
+        "import sys, tensorflow as tf, tensorflow_text",
+        "for path in sys.argv[1:]:",
+        "    tf.saved_model.load(path).signatures['serving_default'](text=tf.constant(['open the file']))",
+        "print('ok')",
+    ])
+    proc = subprocess.run([sys.executable, "-c", check, *[str(base / str(v)) for v in versions]], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -1,0 +1,102 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from ai_edge_litert.interpreter import Interpreter
+
+from tfformer import edge, export, generation, models, training
+
+from tests.export.conftest import CFG, spread
+
+
+def _run(path, inputs):
+    runner = Interpreter(model_path=path).get_signature_runner("predict_ids")
+    return runner(**inputs)
+
+
+def _inputs(model, rng, batch=2, length=9):
+    ids = rng.integers(4, model.config.vocabulary_size, size=(batch, length)).astype("int32")
+    ids[0, -3:] = 0
+    if model.config.architecture == "seq2seq":
+        return {"encoder_token_ids": ids, "decoder_token_ids": ids[:, :6].copy()}
+    return {"token_ids": ids}
+
+
+@pytest.mark.parametrize("architecture", ["seq2seq", "causal_lm", "encoder"])
+def test_float32_tflite_matches_keras(tmp_path, rng, architecture):
+    model = spread(models.build_model(models.TransformerConfig(architecture=architecture, vocabulary_size=50, **CFG)))
+    path = export.tflite(model, str(tmp_path / "m.tflite"))
+    inputs = _inputs(model, rng)
+    got = _run(path, inputs)
+    expected = model(inputs)
+    expected = expected if isinstance(expected, dict) else {"logits": expected}
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], np.asarray(value), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_lm():
+    """A tiny LM trained on a structured token stream, so top-1 agreement is measured on real predictions."""
+    keras.utils.set_random_seed(0)
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=40, **dict(CFG, hidden_dim=32,
+                                                                                          intermediate_dim=64))
+    model = models.build_causal_lm(config)
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 30, size=(600, 1))
+    seqs = (4 + (starts + np.arange(17)[None, :] * rng.integers(1, 3, size=(600, 1))) % 36).astype("int32")
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=training.MaskedSparseCrossEntropy(0.0))
+    model.fit({"token_ids": seqs[:500, :-1]}, seqs[:500, 1:], batch_size=50, epochs=8, verbose=0)
+    return model, seqs[500:]
+
+
+@pytest.mark.parametrize("quantize, check", [("float16", "close"), ("dynamic", "top1")])
+def test_quantized_tflite(tmp_path, trained_lm, quantize, check):
+    model, held_out = trained_lm
+    f32 = export.tflite(model, str(tmp_path / "f32.tflite"))
+    q = export.tflite(model, str(tmp_path / f"{quantize}.tflite"), quantize=quantize)
+    assert os.path.getsize(q) < os.path.getsize(f32)
+    inputs = {"token_ids": held_out[:, :-1]}
+    expected = np.asarray(model(inputs))
+    got = _run(q, inputs)["logits"]
+    if check == "close":
+        np.testing.assert_allclose(got, expected, atol=1e-2)
+    else:
+        agreement = (got.argmax(-1) == expected.argmax(-1)).mean()
+        assert agreement >= 0.98, agreement
+        assert (expected.argmax(-1) == held_out[:, 1:]).mean() > 0.5  # the model did learn something
+
+
+def test_full_int8_with_representative_data(tmp_path, trained_lm):
+    model, held_out = trained_lm
+    rep = [{"token_ids": held_out[i : i + 1, :-1]} for i in range(20)]
+    path = export.tflite(model, str(tmp_path / "int8.tflite"), quantize="int8", representative_data=rep,
+                         sequence_length=16)
+    got = _run(path, {"token_ids": held_out[:1, :-1]})["logits"]
+    assert got.shape == (1, 16, 40) and np.all(np.isfinite(got))
+    with pytest.raises(ValueError, match="representative_data"):
+        export.tflite(model, str(tmp_path / "x.tflite"), quantize="int8")
+    with pytest.raises(ValueError, match="quantize"):
+        export.tflite(model, str(tmp_path / "x.tflite"), quantize="int4")
+
+
+def test_edge_generator_equals_cached_keras_decoding(tmp_path, causal_lm, seq2seq, tokenizer):
+    lm_path = export.tflite_decoder(causal_lm, str(tmp_path / "lm.tflite"), max_length=24)
+    gen = edge.Generator(lm_path)
+    expected = generation.generate_ids(causal_lm, np.array([[5, 6, 7]], "int32"), 10).numpy()[0].tolist()
+    got = gen.generate([5, 6, 7], max_new_tokens=10)
+    assert got == expected[: len(got)] and len(set(got)) > 2
+
+    s2s_path = export.tflite_decoder(seq2seq, str(tmp_path / "s2s.tflite"), max_length=16, source_length=12,
+                                     tokenizer=tokenizer)
+    gen = edge.Generator(s2s_path)
+    source = tokenizer.tokenize(["open the file"]).to_list()[0]
+    expected = generation.generate_ids(seq2seq, np.array([source], "int32"), 10).numpy()[0].tolist()
+    got = gen.translate(source, max_new_tokens=10)
+    assert got == expected[: len(got)]
+    # Tokenizer ops inside the same file (TF-Text registrar custom ops).
+    assert gen.tokenize("open the file") == source
+    assert gen.detokenize(source) == "open the file"
+    with pytest.raises(ValueError, match="holds at most 12"):
+        gen.translate(list(range(4, 20)))

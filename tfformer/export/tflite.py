@@ -1,0 +1,144 @@
+"""TFLite / LiteRT files: the token-id model (builtin ops only) and a single-step decoder for devices.
+
+Run them with `ai_edge_litert.interpreter.Interpreter` (`tf.lite.Interpreter`
+is deprecated). Only builtin ops are used for the id models: Flex
+(SELECT_TF_OPS) cannot run in Python here and bloats apps. The decoder file
+holds fixed-shape signatures (batch 1, cache of `max_length` slots) so the host
+app owns the loop, as the TFLite GPU delegate has no WHILE op:
+
+- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,N,S,H), index ()) -> {logits, cache}`
+- seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
+  `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}`
+
+With `tokenizer=`, the same file also gets `tokenize` (text -> ids) and
+`detokenize` (ids -> text) signatures built only from ops of the TF-Text TFLite
+registrar (FastSentencepieceTokenize/Detokenize, RaggedTensorToTensor); run it
+with `InterpreterWithCustomOps(custom_op_registerers=tf_text.tflite_registrar.SELECT_TFTEXT_OPS)`.
+"""
+
+import os
+import tempfile
+
+import keras
+import tensorflow as tf
+
+from tfformer.export import signatures as sig
+
+QUANTIZE = (None, "dynamic", "float16", "int8")
+
+
+def _converter(saved_model_dir, signature_keys, quantize, representative_data, custom_ops=False):
+    if quantize not in QUANTIZE:
+        raise ValueError(f"`quantize` must be one of {QUANTIZE}. Received: quantize={quantize!r}")
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir, signature_keys=signature_keys)
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    converter.allow_custom_ops = custom_ops
+    if quantize == "dynamic":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    elif quantize == "float16":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.target_spec.supported_types = [tf.float16]
+    elif quantize == "int8":
+        if representative_data is None:
+            raise ValueError("quantize='int8' needs `representative_data`: an iterable of input dicts for calibration.")
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.representative_dataset = lambda: ({k: tf.constant(v) for k, v in d.items()} for d in representative_data)
+    return converter
+
+
+def _write(converter, path):
+    content = converter.convert()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(content)
+    os.replace(tmp, path)
+    return path
+
+
+def _input_specs(model, sequence_length):
+    return [{inp.name: tf.TensorSpec([None, sequence_length], tf.int32, name=inp.name) for inp in model.inputs}]
+
+
+def tflite(model, path, quantize=None, representative_data=None, sequence_length=None):
+    """Convert the token-id model (`predict_ids`: ids -> logits/outputs) to a .tflite file with builtin ops only.
+
+    Args:
+        model: a tfformer Keras model.
+        path: output file.
+        quantize: `None` (float32), `"dynamic"` (int8 weights), `"float16"` or `"int8"` (full integer; needs
+            `representative_data`, an iterable of input dicts).
+        sequence_length: fix the sequence length (static shapes convert to fewer ops); `None` keeps it dynamic.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = keras.export.ExportArchive()
+        archive.track(model)
+
+        def predict(inputs):
+            outputs = model(inputs)
+            return outputs if isinstance(outputs, dict) else {sig.LOGITS: outputs}
+
+        archive.add_endpoint(sig.PREDICT_IDS, predict, input_signature=_input_specs(model, sequence_length))
+        archive.write_out(tmp, verbose=False)
+        return _write(_converter(tmp, [sig.PREDICT_IDS], quantize, representative_data), path)
+
+
+def tflite_decoder(model, path, max_length=None, source_length=None, quantize=None, tokenizer=None):
+    """Write the single-step decoder (see the module docstring) for `model` to `path`."""
+    config = model.config
+    max_length = max_length or config.max_sequence_length
+    cache_spec = tf.TensorSpec(
+        [config.num_decoder_layers, 1, 2, config.num_heads, max_length, config.head_dim], tf.float32, name="cache"
+    )
+    index_spec = tf.TensorSpec([], tf.int32, name="index")
+    token_spec = tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS)
+    endpoints = {}
+    if config.architecture == "causal_lm":
+
+        def decode_step(token_ids, cache, index):
+            logits, cache = model.decode_step(token_ids, cache, index)
+            return {sig.LOGITS: logits, "cache": cache}
+
+        endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec])
+    elif config.architecture == "seq2seq":
+        source_length = source_length or config.max_sequence_length
+        src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
+        cross_spec = tf.TensorSpec(
+            [config.num_decoder_layers, 1, 2, config.num_heads, source_length, config.head_dim], tf.float32,
+            name="cross_cache",
+        )
+        mask_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_padding_mask")
+
+        def encode(encoder_token_ids):
+            outputs, mask = model.encode(encoder_token_ids)
+            return {"cross_cache": model.cross_attention_caches(outputs), "encoder_padding_mask": tf.cast(mask, tf.int32)}
+
+        def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
+            logits, cache = model.decode_step(token_ids, cache, index, cross_cache, tf.cast(encoder_padding_mask, tf.bool))
+            return {sig.LOGITS: logits, "cache": cache}
+
+        endpoints["encode"] = (encode, [src_spec])
+        endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])
+    else:
+        raise ValueError(f"A decoder file needs a seq2seq or causal_lm model. Received architecture={config.architecture!r}")
+    if tokenizer is not None:
+        text_length = source_length or max_length
+
+        def tokenize(text):
+            ids = tokenizer.tokenize_for_tflite(text)  # FastSentencepieceTokenize only
+            return {sig.TOKEN_IDS: ids.to_tensor(shape=[None, text_length])}
+
+        def detokenize(token_ids):
+            return {sig.TEXT: tokenizer.detokenize_for_tflite(token_ids)}
+
+        endpoints["tokenize"] = (tokenize, [tf.TensorSpec([1], tf.string, name=sig.TEXT)])
+        endpoints["detokenize"] = (detokenize, [tf.TensorSpec([1, None], tf.int32, name=sig.TOKEN_IDS)])
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = keras.export.ExportArchive()
+        archive.track(model)
+        if tokenizer is not None:
+            archive.track(tokenizer)
+        for name, (fn, spec) in endpoints.items():
+            archive.add_endpoint(name, fn, input_signature=spec)
+        archive.write_out(tmp, verbose=False)
+        converter = _converter(tmp, list(endpoints), quantize, None, custom_ops=tokenizer is not None)
+        return _write(converter, path)
