@@ -31,7 +31,7 @@ def _ids_spec():
     return tf.TensorSpec([None, None], tf.int32)
 
 
-def _seq2seq_fn(model, max_new_tokens, sampler):
+def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
     def run(encoder_token_ids):
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
@@ -51,7 +51,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler):
             output = tf.tensor_scatter_nd_update(
                 output, tf.stack([tf.range(batch), tf.fill([batch], i)], axis=1), next_ids
             )
-            done = done | tf.equal(next_ids, END_ID)
+            done = done | tf.equal(next_ids, end_id)
             return i + 1, next_ids[:, None], cache, output, done
 
         _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), tokens, cache, output, done))
@@ -60,7 +60,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler):
     return run
 
 
-def _causal_fn(model, max_new_tokens, sampler):
+def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
     def run(prompt_ids):
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
@@ -80,7 +80,7 @@ def _causal_fn(model, max_new_tokens, sampler):
             in_prompt = i < lengths
             chosen = tf.where(in_prompt, tokens[:, i], tf.where(done, PAD_ID, next_ids))  # (B,)
             tokens = tf.tensor_scatter_nd_update(tokens, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), chosen)
-            done = done | (~in_prompt & tf.equal(chosen, END_ID)) | (i + 1 >= lengths + max_new_tokens)
+            done = done | (~in_prompt & tf.equal(chosen, end_id)) | (i + 1 >= lengths + max_new_tokens)
             logits, cache = model.decode_step(chosen[:, None], cache, i)
             return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
 
@@ -92,11 +92,11 @@ def _causal_fn(model, max_new_tokens, sampler):
     return run
 
 
-def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6):
+def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID):
     """The (untraced) decoding function `ids (B, L) int32 -> new ids (B, max_new_tokens)` of `model`.
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
-    embeds it in its serving signature.
+    embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
     """
     from tfformer.generation import beam
 
@@ -105,16 +105,16 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     if architecture == "seq2seq":
         if beam_size:
             return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _seq2seq_fn(model, max_new_tokens, sampler)
+        return _seq2seq_fn(model, max_new_tokens, sampler, end_id)
     if architecture == "causal_lm":
         if beam_size:
             return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _causal_fn(model, max_new_tokens, sampler)
+        return _causal_fn(model, max_new_tokens, sampler, end_id)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
-                 jit_compile=False):
+                 jit_compile=False, end_id=END_ID):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
@@ -142,10 +142,11 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
             )
         if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
-    key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile)
+    key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
+           end_id)
 
     def make():
-        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty)
+        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
     return _compiled(model, key, make)(token_ids)

@@ -26,15 +26,16 @@ def check_dropout(value, name="dropout"):
 def _write_cache(cache, new, index):
     """`cache` (B, 2, N, S, H) with `new` (B, 2, N, T, H) written at positions `index .. index+T-1`.
 
-    Pad + select instead of `ops.slice_update`: on TensorFlow the latter is
-    XlaDynamicUpdateSlice, which needs XLA at run time (not in every TF Serving
-    build) and does not lower to TFLite builtins.
+    A gather + select with static shapes, instead of `ops.slice_update`: on
+    TensorFlow that is XlaDynamicUpdateSlice, which needs XLA at run time (not
+    in every TF Serving build) and has no TFLite builtin, while a dynamic pad
+    would break XLA compilation. This form runs in all three.
     """
     size, length = ops.shape(cache)[3], ops.shape(new)[3]
-    padded = ops.pad(new, [[0, 0], [0, 0], [0, 0], [index, size - index - length], [0, 0]])  # (B, 2, N, S, H)
-    positions = ops.arange(size)
-    written = ops.logical_and(positions >= index, positions < index + length)[None, None, None, :, None]
-    return ops.where(written, padded, cache)
+    offset = ops.arange(size) - index  # slot s takes new[s - index]
+    written = ops.logical_and(offset >= 0, offset < length)
+    spread = ops.take(new, ops.clip(offset, 0, length - 1), axis=3)  # (B, 2, N, S, H)
+    return ops.where(written[None, None, None, :, None], spread, cache)
 
 
 @keras.saving.register_keras_serializable(package="tfformer")

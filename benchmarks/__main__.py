@@ -1,0 +1,42 @@
+"""One runner for every benchmark: `python -m benchmarks run [WORKLOAD...] [--smoke]`.
+
+Workloads: training (seq2seq + GPT-shaped LM vs keras-hub), generation (vs keras-hub GPT2CausalLM),
+encoder (MiniLM vs keras-hub BertBackbone and PyTorch), tflite (batch-1 latency vs SavedModel), and
+translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes, never in
+the default set). Each prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes
+(CI runs it so the runner cannot rot); numbers from it mean nothing.
+"""
+
+import argparse
+import importlib
+import sys
+
+WORKLOADS = {
+    "training": "benchmarks.training",
+    "generation": "benchmarks.generation",
+    "encoder": "benchmarks.encoder",
+    "tflite": "benchmarks.tflite_latency",
+    "translation_bleu": "benchmarks.translation_bleu",
+}
+DEFAULT = ["training", "generation", "encoder", "tflite"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run")
+    run.add_argument("workloads", nargs="*", choices=[*WORKLOADS, []], metavar="WORKLOAD", help=", ".join(WORKLOADS))
+    run.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    for name in args.workloads or DEFAULT:
+        if args.smoke and name == "translation_bleu":
+            continue
+        print(f"## {name}", flush=True)
+        module = importlib.import_module(WORKLOADS[name])
+        module.main(["--smoke"] if args.smoke else [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

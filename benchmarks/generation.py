@@ -1,0 +1,92 @@
+"""Greedy generation speed: tfformer vs keras-hub GPT2CausalLM of the same shape, same process, interleaved.
+
+Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024; 16-token prompts,
+128 new tokens, batch 1 and 8; random weights, no early stop. Each system with and without XLA.
+Also: tfformer's per-token time at position ~500 vs ~50.
+
+    python -m benchmarks.generation [--smoke]
+"""
+
+import argparse
+
+import keras
+import keras_hub
+import numpy as np
+import tensorflow as tf
+
+from benchmarks import common
+from tfformer import generation, models
+
+
+def build(shape, max_length):
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=shape["vocab"], hidden_dim=shape["hidden"],
+                                      num_heads=shape["heads"], intermediate_dim=shape["intermediate"],
+                                      num_encoder_layers=0, num_decoder_layers=shape["layers"], dropout=0.0,
+                                      max_sequence_length=max_length, activation="gelu", norm_first=True,
+                                      position="learned", scale_embeddings=False)
+    ours = models.build_causal_lm(config)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=shape["vocab"], num_layers=shape["layers"],
+                                             num_heads=shape["heads"], hidden_dim=shape["hidden"],
+                                             intermediate_dim=shape["intermediate"], max_sequence_length=max_length)
+    # One task per XLA setting, sharing the backbone: compile() would otherwise drop the cached generate function.
+    theirs = {}
+    for xla in (False, True):
+        theirs[xla] = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        theirs[xla].compile(sampler="greedy", jit_compile=xla)
+    return ours, theirs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    shape = dict(vocab=8192, layers=4, hidden=256, heads=4, intermediate=1024)
+    prompt_len, new_tokens, repeats, batches = 16, 128, 5, (1, 8)
+    if args.smoke:
+        shape = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
+        prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1,)
+    ours, theirs = build(shape, max_length=1024 if not args.smoke else 64)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        prompt = rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32")
+        mask = np.ones_like(prompt, dtype=bool)
+        padded = np.pad(prompt, [[0, 0], [0, new_tokens]])
+        padded_mask = np.pad(mask, [[0, 0], [0, new_tokens]])
+        calls = {}
+        for xla in (False, True):
+            calls[f"tfformer xla={xla}"] = (lambda xla=xla: generation.generate_ids(
+                ours, prompt, new_tokens, jit_compile=xla, end_id=-1).numpy())
+            calls[f"keras-hub xla={xla}"] = (lambda xla=xla: theirs[xla].generate(
+                {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None))
+        times = common.interleaved(calls, repeats=repeats, warmup=1)
+        for name, values in times.items():
+            seconds = common.median(values)
+            rows.append(common.emit({"bench": "generation", "system": name, "batch": batch, "new_tokens": new_tokens,
+                                     "tokens_per_s": round(batch * new_tokens / seconds, 1),
+                                     "seconds": round(seconds, 4), "peak_rss_mb": round(common.peak_rss_mb())}))
+    best_kh = {b: max(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"].startswith("keras-hub"))
+               for b in batches}
+    best_tf = {b: max(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"].startswith("tfformer"))
+               for b in batches}
+    # Per-token time at position ~500 vs ~50: difference of two lengths, so prefill cancels out.
+    positions = (50, 500) if not args.smoke else (4, 16)
+    per_token = {}
+    for position in positions:
+        prompt = rng.integers(4, shape["vocab"], size=(1, position)).astype("int32")
+        short, long_ = 16, 48
+        calls = {n: (lambda n=n: generation.generate_ids(ours, prompt, n, jit_compile=True, end_id=-1).numpy())
+                 for n in (short, long_)}
+        times = common.interleaved(calls, repeats=repeats, warmup=1)
+        per_token[position] = (common.median(times[long_]) - common.median(times[short])) / (long_ - short)
+        common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
+                     "ms_per_token": round(per_token[position] * 1000, 3)})
+    print()
+    print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
+    for b in batches:
+        print(f"batch {b}: tfformer best / keras-hub best = {best_tf[b] / best_kh[b]:.2f}")
+    print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token[positions[1]] / per_token[positions[0]]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

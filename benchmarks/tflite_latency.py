@@ -1,0 +1,57 @@
+"""Batch-1 latency of the same model as a SavedModel (predict_ids) and as TFLite (ai_edge_litert), same threads.
+
+    python -m benchmarks.tflite_latency [--smoke]
+"""
+
+import argparse
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+from ai_edge_litert.interpreter import Interpreter
+
+from benchmarks import common
+from tfformer import export, models
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    overrides = dict(num_decoder_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64) if args.smoke else {}
+    model = models.from_preset("gpt-mini", dropout=0.0, **overrides)
+    length = 8 if args.smoke else 64
+    ids = np.random.default_rng(0).integers(4, model.config.vocabulary_size, size=(1, length)).astype("int32")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # The ids signature alone: the text signatures need a tokenizer and are not what TFLite replaces.
+        saved = tf.saved_model.load(_ids_only_saved_model(model, os.path.join(tmp, "sm")))
+        serve = saved.signatures["predict_ids"]
+        calls = {"saved_model": lambda: serve(token_ids=tf.constant(ids))["logits"].numpy()}
+        for quantize in (None, "dynamic"):
+            path = export.tflite(model, os.path.join(tmp, f"{quantize}.tflite"), quantize=quantize, sequence_length=length)
+            runner = Interpreter(model_path=path, num_threads=2).get_signature_runner("predict_ids")
+            calls[f"tflite {quantize or 'float32'}"] = lambda runner=runner: runner(token_ids=ids)["logits"]
+        times = common.interleaved(calls, repeats=1 if args.smoke else 20, warmup=2)
+    base = common.median(times["saved_model"])
+    for name, values in times.items():
+        rows.append(common.emit({"bench": "latency_batch1", "system": name, "ms": round(common.median(values) * 1000, 2),
+                                 "ratio_vs_saved_model": round(common.median(values) / base, 2)}))
+    print()
+    print(common.table(rows, ["system", "ms", "ratio_vs_saved_model"]))
+
+
+def _ids_only_saved_model(model, path):
+    import keras
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint("predict_ids", lambda inputs: {"logits": model(inputs)},
+                         input_signature=[{"token_ids": tf.TensorSpec([None, None], tf.int32, name="token_ids")}])
+    archive.write_out(path, verbose=False)
+    return path
+
+
+if __name__ == "__main__":
+    main()

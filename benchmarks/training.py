@@ -1,0 +1,157 @@
+"""Training throughput: tfformer (float32 and mixed bfloat16) vs keras-hub (float32), same shapes, same process.
+
+Workloads (the issue's):
+- seq2seq: vocab 8192, hidden 256, 4 heads, intermediate 1024, 3+3 layers, length 64, batch 64 (target tokens/s)
+- lm: GPT-2-shaped, vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024, length 128, batch 32
+
+Steps are timed one `train_on_batch` at a time (not whole `fit()` calls; see the pitfalls note on tf.data).
+FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted tokens for the output projection)
++ 12 * layers * T^2 * d * batch for attention scores and mixing (forward 2x, backward 4x), counted for every
+attention sub-layer; achieved GFLOP/s is reported against the float32 and bfloat16 matmul limits measured in
+the same run.
+
+    python -m benchmarks.training [--smoke] [--workload seq2seq|lm]
+"""
+
+import argparse
+import time
+
+import keras
+import keras_hub
+import numpy as np
+
+from benchmarks import common
+from tfformer import models, training
+
+
+def _seq2seq_shape(smoke):
+    if smoke:
+        return dict(vocab=64, hidden=16, heads=2, intermediate=32, layers=1, length=8, batch=4)
+    return dict(vocab=8192, hidden=256, heads=4, intermediate=1024, layers=3, length=64, batch=64)
+
+
+def _lm_shape(smoke):
+    if smoke:
+        return dict(vocab=64, hidden=16, heads=2, intermediate=32, layers=1, length=8, batch=4)
+    return dict(vocab=8192, hidden=256, heads=4, intermediate=1024, layers=4, length=128, batch=32)
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=training.MaskedSparseCrossEntropy(0.0), jit_compile=False)
+    return model
+
+
+def tfformer_seq2seq(s):
+    config = models.TransformerConfig(vocabulary_size=s["vocab"], hidden_dim=s["hidden"], num_heads=s["heads"],
+                                      intermediate_dim=s["intermediate"], num_encoder_layers=s["layers"],
+                                      num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"])
+    return _compile(models.build_seq2seq(config))
+
+
+def keras_hub_seq2seq(s):
+    enc_in = keras.Input((None,), dtype="int32", name="encoder_token_ids")
+    dec_in = keras.Input((None,), dtype="int32", name="decoder_token_ids")
+    x = keras_hub.layers.TokenAndPositionEmbedding(s["vocab"], s["length"], s["hidden"], mask_zero=True)(enc_in)
+    for _ in range(s["layers"]):
+        x = keras_hub.layers.TransformerEncoder(s["intermediate"], s["heads"], dropout=0.1)(x)
+    y = keras_hub.layers.TokenAndPositionEmbedding(s["vocab"], s["length"], s["hidden"], mask_zero=True)(dec_in)
+    for _ in range(s["layers"]):
+        y = keras_hub.layers.TransformerDecoder(s["intermediate"], s["heads"], dropout=0.1)(y, x)
+    logits = keras.layers.Dense(s["vocab"], dtype="float32")(y)
+    return _compile(keras.Model({"encoder_token_ids": enc_in, "decoder_token_ids": dec_in}, logits))
+
+
+def tfformer_lm(s):
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=s["vocab"], hidden_dim=s["hidden"],
+                                      num_heads=s["heads"], intermediate_dim=s["intermediate"], num_encoder_layers=0,
+                                      num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"],
+                                      activation="gelu", norm_first=True, position="learned", scale_embeddings=False)
+    return _compile(models.build_causal_lm(config))
+
+
+def keras_hub_lm(s):
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=s["vocab"], num_layers=s["layers"], num_heads=s["heads"],
+                                             hidden_dim=s["hidden"], intermediate_dim=s["intermediate"],
+                                             max_sequence_length=s["length"], dropout=0.1)
+    inputs = {"token_ids": backbone.inputs[0], "padding_mask": backbone.inputs[1]}
+    hidden = backbone(inputs)
+    logits = backbone.token_embedding(hidden, reverse=True)
+    return _compile(keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits)))
+
+
+def _flops(s, attention_layers, dense_params, predicted_tokens, tokens):
+    attention = 12 * attention_layers * s["length"] ** 2 * s["hidden"] * s["batch"]
+    return 6 * dense_params * tokens + 6 * s["vocab"] * s["hidden"] * predicted_tokens + attention
+
+
+def _dense_params(model):
+    return sum(int(np.prod(w.shape)) for w in model.trainable_weights if "embedding" not in w.path)
+
+
+def run(workload, smoke=False, repeats=5, steps=3):
+    rng = np.random.default_rng(0)
+    if workload == "seq2seq":
+        s = _seq2seq_shape(smoke)
+        ids = rng.integers(4, s["vocab"], size=(s["batch"], s["length"])).astype("int32")
+        x, y = {"encoder_token_ids": ids, "decoder_token_ids": ids}, ids
+        builders = {"tfformer float32": (tfformer_seq2seq, "float32"), "tfformer bfloat16": (tfformer_seq2seq, "mixed_bfloat16"),
+                    "keras-hub float32": (keras_hub_seq2seq, "float32")}
+        tokens, predicted, attention_layers = 2 * ids.size, ids.size, 3 * s["layers"]
+    else:
+        s = _lm_shape(smoke)
+        ids = rng.integers(4, s["vocab"], size=(s["batch"], s["length"] + 1)).astype("int32")
+        x, y = {"token_ids": ids[:, :-1]}, ids[:, 1:]
+        builders = {"tfformer float32": (tfformer_lm, "float32"), "tfformer bfloat16": (tfformer_lm, "mixed_bfloat16"),
+                    "keras-hub float32": (keras_hub_lm, "float32")}
+        tokens = predicted = y.size
+        attention_layers = s["layers"]
+    built = {}
+    for name, (build, policy) in builders.items():
+        keras.config.set_dtype_policy(policy)
+        model = build(s)
+        inputs = dict(x)
+        if name.startswith("keras-hub") and workload == "lm":
+            inputs["padding_mask"] = np.ones_like(x["token_ids"], bool)
+        model.train_on_batch(inputs, y)  # trace
+        built[name] = (model, inputs)
+    keras.config.set_dtype_policy("float32")
+
+    def step(name):
+        model, inputs = built[name]
+        return lambda: [model.train_on_batch(inputs, y) for _ in range(steps)]
+
+    times = common.interleaved({name: step(name) for name in built}, repeats=1 if smoke else repeats, warmup=1)
+    limit32 = common.matmul_limit(256 if smoke else 2048)
+    limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
+    rows = []
+    for name, values in times.items():
+        seconds = common.median(values) / steps
+        flops = _flops(s, attention_layers, _dense_params(built[name][0]), predicted, tokens)
+        rows.append(common.emit({
+            "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
+            "ms_per_step": round(seconds * 1000, 1), "gflops": round(flops / seconds / 1e9, 1),
+            "fraction_of_f32_limit": round(flops / seconds / 1e9 / limit32, 2),
+            "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1),
+            "peak_rss_mb": round(common.peak_rss_mb()),
+        }))
+    base = next(r for r in rows if r["system"] == "keras-hub float32")["tokens_per_s"]
+    for r in rows:
+        r["ratio_vs_keras_hub"] = round(r["tokens_per_s"] / base, 2)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--workload", choices=["seq2seq", "lm"], action="append")
+    args = parser.parse_args(argv)
+    rows = []
+    for workload in args.workload or ["seq2seq", "lm"]:
+        rows += run(workload, smoke=args.smoke)
+    print()
+    print(common.table(rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
+                              "ratio_vs_keras_hub"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The benchmark runner must not rot: its smoke mode runs in CI (numbers are meaningless there)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_runner_smoke():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "run", "training", "generation", "tflite", "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    benches = {r["bench"] for r in records}
+    assert {"train_seq2seq", "train_lm", "generation", "per_token", "latency_batch1"} <= benches
+    assert all(r.get("tokens_per_s", 1) > 0 for r in records)
+    assert "| system |" in out.stdout or "| bench |" in out.stdout
