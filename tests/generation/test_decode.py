@@ -140,7 +140,7 @@ def test_exhaustive_search_equals_wide_beam():
 
 def test_generate_does_not_retrace(seq2seq):
     generation.generate_ids(seq2seq, SOURCE, 5)
-    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), False, END_ID)]
+    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID)]
     before = fn.experimental_get_tracing_count()
     for length in (3, 7, 9):
         generation.generate_ids(seq2seq, np.ones((2, length), "int32") * 5, 5)

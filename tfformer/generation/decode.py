@@ -114,12 +114,16 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
 
 
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
-                 jit_compile=False, end_id=END_ID):
+                 jit_compile=True, end_id=END_ID):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
     Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
     search with the GNMT `length_penalty`.
+
+    XLA is on by default: on this CPU it makes batch-1 decoding about 2.7x faster (benchmarks/generation.py).
+    Inputs are right-padded to a multiple of 16 tokens so that XLA compiles a handful of shapes, not one per
+    length.
     """
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)
@@ -142,6 +146,12 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
             )
         if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
+    if jit_compile:
+        length = int(token_ids.shape[1])
+        bucket = -(-length // 16) * 16
+        if architecture == "causal_lm":
+            bucket = min(bucket, limit - max_new_tokens)
+        token_ids = tf.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
     key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
            end_id)
 

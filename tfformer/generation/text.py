@@ -27,7 +27,7 @@ def _decode(tokenizer, ids):
     return [s.decode("utf-8") for s in tokenizer.detokenize(ids).numpy()]
 
 
-def translate(model, tokenizer, texts, max_new_tokens=64, sampler=None, batch_size=64, beam_size=None, jit_compile=False):
+def translate(model, tokenizer, texts, max_new_tokens=64, sampler=None, batch_size=64, beam_size=None, jit_compile=True):
     """Translate strings with a `Seq2SeqTransformer` and its `SubwordTokenizer`. Returns a list of str."""
     texts = _check_texts(texts, "texts")
     results = []
@@ -37,7 +37,7 @@ def translate(model, tokenizer, texts, max_new_tokens=64, sampler=None, batch_si
     return results
 
 
-def generate(model, tokenizer, prompts, max_new_tokens=64, sampler=None, beam_size=None, jit_compile=False):
+def generate(model, tokenizer, prompts, max_new_tokens=64, sampler=None, beam_size=None, jit_compile=True):
     """Continue each prompt with a `CausalLM`. Returns the continuations (without the prompt)."""
     prompts = _check_texts(prompts, "prompts")
     ids = tokenizer.tokenize(prompts).to_tensor()
