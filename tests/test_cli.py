@@ -83,3 +83,29 @@ def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
     assert "resuming" in resumed.stdout
     assert (out / "metrics.json").exists() and (out / "model.keras").exists()
     assert not (out / "backup").exists()  # deleted once training finished
+
+
+def test_train_translate_export_from_the_command_line(tmp_path):
+    """A whole tiny run through the CLI: train, translate (same strings as the library), export both formats."""
+    out = tmp_path / "run"
+    trained = _cli("train", "translation", "--data", _tsv(tmp_path / "d.tsv", 200), "--out", str(out),
+                   "--time-budget", "25s", "--eval-every", "20", *TINY)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "BLEU on the test split" in trained.stdout
+    translated = _cli("translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3", "save a folder 9")
+    assert translated.returncode == 0, translated.stderr[-3000:]
+    from tfformer import generation
+    from tfformer.recipes import translation
+
+    model, tokenizer = translation.load_run(str(out))
+    expected = generation.translate(model, tokenizer, ["open the file 3", "save a folder 9"], max_new_tokens=8)
+    assert translated.stdout.splitlines()[-2:] == expected
+    exported = _cli("export", str(out), "--format", "all", "--out", str(tmp_path / "models" / "en-de"),
+                    "--max-new-tokens", "8")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    names = sorted(os.listdir(tmp_path / "models" / "en-de"))
+    assert names == ["1", "decoder.tflite", "model.tflite"]
+    again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"), "--version", "1")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    blank = _cli("translate", "--run", str(out), "   ")
+    assert blank.returncode == 2 and "whitespace-only" in blank.stderr
