@@ -16,8 +16,9 @@ def _repeat(x, beam, axis=0):
     return tf.repeat(x, beam, axis=axis)  # (B*K, ...) with each row's beams adjacent
 
 
-def _reorder(x, flat_index, axis):
-    return tf.gather(x, flat_index, axis=axis)
+def _reorder(caches, flat_index):
+    """Per-layer caches `(B*K, ...)` gathered along the batch axis to follow the surviving beams."""
+    return tuple(tf.gather(c, flat_index, axis=0) for c in caches)
 
 
 def _select(scores, log_probs, forced, finished, beam, vocab):
@@ -50,7 +51,8 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         encoder_outputs, encoder_mask = _repeat(encoder_outputs, beam), _repeat(encoder_mask, beam)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = model.empty_cache(batch * beam, max_new_tokens, dtype=cross.dtype)
+        cache = tuple(tf.unstack(model.empty_cache(batch * beam, max_new_tokens, dtype=cross.dtype)))
+        cross = tuple(tf.unstack(cross))
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
         output = tf.zeros([batch, beam, max_new_tokens], tf.int32)
         finished = tf.zeros([batch, beam], tf.bool)
@@ -66,7 +68,7 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
             forced = tf.fill([batch, beam], -1)
             scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab)
             flat = _flat(source, beam)
-            cache = _reorder(cache, flat, axis=1)
+            cache = _reorder(cache, flat)
             output = tf.gather(output, source, batch_dims=1)
             finished = tf.gather(finished, source, batch_dims=1)
             lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(~finished, tf.int32)
@@ -92,7 +94,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, P + N)
         start = tf.reduce_min(prompt_lengths)
-        cache = model.empty_cache(batch * beam, total)
+        cache = tuple(tf.unstack(model.empty_cache(batch * beam, total)))
         logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
         finished = tf.zeros([batch, beam], tf.bool)
@@ -108,7 +110,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
             forced = tf.where(in_prompt, tokens[:, :, i], -1)
             scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab)
             flat = _flat(source, beam)
-            cache = _reorder(cache, flat, axis=1)
+            cache = _reorder(cache, flat)
             tokens = tf.gather(tokens, source, batch_dims=1)
             finished = tf.gather(finished, source, batch_dims=1)
             generated = ~finished & ~in_prompt

@@ -36,7 +36,8 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = model.empty_cache(batch, max_new_tokens, dtype=cross.dtype)
+        cache = tuple(tf.unstack(model.empty_cache(batch, max_new_tokens, dtype=cross.dtype)))  # per layer
+        cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
         done = tf.zeros([batch], tf.bool)
@@ -67,7 +68,7 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
         total = prompt_length + max_new_tokens
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
-        cache = model.empty_cache(batch, total)
+        cache = tuple(tf.unstack(model.empty_cache(batch, total)))  # per layer: no re-stacking each step
         # Prefill the part every prompt shares, in one pass.
         logits, cache = model.decode_step(tokens[:, :start], cache, 0)
         next_ids = sampler(logits[:, -1, :], start)

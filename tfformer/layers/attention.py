@@ -282,8 +282,10 @@ class MultiHeadAttention(keras.layers.Layer):
             None if cache is not None else masks_lib.key_mask(key_mask),
             masks_lib.causal_mask(query_length, key_length, offset) if use_causal_mask else None,
             masks_lib.window_mask(query_length, key_length, self.window, offset) if self.window is not None else None,
-            # Cache slots past the ones written so far hold no keys yet.
-            masks_lib.causal_mask(1, key_length, offset + query_length - 1) if cache_index is not None else None,
+            # Cache slots past the ones written so far hold no keys yet (implied by the causal mask).
+            masks_lib.causal_mask(1, key_length, offset + query_length - 1)
+            if cache_index is not None and not use_causal_mask
+            else None,
         )
         scores = self._scores(q, k)  # (B, N, T, S)
         weights = masks_lib.masked_softmax(scores, None if mask is None else ops.expand_dims(mask, 1))  # (B, N, T, S) float32

@@ -64,13 +64,15 @@ class CausalLM(base.TransformerModel):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
         x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
         caches = []
+        # A stacked (L, ...) cache, or a tuple of per-layer caches (cheaper inside decode loops: no re-stacking).
+        per_layer = isinstance(cache, (list, tuple))
         for i, block in enumerate(self.decoder_blocks):
             x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
             caches.append(layer_cache)
         if self.final_norm:
             x = self.final_norm(x)
         logits = self.token_embedding(x, reverse=True) if self.output_projection is None else self.output_projection(x)
-        return logits, ops.stack(caches)
+        return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 
 def build_causal_lm(config):
