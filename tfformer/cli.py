@@ -22,7 +22,7 @@ def _overrides(pairs):
 
 
 def _demo(args):
-    minutes = float(os.environ.get("DEMO_MINUTES", "20"))
+    minutes = float(os.environ.get("DEMO_MINUTES", "15"))
     from tfformer.recipes import translation
 
     import time
@@ -75,18 +75,29 @@ def _generate(args):
 
 
 def _export(args):
-    from tfformer import export
+    from tfformer import export, models
+    from tfformer.models.presets import PRETRAINED
     from tfformer.recipes import translation
 
-    model, tokenizer = translation.load_run(args.run)
+    if args.run in PRETRAINED and not os.path.exists(args.run):  # a pretrained preset, e.g. all-minilm-l6-v2
+        model, tokenizer = models.from_preset(args.run), None
+    else:
+        model, tokenizer = translation.load_run(args.run)
+    if isinstance(model, models.SentenceEncoder):  # text -> embedding; no decoder
+        if args.format in ("saved_model", "all"):
+            path = export.saved_model(model, args.out, version=args.version)
+            print(f"SavedModel: {path}  (serving_default: text -> embedding; predict_ids: token_ids, padding_mask)")
+        if args.format in ("tflite", "all"):
+            os.makedirs(args.out, exist_ok=True)
+            ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize)
+            print(f"TFLite: {ids} (token_ids, padding_mask -> embedding; tokenize on the host)")
+        return 0
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, tokenizer=tokenizer,
                                   max_new_tokens=args.max_new_tokens, beam_size=args.beam_size)
         print(f"SavedModel: {path}  (serve: docker run ... tensorflow/serving, or `tfformer serve "
               f"--model_name NAME --model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
-        import os
-
         os.makedirs(args.out, exist_ok=True)
         ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize)
         decoder = export.tflite_decoder(model, os.path.join(args.out, "decoder.tflite"), tokenizer=tokenizer,
@@ -150,11 +161,48 @@ def _embed(args):
     return 0
 
 
+def _serve(args):
+    from tfformer import serving
+
+    if bool(args.model_config_file) == bool(args.model_base_path):
+        raise ValueError("Give --model_base_path (with --model_name) or --model_config_file.")
+    options = dict(
+        model_name=args.model_name, model_base_path=args.model_base_path, model_config_file=args.model_config_file,
+        host=args.host, port=args.port, rest_api_port=args.rest_api_port or None,
+        file_system_poll_wait_seconds=args.file_system_poll_wait_seconds,
+        model_config_file_poll_wait_seconds=args.model_config_file_poll_wait_seconds,
+        rest_api_timeout_in_ms=args.rest_api_timeout_in_ms, max_request_bytes=args.max_request_bytes,
+        num_workers=args.rest_api_num_threads, access_log=args.access_log or None,
+        grace_period_seconds=args.grace_period_seconds, max_num_load_retries=args.max_num_load_retries,
+        load_retry_interval_micros=args.load_retry_interval_micros,
+        allow_version_labels_for_unavailable_models=args.allow_version_labels_for_unavailable_models,
+    )
+    try:
+        return serving.run_server(**options)
+    except serving.ServingError as error:
+        print(f"tfformer: error: {error}", file=sys.stderr)
+        return 1
+
+
+def _serving_predict(args):
+    from tfformer import serving
+
+    try:
+        lines = serving.predict_texts(args.server, args.model, args.texts, signature_name=args.signature_name,
+                                      version=args.version, label=args.label, timeout=args.timeout)
+    except serving.ServingError as error:
+        print(f"tfformer: error: {error}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(line)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="the main job: train English→German within DEMO_MINUTES (default 20)")
+    demo = commands.add_parser("demo", help="the main job: train English→German within DEMO_MINUTES (default 15)")
     demo.add_argument("--out", help="run directory (default: a new runs/demo-en-de-<time>)")
     demo.set_defaults(fn=_demo)
 
@@ -181,8 +229,9 @@ def main(argv=None):
         sub.add_argument(arg, nargs="+")
         sub.set_defaults(fn=fn)
 
-    exporter = commands.add_parser("export", help="write a trained run as a TF Serving SavedModel and/or TFLite")
-    exporter.add_argument("run")
+    exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
+                                   "SavedModel and/or TFLite")
+    exporter.add_argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2)")
     exporter.add_argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model")
     exporter.add_argument("--out", required=True, help="the model's base path, e.g. export/models/en-de")
     exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
@@ -206,6 +255,35 @@ def main(argv=None):
     embed.add_argument("--preset", default="all-minilm-l6-v2", help="a sentence-embedding preset (default: %(default)s)")
     embed.add_argument("--batch-size", type=int, default=32)
     embed.set_defaults(fn=_embed)
+
+    serve = commands.add_parser("serve", help="serve SavedModels over TF Serving's REST and gRPC APIs")
+    serve.add_argument("--model_name", default="default", help="model name (default: %(default)s)")
+    serve.add_argument("--model_base_path", help="directory of numeric version directories")
+    serve.add_argument("--model_config_file", help="a models.config (ModelServerConfig text proto)")
+    serve.add_argument("--model_config_file_poll_wait_seconds", type=float, default=0.0)
+    serve.add_argument("--file_system_poll_wait_seconds", type=float, default=1.0)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8500, help="gRPC port (0: any free port)")
+    serve.add_argument("--rest_api_port", type=int, default=8501, help="REST port (0: REST disabled)")
+    serve.add_argument("--rest_api_timeout_in_ms", type=int, default=30000)
+    serve.add_argument("--rest_api_num_threads", type=int, default=4, help="worker threads (REST and gRPC)")
+    serve.add_argument("--max_request_bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--access_log", default="-", help="JSON-lines access log: '-' (stdout), a path, or ''")
+    serve.add_argument("--grace_period_seconds", type=float, default=30.0)
+    serve.add_argument("--max_num_load_retries", type=int, default=5)
+    serve.add_argument("--load_retry_interval_micros", type=int, default=60_000_000)
+    serve.add_argument("--allow_version_labels_for_unavailable_models", action="store_true")
+    serve.set_defaults(fn=_serve)
+
+    predict = commands.add_parser("predict", help="send TEXT... to a model server's serving_default signature")
+    predict.add_argument("texts", nargs="+", metavar="TEXT")
+    predict.add_argument("--server", default="http://127.0.0.1:8501", help="http://host:port or grpc://host:port")
+    predict.add_argument("--model", required=True)
+    predict.add_argument("--signature_name")
+    predict.add_argument("--version", type=int)
+    predict.add_argument("--label")
+    predict.add_argument("--timeout", type=float, default=30.0)
+    predict.set_defaults(fn=_serving_predict)
 
     args = parser.parse_args(argv)
     try:

@@ -125,7 +125,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
     Signatures (each returns a dict): `serving_default` takes raw strings `text`
     `(B,)` and returns `translation` (seq2seq), `continuation` (causal LM) or
     `embedding` (SentenceEncoder), tokenizer and decode loop inside the graph;
-    `predict_ids` takes token ids and returns `logits`; `generate_ids` returns
+    `predict_ids` takes token ids and returns `logits` (`embedding` for a
+    SentenceEncoder, whose ids come with `padding_mask`); `generate_ids` returns
     generated ids. Loading needs only `tensorflow` and `tensorflow_text`.
 
     Args:

@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfformer.export import signatures as sig
+from tfformer.models.sentence_encoder import SentenceEncoder
 
 QUANTIZE = (None, "dynamic", "float16", "int8")
 
@@ -62,6 +63,9 @@ def _input_specs(model, sequence_length):
 def tflite(model, path, quantize=None, representative_data=None, sequence_length=None):
     """Convert the token-id model (`predict_ids`: ids -> logits/outputs) to a .tflite file with builtin ops only.
 
+    A `SentenceEncoder` takes `token_ids` and `padding_mask` and returns `embedding` (tokenize on the host,
+    e.g. with `model.tokenize`).
+
     Args:
         model: a tfformer Keras model.
         path: output file.
@@ -73,9 +77,12 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
         archive = keras.export.ExportArchive()
         archive.track(model)
 
+        # A SentenceEncoder's output is `embedding`, as in its SavedModel's `predict_ids`.
+        output_name = sig.EMBEDDING if isinstance(model, SentenceEncoder) else sig.LOGITS
+
         def predict(inputs):
             outputs = model(inputs)
-            return outputs if isinstance(outputs, dict) else {sig.LOGITS: outputs}
+            return outputs if isinstance(outputs, dict) else {output_name: outputs}
 
         archive.add_endpoint(sig.PREDICT_IDS, predict, input_signature=_input_specs(model, sequence_length))
         archive.write_out(tmp, verbose=False)

@@ -1,0 +1,283 @@
+"""Sentence-encoder throughput: tfformer's all-MiniLM-L6-v2 vs keras-hub BertBackbone vs sentence-transformers (PyTorch).
+
+Sentences per second at batch 32, sequence 128 (every position a real token), the forward pass of a
+sentence embedder (encoder, mean pooling, L2 norm) on 2 threads:
+
+- tfformer: `from_preset("all-minilm-l6-v2")`, float32 and built under `mixed_bfloat16`;
+- keras-hub: `BertBackbone` of the same shape (vocab 30522, 6 layers, hidden 384, 12 heads, intermediate
+  1536; random weights) plus the same pooling, float32 and `mixed_bfloat16`;
+- PyTorch: sentence-transformers' `SentenceTransformer` of the same checkpoint on CPU, float32 and under
+  `torch.autocast("cpu", dtype=torch.bfloat16)`. It runs in a worker process: this interpreter if it has
+  torch and sentence-transformers, else `/tmp/torchvenv/bin/python` (or `--torch-python`); without either,
+  the PyTorch rows are skipped.
+
+Keras models run through a `tf.function` (no XLA). Repeats are interleaved across all six systems (the
+PyTorch worker waits on a pipe while the others run), after warm-up; medians are reported. Prints one JSON
+line per system and a markdown table with the ratios tfformer / keras-hub and tfformer / PyTorch
+(> 1: tfformer is faster).
+
+    python -m benchmarks.encoder [--smoke] [--repeats 5]
+
+`--smoke`: one repeat on tiny shapes (tiny random Keras models; PyTorch gets batch 2, sequence 8); the
+numbers mean nothing.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+THREADS = 2
+SHAPE = dict(vocab=30522, layers=6, hidden=384, heads=12, intermediate=1536)
+SMOKE_SHAPE = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
+TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
+
+
+def _token_ids(vocab, batch, length, seed=0):
+    return np.random.default_rng(seed).integers(1000 if vocab > 2000 else 4, vocab, size=(batch, length)).astype("int32")
+
+
+# === PyTorch worker (runs in the torch interpreter: stdlib, numpy, torch, sentence-transformers only) ===
+
+
+def torch_worker(model_dir, batch, length, threads):
+    """Line protocol on stdin/stdout: `float32` / `bfloat16` -> run once, print {"seconds"}; `quit`."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    model = SentenceTransformer(model_dir, device="cpu").eval()
+    ids = torch.from_numpy(_token_ids(30522, batch, length).astype("int64"))
+    features = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        start = time.perf_counter()
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=command == "bfloat16"):
+            embedding = model(dict(features))["sentence_embedding"]
+        float(embedding.float().sum())
+        print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+
+
+class TorchWorker:
+    def __init__(self, python, model_dir, batch, length):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--torch-worker", model_dir, "--batch", str(batch), "--length",
+             str(length)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false"),
+        )
+        self.info = None
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"PyTorch worker died:\n{self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def wait_ready(self):
+        self.info = self._read()
+        return self.info
+
+    def run(self, dtype):
+        self.proc.stdin.write(dtype + "\n")
+        self.proc.stdin.flush()
+        return self._read()["seconds"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _torch_python(explicit):
+    import importlib.util
+
+    if explicit:
+        return explicit if os.path.exists(explicit) else None
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("sentence_transformers"):
+        return sys.executable
+    return TORCH_VENV_PYTHON if os.path.exists(TORCH_VENV_PYTHON) else None
+
+
+# === Keras systems ===
+
+
+def _pooled(sequence, padding_mask):
+    """Mean over real tokens + L2 norm (what SentenceEncoder and sentence-transformers do)."""
+    import tensorflow as tf
+
+    weights = tf.cast(padding_mask, sequence.dtype)[:, :, None]
+    pooled = tf.reduce_sum(sequence * weights, 1) / tf.maximum(tf.reduce_sum(weights, 1), 1e-9)
+    return pooled / tf.maximum(tf.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+
+def _keras_systems(smoke, batch, length):
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    from tfformer import models
+
+    shape = SMOKE_SHAPE if smoke else SHAPE
+    ids = _token_ids(shape["vocab"], batch, length)
+    mask = np.ones_like(ids)
+    systems = {}
+    for dtype, policy in (("float32", "float32"), ("bfloat16", "mixed_bfloat16")):
+        keras.config.set_dtype_policy(policy)
+        try:
+            if smoke:
+                config = models.TransformerConfig(
+                    architecture="encoder", vocabulary_size=shape["vocab"], hidden_dim=shape["hidden"],
+                    num_heads=shape["heads"], intermediate_dim=shape["intermediate"],
+                    num_encoder_layers=shape["layers"], num_decoder_layers=0, dropout=0.0, max_sequence_length=64,
+                )
+                ours = models.SentenceEncoder(models.build_model(config))
+            else:
+                ours = models.from_preset("all-minilm-l6-v2")
+            theirs = keras_hub.models.BertBackbone(
+                vocabulary_size=shape["vocab"], num_layers=shape["layers"], num_heads=shape["heads"],
+                hidden_dim=shape["hidden"], intermediate_dim=shape["intermediate"], max_sequence_length=512,
+            )
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+        @tf.function
+        def run_ours(token_ids, padding_mask, model=ours):
+            return model({"token_ids": token_ids, "padding_mask": padding_mask}, training=False)
+
+        @tf.function
+        def run_theirs(token_ids, padding_mask, model=theirs):
+            outputs = model({"token_ids": token_ids, "segment_ids": tf.zeros_like(token_ids),
+                             "padding_mask": padding_mask}, training=False)
+            return _pooled(outputs["sequence_output"], padding_mask)
+
+        for system, fn in (("tfformer", run_ours), ("keras-hub", run_theirs)):
+            def call(fn=fn):
+                start = time.perf_counter()
+                np.asarray(fn(ids, mask))
+                return time.perf_counter() - start
+
+            systems[(system, dtype)] = call
+    return systems
+
+
+def _set_tf_threads():
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        return True
+    except RuntimeError:  # the runtime is already up (e.g. `python -m benchmarks run` ran another workload)
+        return False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.encoder", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="one repeat, tiny shapes; numbers mean nothing")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--torch-python", help=f"interpreter with torch + sentence-transformers (default: this one "
+                        f"if it has them, else {TORCH_VENV_PYTHON})")
+    parser.add_argument("--torch-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.torch_worker:
+        return torch_worker(args.torch_worker, args.batch, args.length, THREADS)
+
+    batch, length = (2, 8) if args.smoke else (32, 128)
+    repeats, warmup = (1, 1) if args.smoke else (args.repeats, args.warmup)
+
+    # Start the PyTorch worker first: it loads while the Keras models are built.
+    worker, skipped = None, None
+    python = _torch_python(args.torch_python)
+    if python is None:
+        skipped = "no interpreter with torch + sentence-transformers"
+    else:
+        from tfformer.convert import pretrained
+
+        try:
+            model_dir = pretrained.all_minilm_l6_v2_path()
+        except ValueError as error:
+            skipped = str(error)
+        else:
+            worker = TorchWorker(python, model_dir, batch, length)
+
+    from benchmarks import common
+
+    threads_set = _set_tf_threads()
+    try:
+        systems = _keras_systems(args.smoke, batch, length)
+        if worker is not None:
+            try:
+                info = worker.wait_ready()
+            except RuntimeError as error:
+                skipped = f"the PyTorch worker failed: {str(error)[-500:]}"
+                worker.close()
+                worker = None
+            else:
+                for dtype in ("float32", "bfloat16"):
+                    systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
+        if skipped:
+            print(f"PyTorch rows skipped: {skipped}", flush=True)
+
+        for _ in range(warmup):
+            for call in systems.values():
+                call()
+        times = {key: [] for key in systems}
+        for _ in range(repeats):
+            for key, call in systems.items():
+                times[key].append(call())
+    finally:
+        if worker is not None:
+            worker.close()
+
+    rows = {}
+    for (system, dtype), values in times.items():
+        seconds = common.median(values)
+        record = {"bench": "encoder", "system": system, "dtype": dtype, "batch": batch, "sequence_length": length,
+                  "sentences_per_s": round(batch / seconds, 1), "seconds": round(seconds, 4),
+                  "repeats": [round(v, 4) for v in values], "threads": THREADS if threads_set else "preset",
+                  "peak_rss_mb": round(common.peak_rss_mb())}
+        if system == "pytorch":
+            record["torch"] = info["torch"]
+        rows[(system, dtype)] = common.emit(record)
+
+    table_rows = []
+    for (system, dtype), record in rows.items():
+        row = dict(record)
+        for other in ("keras-hub", "pytorch"):
+            if system == "tfformer" and (other, dtype) in rows:
+                row[f"tfformer/{other}"] = f"{record['sentences_per_s'] / rows[(other, dtype)]['sentences_per_s']:.2f}"
+        table_rows.append(row)
+    print()
+    print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",
+                                    "tfformer/keras-hub", "tfformer/pytorch"]))
+    print(f"\nbatch {batch}, sequence {length}, {THREADS} threads, medians of {repeats} interleaved repeats after "
+          f"{warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is faster.")
+    if skipped:
+        print(f"PyTorch rows skipped: {skipped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

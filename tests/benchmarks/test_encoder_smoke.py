@@ -1,0 +1,24 @@
+"""`python -m benchmarks.encoder --smoke` runs (one repeat, tiny shapes; the numbers mean nothing)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_encoder_benchmark_smoke():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.encoder", "--smoke"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    systems = {(r["system"], r["dtype"]) for r in records}
+    keras_rows = {(s, d) for s in ("tfformer", "keras-hub") for d in ("float32", "bfloat16")}
+    assert keras_rows <= systems
+    torch_rows = {("pytorch", "float32"), ("pytorch", "bfloat16")}
+    # The PyTorch rows are there when an interpreter with torch exists, else the skip is said.
+    assert torch_rows <= systems or ("PyTorch rows skipped" in out.stdout and not systems & torch_rows)
+    assert all(r["bench"] == "encoder" and r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
+    assert "| system | dtype |" in out.stdout and "tfformer/keras-hub" in out.stdout

@@ -1,0 +1,98 @@
+"""The client suite, against the in-process `Server` and `tfformer serve` (a subprocess), over REST and gRPC."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tfformer import cli, serving
+
+
+@pytest.fixture(scope="module", params=["inprocess", "cli"])
+def urls(request):
+    if request.param == "inprocess":
+        server = request.getfixturevalue("server")
+        return server.grpc_url, server.rest_url
+    return request.getfixturevalue("cli_server")
+
+
+@pytest.fixture(params=["rest", "grpc"])
+def client(urls, request):
+    client = serving.Client(urls[1] if request.param == "rest" else urls[0])
+    yield client
+    client.close()
+
+
+def test_predict_strings_in_row_format(client):
+    outputs = client.predict("text", ["a b", "c"])
+    assert set(outputs) == {"upper_bytes", "words", "version"}
+    assert outputs["upper_bytes"].tolist() == [b"A B", b"C"]
+    assert outputs["words"].dtype == np.int64 and outputs["words"].tolist() == [2, 1]
+    assert outputs["version"].tolist() == [2, 2]
+
+
+def test_predict_two_inputs_in_columnar_format(client):
+    outputs = client.predict("multi", {"x": [[1, 2, 3], [0.5, 0, 0]], "ids": [[1, 2, 3, 4], [0, 0, 0, 0]]})
+    assert outputs["total"].dtype == np.float32
+    np.testing.assert_array_equal(outputs["total"], [[6, 6], [0.5, 0.5]])
+    assert outputs["idsum"].dtype == np.int32
+    np.testing.assert_array_equal(outputs["idsum"], [[10], [0]])
+
+
+def test_predict_numpy_rows(client):
+    outputs = client.predict("dense", np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(outputs["output_0"], np.full((2, 2), 3.0, np.float32))
+
+
+def test_version_label_and_signature(client):
+    assert client.predict("text", ["a"], version=1)["version"].tolist() == [1]
+    assert client.predict("text", ["a"], label="stable")["version"].tolist() == [1]
+    assert client.predict("text", ["a"], label="canary")["version"].tolist() == [2]
+    assert client.predict("text", ["abc", ""], signature_name="lengths")["length"].tolist() == [3, 0]
+
+
+def test_bytes_and_non_finite_values(client):
+    assert client.predict("text", [b"\xff\xfe x"], signature_name="lengths")["length"].tolist() == [4]
+    values = client.predict("text", [math.nan, math.inf, -math.inf, 0.1], signature_name="echo_float")["y"]
+    assert values.dtype == np.float32
+    assert math.isnan(values[0]) and values[1] == math.inf and values[2] == -math.inf
+    assert values[3] == np.float32(0.1)
+
+
+def test_status_and_metadata(client):
+    status = client.status("text")
+    assert [(entry["version"], entry["state"]) for entry in status["model_version_status"]] == [
+        ("2", "AVAILABLE"), ("1", "AVAILABLE")]
+    assert client.status("dense", version=1)["model_version_status"][0]["status"] == {
+        "error_code": "OK", "error_message": ""}
+    metadata = client.metadata("text", label="stable")
+    assert metadata["model_spec"]["name"] == "text" and metadata["model_spec"]["version"] == "1"
+    signature = metadata["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert signature["inputs"]["text"]["dtype"] == "DT_STRING"
+
+
+def test_errors(client):
+    with pytest.raises(serving.ServingError) as raised:
+        client.predict("nope", ["a"])
+    assert raised.value.code == serving.Code.NOT_FOUND
+    assert raised.value.message == "Servable not found for request: Latest(nope)"
+    with pytest.raises(serving.ServingError) as raised:
+        client.predict("text", ["a"], label="nope")
+    assert raised.value.code == serving.Code.INVALID_ARGUMENT
+    assert raised.value.message == "Unrecognized servable version label: nope"
+    with pytest.raises(serving.ServingError) as raised:
+        client.status("nope")
+    assert (raised.value.code, raised.value.message) == (serving.Code.NOT_FOUND,
+                                                         "Could not find any versions of model nope")
+
+
+@pytest.mark.parametrize("protocol", ["rest", "grpc"])
+def test_tfformer_predict_command(urls, protocol, capsys):
+    url = urls[1] if protocol == "rest" else urls[0]
+    assert cli.main(["predict", "--server", url, "--model", "text", "--signature_name", "lengths", "abc", "de"]) == 0
+    assert capsys.readouterr().out.splitlines() == ['{"length": 3}', '{"length": 2}']
+    assert cli.main(["predict", "--server", url, "--model", "text", "hello world"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"upper_bytes": "HELLO WORLD", "words": 2, "version": 2}
+    assert cli.main(["predict", "--server", url, "--model", "nope", "x"]) == 1
+    assert "Servable not found for request: Latest(nope)" in capsys.readouterr().err

@@ -1,0 +1,267 @@
+"""One loaded model version: its SignatureDefs and how to run them.
+
+Any process that loads our SavedModels must register the TF-Text ops first
+(`Op type not registered 'FastWordpieceTokenizeWithOffsets'` otherwise), so
+this module imports `tensorflow_text` before anything is loaded.
+"""
+
+import logging
+import os
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the TF-Text ops our SavedModels use)
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow_serving.apis import classification_pb2, get_model_metadata_pb2, prediction_log_pb2, regression_pb2
+
+from tfformer.serving.json_tensor import DEFAULT_SIGNATURE, dtype_name
+from tfformer.serving.status import ServingError, failed_precondition, internal, invalid_argument
+
+log = logging.getLogger("tfformer.serving")
+
+PREDICT_METHOD = "tensorflow/serving/predict"
+CLASSIFY_METHOD = "tensorflow/serving/classify"
+REGRESS_METHOD = "tensorflow/serving/regress"
+WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
+MAX_WARMUP_RECORDS = 1000
+
+
+def has_saved_model(path):
+    """A version directory is complete once its `saved_model.pb` (or `.pbtxt`) exists."""
+    return os.path.isfile(os.path.join(path, "saved_model.pb")) or os.path.isfile(
+        os.path.join(path, "saved_model.pbtxt"))
+
+
+def read_signature_defs(path):
+    """The `serve` MetaGraphDef's `signature_def` map, read from `saved_model.pb` (or `.pbtxt`)."""
+    saved_model = saved_model_pb2.SavedModel()
+    binary = os.path.join(path, "saved_model.pb")
+    if os.path.isfile(binary):
+        with open(binary, "rb") as handle:
+            saved_model.ParseFromString(handle.read())
+    else:
+        from google.protobuf import text_format
+
+        with open(os.path.join(path, "saved_model.pbtxt")) as handle:
+            text_format.Parse(handle.read(), saved_model)
+    for meta_graph in saved_model.meta_graphs:
+        if "serve" in meta_graph.meta_info_def.tags:
+            return dict(meta_graph.signature_def)
+    raise ValueError(f"SavedModel at {path} has no MetaGraphDef tagged 'serve'.")
+
+
+def _tf_dtype_of(array):
+    if array.dtype == object or array.dtype.kind in "SU":
+        return types_pb2.DT_STRING
+    try:
+        return tf.as_dtype(array.dtype).as_datatype_enum
+    except TypeError:
+        return types_pb2.DT_INVALID
+
+
+def _shape_of(tensor_info):
+    if tensor_info.tensor_shape.unknown_rank:
+        return None
+    return [dim.size for dim in tensor_info.tensor_shape.dim]
+
+
+def _shape_string(shape):
+    return "[" + ",".join(str(size) for size in shape) + "]"
+
+
+class Servable:
+    """A SavedModel version loaded with `tf.saved_model.load` (tag `serve`).
+
+    Args:
+        name: str. The model name.
+        version: int. The version number.
+        path: str. The version directory (`base_path/<version>`).
+    """
+
+    def __init__(self, name, version, path):
+        self.name, self.version, self.path = name, int(version), path
+        self.signature_defs = read_signature_defs(path)
+        self._loaded = tf.saved_model.load(path, tags=["serve"])
+        self._functions = {key: self._loaded.signatures[key] for key in self._loaded.signatures.keys()}
+        self._warmup()
+
+    # ---------------------------------------------------------------------------------------
+    # Metadata
+
+    def signature_def_map(self):
+        """`SignatureDefMap` holding every signature of the MetaGraphDef (as TF Serving returns it)."""
+        result = get_model_metadata_pb2.SignatureDefMap()
+        for key, signature in self.signature_defs.items():
+            result.signature_def[key].CopyFrom(signature)
+        return result
+
+    def input_dtypes(self, signature_name):
+        """{alias: DataType} of a signature's inputs (the REST `GetInfoMap`)."""
+        key = signature_name or DEFAULT_SIGNATURE
+        if key not in self.signature_defs:
+            raise invalid_argument(f'Serving signature name: "{key}" not found in signature def')
+        return {alias: info.dtype for alias, info in self.signature_defs[key].inputs.items()}
+
+    # ---------------------------------------------------------------------------------------
+    # Predict
+
+    def predict(self, signature_name, inputs, output_filter=()):
+        """Runs a signature (`RunPredict`).
+
+        Args:
+            signature_name: str. Empty means `serving_default`.
+            inputs: {alias: np.ndarray}.
+            output_filter: aliases to return (all outputs when empty).
+
+        Returns:
+            `(resolved_signature_name, {alias: np.ndarray})`.
+        """
+        key = signature_name or DEFAULT_SIGNATURE
+        signature = self.signature_defs.get(key)
+        if signature is None:
+            raise failed_precondition(f'Serving signature key "{key}" not found.')
+        if signature.method_name not in (PREDICT_METHOD, CLASSIFY_METHOD, REGRESS_METHOD):
+            raise internal(f"Expected prediction signature method_name to be one of {{{PREDICT_METHOD}, "
+                           f"{CLASSIFY_METHOD}, {REGRESS_METHOD}}}. Was: {signature.method_name}")
+        expected = sorted(signature.inputs)
+        sent = sorted(inputs)
+        if len(sent) != len(expected):
+            extra = sorted(set(sent) - set(expected))
+            missing = sorted(set(expected) - set(sent))
+            raise invalid_argument(
+                f"input size does not match signature: {len(sent)}!={len(expected)} len({{{','.join(sent)}}}) "
+                f"!= len({{{','.join(expected)}}}). Sent extra: {{{','.join(extra)}}}. "
+                f"Missing but required: {{{','.join(missing)}}}.")
+        tensors = {}
+        for alias in sent:
+            if alias not in signature.inputs:
+                raise invalid_argument(f"input tensor alias not found in signature: {alias}. Inputs expected to be "
+                                       f"in the set {{{','.join(expected)}}}.")
+            info, array = signature.inputs[alias], inputs[alias]
+            given = _tf_dtype_of(array)
+            if given != info.dtype:
+                raise invalid_argument(f"Expects arg[{expected.index(alias)}] to be {dtype_name(info.dtype)} but "
+                                       f"{dtype_name(given)} is provided")
+            shape = _shape_of(info)
+            if shape is not None and (len(shape) != array.ndim or any(
+                    size >= 0 and size != actual for size, actual in zip(shape, array.shape))):
+                raise invalid_argument(f"input tensor alias: {alias} has shape {_shape_string(array.shape)}, which is "
+                                       f"not compatible with the signature shape {_shape_string(shape)}")
+            tensors[alias] = tf.constant(array, dtype=tf.as_dtype(info.dtype))
+        selected = list(output_filter) or sorted(signature.outputs)
+        seen = set()
+        for alias in selected:
+            if alias not in signature.outputs:
+                raise invalid_argument(f"output tensor alias not found in signature: {alias} Outputs expected to be in "
+                                       f"the set {{{','.join(sorted(signature.outputs))}}}.")
+            if alias in seen:
+                raise invalid_argument(f"duplicate output tensor alias: {alias}")
+            seen.add(alias)
+        outputs = self._call(key, tensors)
+        return key, {alias: outputs[alias] for alias in selected}
+
+    def _call(self, key, tensors):
+        function = self._functions.get(key)
+        if function is None:
+            raise internal(f"Signature {key} has no function in the loaded SavedModel.")
+        try:
+            outputs = function(**tensors)
+        except tf.errors.OpError as error:
+            raise ServingError(error.error_code, error.message) from None
+        except (TypeError, ValueError) as error:
+            raise invalid_argument(str(error)) from None
+        if not isinstance(outputs, dict):
+            outputs = {"output_0": outputs}
+        return {alias: np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+                for alias, value in outputs.items()}
+
+    # ---------------------------------------------------------------------------------------
+    # Classify / Regress
+
+    def _example_signature(self, signature_name, method, kind, examples):
+        key = signature_name or DEFAULT_SIGNATURE
+        signature = self.signature_defs.get(key)
+        if signature is None:
+            raise invalid_argument(f"No signature was found with the name: {key}")
+        if signature.method_name != method:
+            raise invalid_argument(f"Expected {kind} signature method_name to be {method}. "
+                                   f"Was: {signature.method_name}")
+        if len(signature.inputs) != 1:
+            raise invalid_argument("Expected one input Tensor.")
+        if not examples:
+            raise invalid_argument("Input is empty.")
+        return key, signature
+
+    @staticmethod
+    def _serialized(examples, context):
+        records = []
+        for example in examples:
+            if context is not None:
+                merged = type(context)()
+                merged.CopyFrom(context)
+                merged.MergeFrom(example)
+                example = merged
+            records.append(example.SerializeToString())
+        return np.array(records, dtype=object)
+
+    def classify(self, signature_name, examples, context=None):
+        """Runs a `tensorflow/serving/classify` signature; returns a `ClassificationResult`."""
+        key, signature = self._example_signature(signature_name, CLASSIFY_METHOD, "classification", examples)
+        if len(signature.outputs) not in (1, 2) or not set(signature.outputs) <= {"classes", "scores"}:
+            raise invalid_argument(f"Expected one or two output Tensors, found {len(signature.outputs)}")
+        alias = next(iter(signature.inputs))
+        outputs = self._call(key, {alias: tf.constant(self._serialized(examples, context))})
+        classes, scores = outputs.get("classes"), outputs.get("scores")
+        batch = len(examples)
+        result = classification_pb2.ClassificationResult()
+        for row in range(batch):
+            classification = result.classifications.add()
+            count = (classes if classes is not None else scores).reshape(batch, -1).shape[1]
+            for column in range(count):
+                item = classification.classes.add()
+                if classes is not None:
+                    label = classes.reshape(batch, -1)[row, column]
+                    item.label = label.decode("utf-8", "replace") if isinstance(label, bytes) else str(label)
+                if scores is not None:
+                    item.score = float(scores.reshape(batch, -1)[row, column])
+        return result
+
+    def regress(self, signature_name, examples, context=None):
+        """Runs a `tensorflow/serving/regress` signature; returns a `RegressionResult`."""
+        key, signature = self._example_signature(signature_name, REGRESS_METHOD, "regression", examples)
+        if len(signature.outputs) != 1:
+            raise invalid_argument("Expected one output Tensor.")
+        alias = next(iter(signature.inputs))
+        outputs = self._call(key, {alias: tf.constant(self._serialized(examples, context))})
+        values = next(iter(outputs.values())).reshape(len(examples), -1)
+        if values.shape[1] != 1:
+            raise invalid_argument(f"Expected output Tensor shape to be either [batch_size] or [batch_size, 1] but "
+                                   f"got {_shape_string(values.shape)}")
+        result = regression_pb2.RegressionResult()
+        for value in values[:, 0]:
+            result.regressions.add().value = float(value)
+        return result
+
+    # ---------------------------------------------------------------------------------------
+    # Warmup
+
+    def _warmup(self):
+        """Replays `assets.extra/tf_serving_warmup_requests` (Predict records only), as TF Serving does."""
+        path = os.path.join(self.path, WARMUP_FILE)
+        if not os.path.isfile(path):
+            return
+        count = 0
+        for record in tf.data.TFRecordDataset(path).take(MAX_WARMUP_RECORDS):
+            entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
+            if entry.WhichOneof("log_type") != "predict_log":
+                continue
+            request = entry.predict_log.request
+            inputs = {alias: tf.make_ndarray(proto) for alias, proto in request.inputs.items()}
+            try:
+                self.predict(request.model_spec.signature_name, inputs, request.output_filter)
+            except ServingError as error:
+                raise ValueError(f"Warmup request {count} failed: {error}") from None
+            count += 1
+        log.info("Finished warmup of %s version %d with %d requests.", self.name, self.version, count)
+
