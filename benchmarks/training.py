@@ -84,8 +84,10 @@ def _flops(s, attention_layers, dense_params, predicted_tokens, tokens):
     return 6 * dense_params * tokens + 6 * s["vocab"] * s["hidden"] * predicted_tokens + attention
 
 
-def _dense_params(model):
-    return sum(int(np.prod(w.shape)) for w in model.trainable_weights if "embedding" not in w.path)
+def _dense_params(model, vocab):
+    """Parameters that multiply every token once: everything but embedding tables and the vocab projection."""
+    return sum(int(np.prod(w.shape)) for w in model.trainable_weights
+               if "embedding" not in w.path and vocab not in w.shape)
 
 
 def run(workload, smoke=False, repeats=5, steps=3):
@@ -96,7 +98,8 @@ def run(workload, smoke=False, repeats=5, steps=3):
         x, y = {"encoder_token_ids": ids, "decoder_token_ids": ids}, ids
         builders = {"tfformer float32": (tfformer_seq2seq, "float32"), "tfformer bfloat16": (tfformer_seq2seq, "mixed_bfloat16"),
                     "keras-hub float32": (keras_hub_seq2seq, "float32")}
-        tokens, predicted, attention_layers = 2 * ids.size, ids.size, 3 * s["layers"]
+        # Encoder weights see the source tokens, decoder weights the target tokens: same count on both sides.
+        tokens, predicted, attention_layers = ids.size, ids.size, 3 * s["layers"]
     else:
         s = _lm_shape(smoke)
         ids = rng.integers(4, s["vocab"], size=(s["batch"], s["length"] + 1)).astype("int32")
@@ -126,7 +129,7 @@ def run(workload, smoke=False, repeats=5, steps=3):
     rows = []
     for name, values in times.items():
         seconds = common.median(values) / steps
-        flops = _flops(s, attention_layers, _dense_params(built[name][0]), predicted, tokens)
+        flops = _flops(s, attention_layers, _dense_params(built[name][0], s["vocab"]), predicted, tokens)
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
             "ms_per_step": round(seconds * 1000, 1), "gflops": round(flops / seconds / 1e9, 1),
