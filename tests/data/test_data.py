@@ -142,3 +142,9 @@ def test_lm_pipeline():
     inputs, labels = next(iter(ds))
     np.testing.assert_array_equal(inputs["token_ids"].numpy()[:, 1:], labels.numpy()[:, :-1])
     assert inputs["token_ids"].shape == (3, 8)
+
+
+def test_id_to_piece():
+    tokenizer = data.SubwordTokenizer.train(["open the file", "close the file"] * 20, vocabulary_size=30)
+    ids = tokenizer.tokenize(["open the file"]).to_list()[0]
+    assert "".join(tokenizer.id_to_piece(ids)).replace("\u2581", " ") == "open the file"  # ▁ marks a space

@@ -158,3 +158,11 @@ def test_bad_arguments(seq2seq, lm):
         generation.generate_ids(lm, np.array([[5, 6], [0, 0]], "int32"), 3)
     with pytest.raises(ValueError, match="kind"):
         generation.Sampler("nucleus")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_causal_beam_search_with_and_without_xla(lm, jit_compile):
+    out = np.asarray(generation.generate_ids(lm, PROMPTS, max_new_tokens=5, beam_size=3, jit_compile=jit_compile))
+    assert out.shape == (3, 5)
+    one = np.asarray(generation.generate_ids(lm, PROMPTS, max_new_tokens=5, beam_size=1, jit_compile=jit_compile))
+    assert _trim(one) == _trim(generation.generate_ids(lm, PROMPTS, max_new_tokens=5, jit_compile=jit_compile))

@@ -124,7 +124,9 @@ class SubwordTokenizer(tf.Module):
         return self._tokenizer.detokenize(tf.RaggedTensor.from_row_splits(kept, splits, validate=False))
 
     def id_to_piece(self, ids):
-        return self._tokenizer.id_to_string(ids)
+        """The vocabulary pieces of `ids` (a Python list of str; for display, e.g. attention plots)."""
+        processor = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        return [processor.id_to_piece(int(i)) for i in ids]
 
     def save(self, path):
         """Write the SentencePiece model file (the tokenizer's only state)."""

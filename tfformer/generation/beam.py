@@ -96,6 +96,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         start = tf.reduce_min(prompt_lengths)
         cache = tuple(tf.unstack(model.empty_cache(batch * beam, total)))
         logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0)
+        logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
         finished = tf.zeros([batch, beam], tf.bool)
         lengths = tf.zeros([batch, beam], tf.int32)
@@ -105,7 +106,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
             return i < tf.reduce_max(prompt_lengths) + max_new_tokens
 
         def body(i, logits, tokens, cache, scores, finished, lengths):
-            log_probs = tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32))
+            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
             in_prompt = i < row_lengths
             forced = tf.where(in_prompt, tokens[:, :, i], -1)
             scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab)
@@ -118,7 +119,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
             tokens = tf.where(tf.range(total) == i, token[..., None], tokens)  # write column i
             finished = finished | (generated & tf.equal(token, END_ID)) | (i + 1 >= row_lengths + max_new_tokens)
             logits, cache = model.decode_step(tf.reshape(token, (-1, 1)), cache, i)
-            return i + 1, logits, tokens, cache, scores, finished, lengths
+            return i + 1, logits[:, -1, :], tokens, cache, scores, finished, lengths
 
         loop = (start, logits, tokens, cache, scores, finished, lengths)
         _, _, tokens, _, scores, finished, lengths = tf.while_loop(cond, body, loop)
