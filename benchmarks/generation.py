@@ -9,10 +9,8 @@ Also: tfformer's per-token time at position ~500 vs ~50.
 
 import argparse
 
-import keras
 import keras_hub
 import numpy as np
-import tensorflow as tf
 
 from benchmarks import common
 from tfformer import generation, models

@@ -14,7 +14,6 @@ the same run.
 """
 
 import argparse
-import time
 
 import keras
 import keras_hub

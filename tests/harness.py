@@ -75,3 +75,14 @@ def check_layer(cls, init_kwargs, call_args, call_kwargs=None, expected_output_s
             low_out = low(*args, **call_kwargs)
             assert np.all(np.isfinite(keras.ops.convert_to_numpy(keras.ops.cast(low_out, "float32"))))
     return layer, outputs
+
+
+def spread(model, seed=0, scale=0.5):
+    """Random kernels large enough that greedy decoding of an untrained model is not one repeated token.
+
+    Only kernels (ndim >= 2) are redrawn: random biases and LayerNorm offsets would dominate the logits.
+    """
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(size=w.shape).astype("float32") * scale if w.ndim >= 2 else w
+                       for w in model.get_weights()])
+    return model

@@ -18,7 +18,7 @@ def _write_mo(path, entries):
     n = len(keys)
     key_start = 7 * 4 + 16 * n
     value_start = key_start + len(ids)
-    offsets, pos_k, pos_v = [], 0, 0
+    pos_k, pos_v = 0, 0
     koffsets, voffsets = [], []
     for k in keys:
         kb, vb = k.encode(), entries[k].encode()

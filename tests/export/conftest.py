@@ -1,19 +1,12 @@
-import numpy as np
 import pytest
 
+from tests.harness import spread  # noqa: F401  (re-exported for the export tests)
 from tfformer import data, models
 
 PAIRS = [("open the file", "Datei öffnen"), ("close the file", "Datei schließen"), ("save the folder", "Ordner speichern"),
          ("delete a file", "eine Datei löschen"), ("Error: %s\n", "Fehler: %s\n")]
 CFG = dict(hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
            max_sequence_length=32, norm_first=True, tie_embeddings=False)
-
-
-def spread(model, seed=0):
-    """Random weights large enough that greedy decoding is not one repeated token."""
-    rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(size=w.shape).astype("float32") * 0.5 if w.ndim >= 2 else w for w in model.get_weights()])
-    return model
 
 
 @pytest.fixture(scope="session")

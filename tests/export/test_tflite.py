@@ -3,7 +3,6 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter
 
 from tfformer import edge, export, generation, models, training

@@ -1,21 +1,14 @@
 import itertools
 
-import keras
 import numpy as np
 import pytest
 
+from tests.harness import spread as _spread
 from tfformer import generation, models
 from tfformer.generation.decode import END_ID
 
 CFG = dict(vocabulary_size=24, hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1,
            num_decoder_layers=2, dropout=0.0, max_sequence_length=32, norm_first=True, tie_embeddings=False)
-
-
-def _spread(model, seed=0):
-    """Random weights large enough that greedy decoding does not just repeat one token."""
-    rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(size=w.shape).astype("float32") * 0.5 if w.ndim >= 2 else w for w in model.get_weights()])
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,3 @@
-import keras
 import numpy as np
 import pytest
 from keras import ops

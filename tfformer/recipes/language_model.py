@@ -3,7 +3,6 @@
 import os
 import time
 
-import keras
 
 from tfformer import data, generation, models, training
 from tfformer.recipes import rundir
@@ -16,11 +15,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`."""
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
-    state = rundir.prepare(out, overwrite=overwrite)
-    strategy = training.get_strategy(replicas)
-    if mixed_precision:
-        keras.config.set_dtype_policy(training.mixed_precision_policy())
-    keras.utils.set_random_seed(seed)
+    state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     lines = data.text_corpus(text_files)
     splits = {"train": [], "validation": [], "test": []}
     for line in lines:
@@ -31,7 +26,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     else:
         tokenizer = data.SubwordTokenizer.train(splits["train"], vocabulary_size)
         tokenizer.save(tokenizer_path)
-    printer(f"lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f"; vocabulary {tokenizer.vocabulary_size}")
+    printer("lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f"; vocabulary {tokenizer.vocabulary_size}")
     config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
                                max_sequence_length=max(sequence_length, 64), **overrides)
     if config.architecture != "causal_lm":

@@ -27,6 +27,20 @@ def prepare(path, overwrite=False):
     return "new"
 
 
+def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
+    """Start (or resume) a run in `out`: returns `(state, strategy)` with the dtype policy and seeds set."""
+    import keras
+
+    from tfformer import training
+
+    state = prepare(out, overwrite=overwrite)
+    strategy = training.get_strategy(replicas)
+    if mixed_precision:
+        keras.config.set_dtype_policy(training.mixed_precision_policy())
+    keras.utils.set_random_seed(seed)
+    return state, strategy
+
+
 def write_json(path, data):
     tmp = path + ".tmp"
     with open(tmp, "w") as handle:

@@ -70,11 +70,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
-    state = rundir.prepare(out, overwrite=overwrite)
-    strategy = training.get_strategy(replicas)
-    if mixed_precision:
-        keras.config.set_dtype_policy(training.mixed_precision_policy())
-    keras.utils.set_random_seed(seed)
+    state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     splits = load_pairs(target_language, data_file)
     printer(f"pairs: train {len(splits['train'])}, validation {len(splits['validation'])}, test {len(splits['test'])}")
 
