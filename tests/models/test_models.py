@@ -140,7 +140,7 @@ def test_presets_build_and_run():
         "all-minilm-l6-v2", "bert-mini", "gpt-mini", "transformer-base", "transformer-big", "transformer-tiny"
     ]
     tiny = models.from_preset("transformer-tiny")
-    assert isinstance(tiny, models.Seq2SeqTransformer) and tiny.config.hidden_dim == 256
+    assert isinstance(tiny, models.Seq2SeqTransformer) and tiny.config.hidden_dim == 128
     bert = models.from_preset("bert-mini", num_encoder_layers=1)
     out = bert({"token_ids": np.array([[2, 3, 0]]), "segment_ids": np.zeros((1, 3), "int32")})
     assert out["sequence_output"].shape == (1, 3, 256) and out["pooled_output"].shape == (1, 256)
