@@ -153,6 +153,11 @@ class MultiHeadAttention(keras.layers.Layer):
     def _value_dim(self):
         return self.value_dim or self.key_dim
 
+    def _check_cacheable(self):
+        # Keys and values share one cache tensor (B, 2, N, S, H).
+        if self._value_dim != self.key_dim:
+            raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+
     def _kernel(self, name, input_dim, units):
         kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
         bias = self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer) if self.use_bias else None
@@ -226,8 +231,7 @@ class MultiHeadAttention(keras.layers.Layer):
         Used for cross-attention during decoding: the encoder output is
         projected once instead of at every step.
         """
-        if self._value_dim != self.key_dim:
-            raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+        self._check_cacheable()
         dummy_query = value[:, :1]
         _, k, v = self._project(dummy_query, value, key)
         return ops.stack([k, v], axis=1)  # (B, 2, N, S, H)
@@ -268,8 +272,7 @@ class MultiHeadAttention(keras.layers.Layer):
         else:
             q, k, v = self._project(query, value, key)
         if cache is not None and cache_index is not None:
-            if self._value_dim != self.key_dim:
-                raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+            self._check_cacheable()
             cache = _write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index)  # (B, 2, N, S_max, H)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         key_length = ops.shape(k)[2]
