@@ -72,7 +72,7 @@ def keras_hub_lm(s):
     backbone = keras_hub.models.GPT2Backbone(vocabulary_size=s["vocab"], num_layers=s["layers"], num_heads=s["heads"],
                                              hidden_dim=s["hidden"], intermediate_dim=s["intermediate"],
                                              max_sequence_length=s["length"], dropout=0.1)
-    inputs = {"token_ids": backbone.inputs[0], "padding_mask": backbone.inputs[1]}
+    inputs = dict(backbone.input)  # {"token_ids": ..., "padding_mask": ...}; the list order is not the names'
     hidden = backbone(inputs)
     logits = backbone.token_embedding(hidden, reverse=True)
     return _compile(keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits)))

@@ -44,6 +44,24 @@ def test_masked_loss_matches_numpy(rng, smoothing):
     np.testing.assert_allclose(got, per_token.sum() / labels.size, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_masked_loss_gradient_matches_numpy(rng, smoothing):
+    import tensorflow as tf
+
+    logits = tf.constant(rng.normal(size=(2, 4, 5)).astype("float32"))
+    labels = rng.integers(1, 5, size=(2, 4))
+    labels[1, 2:] = 0
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        value = training.MaskedSparseCrossEntropy(label_smoothing=smoothing)(labels, logits)
+    grad = tape.gradient(value, logits).numpy()
+    p = np.exp(logits.numpy()) / np.exp(logits.numpy()).sum(-1, keepdims=True)
+    target = np.full(p.shape, smoothing / 5)
+    target[np.arange(2)[:, None], np.arange(4)[None, :], labels] += 1 - smoothing
+    expected = (p - target) * (labels != 0)[..., None] / labels.size  # d(sum over real tokens / (B*T))
+    np.testing.assert_allclose(grad, expected, atol=1e-6)
+
 def test_masked_metrics(rng):
     logits = rng.normal(size=(2, 4, 6)).astype("float32")
     labels = np.argmax(logits, -1)

@@ -3,6 +3,7 @@
 from tfformer.layers import masks
 from tfformer.layers.attention import MultiHeadAttention
 from tfformer.layers.decoder_block import DecoderBlock
+from tfformer.layers.dropout import Dropout
 from tfformer.layers.encoder_block import EncoderBlock
 from tfformer.layers.feedforward import FeedForward
 from tfformer.layers.position_embedding import PositionEmbedding
@@ -14,6 +15,7 @@ __all__ = [
     "masks",
     "MultiHeadAttention",
     "DecoderBlock",
+    "Dropout",
     "EncoderBlock",
     "FeedForward",
     "PositionEmbedding",

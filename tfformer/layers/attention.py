@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from tfformer.layers import masks as masks_lib
+from tfformer.layers.dropout import Dropout
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
@@ -147,7 +148,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.supports_masking = True
-        self._dropout_layer = keras.layers.Dropout(dropout)
+        self._dropout_layer = Dropout(dropout)
 
     @property
     def _value_dim(self):
@@ -206,12 +207,13 @@ class MultiHeadAttention(keras.layers.Layer):
         qu, ku, vu = self._q_units, self._k_units, self._v_units
         if self._fused and value is query and (key is None or key is query):
             qkv = self._dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*(2H+Hv))
-            q, k, v = qkv[..., :qu], qkv[..., qu : qu + ku], qkv[..., qu + ku :]
+            # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
+            q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
         elif self._fused:
             q = self._project_query(query)
             if key is None or key is value:
                 kv = self._dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
-                k, v = kv[..., :ku], kv[..., ku:]
+                k, v = ops.split(kv, [ku], axis=-1)
             else:
                 k = self._dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
                 v = self._dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)

@@ -2,6 +2,7 @@ import keras
 
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.attention import MultiHeadAttention, _check_positive_int, check_dropout
+from tfformer.layers.dropout import Dropout
 from tfformer.layers.feedforward import FeedForward
 
 
@@ -116,7 +117,7 @@ class EncoderBlock(keras.layers.Layer):
         self.feedforward.build(inputs_shape)
         self.feedforward_norm = self._norm("feedforward_norm")
         self.feedforward_norm.build(inputs_shape)
-        self._residual_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        self._residual_dropout = Dropout(self.dropout, dtype=self.dtype_policy)
 
     def build(self, inputs_shape):
         self._build_common(inputs_shape)

@@ -2,6 +2,7 @@ import keras
 from keras import ops
 
 from tfformer.layers.attention import _check_positive_int, check_dropout
+from tfformer.layers.dropout import Dropout
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -60,7 +61,7 @@ class FeedForward(keras.layers.Layer):
         self.intermediate_dense.build(inputs_shape)
         self.output_dense = dense(self.hidden_dim, "output_dense")
         self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
-        self._dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        self._dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy)
         self.built = True
 
     def call(self, inputs, training=None):

@@ -74,8 +74,13 @@ def masked_softmax(scores, mask=None, axis=-1):
     if mask is not None:
         mask = ops.cast(mask, "bool")
         scores = ops.where(mask, scores, MASK_VALUE)
-    # exp(x - max) / sum, written out: ops.softmax warns about size-1 axes (one-key cached steps).
-    weights = ops.exp(scores - ops.max(scores, axis=axis, keepdims=True))
-    weights = weights / ops.sum(weights, axis=axis, keepdims=True)
-    # A fully masked row softmaxes to uniform weights; zero them like any masked key.
-    return weights if mask is None else ops.where(mask, weights, 0.0)
+    if scores.shape[axis] == 1:
+        weights = ops.ones_like(scores)  # one key: ops.softmax would warn that the result is always 1
+    else:
+        weights = ops.softmax(scores, axis=axis)  # one fused kernel (and one fused gradient)
+    if mask is None:
+        return weights
+    # A fully masked row softmaxes to uniform weights; zero it. The row test runs on the
+    # (usually broadcast, small) mask, so the full-size cost is one multiply.
+    row_has_key = ops.any(mask, axis=axis, keepdims=True)
+    return weights * ops.cast(row_has_key, "float32")

@@ -28,7 +28,7 @@ class CausalLM(base.TransformerModel):
                 name="output_projection",
             )
         position = base.position_layer(config, "position")
-        dropout = keras.layers.Dropout(config.dropout, name="embedding_dropout")
+        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
         blocks = [
             layers.DecoderBlock(**base.block_kwargs(config), cross_attention=False, name=f"decoder_block_{i}")
             for i in range(config.num_decoder_layers)

@@ -32,7 +32,7 @@ class TransformerEncoder(base.TransformerModel):
                 config.num_segments, config.hidden_dim, embeddings_initializer=init, name="segment_embedding"
             )
         embedding_norm = keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, name="embedding_norm")
-        dropout = keras.layers.Dropout(config.dropout, name="embedding_dropout")
+        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
         blocks = [
             layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
             for i in range(config.num_encoder_layers)

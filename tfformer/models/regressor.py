@@ -19,7 +19,7 @@ class SequenceRegressor(base.TransformerModel):
         init = base.kernel_initializer(config)
         input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init, name="input_projection")
         position = base.position_layer(config, "position")
-        dropout = keras.layers.Dropout(config.dropout, name="embedding_dropout")
+        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
         blocks = [
             layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
             for i in range(config.num_encoder_layers)

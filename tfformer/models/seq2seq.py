@@ -33,8 +33,8 @@ class Seq2SeqTransformer(base.TransformerModel):
             )
         encoder_position = base.position_layer(config, "encoder_position")
         decoder_position = base.position_layer(config, "decoder_position")
-        encoder_dropout = keras.layers.Dropout(config.dropout, name="encoder_embedding_dropout")
-        decoder_dropout = keras.layers.Dropout(config.dropout, name="decoder_embedding_dropout")
+        encoder_dropout = layers.Dropout(config.dropout, name="encoder_embedding_dropout")
+        decoder_dropout = layers.Dropout(config.dropout, name="decoder_embedding_dropout")
         encoder_blocks = [
             layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
             for i in range(config.num_encoder_layers)

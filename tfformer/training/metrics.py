@@ -35,8 +35,7 @@ class Perplexity(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         labels = ops.cast(y_true, "int32")
         mask = ops.cast(ops.not_equal(labels, self.padding_id), "float32")
-        log_probs = ops.log_softmax(ops.cast(y_pred, "float32"), axis=-1)
-        nll = -ops.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+        nll = ops.sparse_categorical_crossentropy(labels, ops.cast(y_pred, "float32"), from_logits=True)  # (B, T)
         self.total.assign_add(ops.sum(nll * mask))
         self.count.assign_add(ops.sum(mask))
 
