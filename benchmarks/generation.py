@@ -1,7 +1,9 @@
 """Greedy generation speed: tfformer vs keras-hub GPT2CausalLM of the same shape, same process, interleaved.
 
 Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024; 16-token prompts,
-128 new tokens, batch 1 and 8; random weights, no early stop. Each system with and without XLA.
+128 new tokens, batch 1 and 8; random weights, no early stop. Each system with and without XLA, and
+with XLA under the mixed_bfloat16 policy (what a model trained with `--mixed-precision` runs in; logits
+stay float32). "Best" is each system's fastest row.
 Also: tfformer's per-token time at position ~500 vs ~50.
 
     python -m benchmarks.generation [--smoke]
@@ -9,6 +11,7 @@ Also: tfformer's per-token time at position ~500 vs ~50.
 
 import argparse
 
+import keras
 import keras_hub
 import numpy as np
 
@@ -16,7 +19,15 @@ from benchmarks import common
 from tfformer import generation, models
 
 
-def build(shape, max_length):
+def build(shape, max_length, policy="float32"):
+    keras.config.set_dtype_policy(policy)
+    try:
+        return _build(shape, max_length, xla_settings=(True,) if policy != "float32" else (False, True))
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _build(shape, max_length, xla_settings):
     config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=shape["vocab"], hidden_dim=shape["hidden"],
                                       num_heads=shape["heads"], intermediate_dim=shape["intermediate"],
                                       num_encoder_layers=0, num_decoder_layers=shape["layers"], dropout=0.0,
@@ -28,7 +39,7 @@ def build(shape, max_length):
                                              intermediate_dim=shape["intermediate"], max_sequence_length=max_length)
     # One task per XLA setting, sharing the backbone: compile() would otherwise drop the cached generate function.
     theirs = {}
-    for xla in (False, True):
+    for xla in xla_settings:
         theirs[xla] = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         theirs[xla].compile(sampler="greedy", jit_compile=xla)
     return ours, theirs
@@ -43,7 +54,9 @@ def main(argv=None):
     if args.smoke:
         shape = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
         prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1,)
-    ours, theirs = build(shape, max_length=1024 if not args.smoke else 64)
+    max_length = 1024 if not args.smoke else 64
+    ours, theirs = build(shape, max_length)
+    ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
     rng = np.random.default_rng(0)
     rows = []
     for batch in batches:
@@ -57,6 +70,9 @@ def main(argv=None):
                 ours, prompt, new_tokens, jit_compile=xla, end_id=-1).numpy())
             calls[f"keras-hub xla={xla}"] = (lambda xla=xla: theirs[xla].generate(
                 {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None))
+        calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(ours16, prompt, new_tokens, end_id=-1).numpy()
+        calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
+            {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
         times = common.interleaved(calls, repeats=repeats, warmup=1)
         for name, values in times.items():
             seconds = common.median(values)
@@ -83,6 +99,10 @@ def main(argv=None):
     print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
     for b in batches:
         print(f"batch {b}: tfformer best / keras-hub best = {best_tf[b] / best_kh[b]:.2f}")
+        for tag in ("xla=True", "bf16 xla=True"):
+            ratio = next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == f"tfformer {tag}") / next(
+                r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == f"keras-hub {tag}")
+            print(f"batch {b}: tfformer {tag} / keras-hub {tag} = {ratio:.2f}")
     print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token[positions[1]] / per_token[positions[0]]:.2f}")
 
 

@@ -192,3 +192,21 @@ def test_layer_harness(rng):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MultiHeadAttention(**kwargs)
+
+
+def test_in_place_cache_write_under_xla_equals_select_write(rng):
+    import tensorflow as tf
+
+    from tfformer.layers.attention import _write_cache, in_place_cache_writes
+
+    cache = tf.constant(rng.normal(size=(2, 2, 3, 9, 4)).astype("float32"))
+    new = tf.constant(rng.normal(size=(2, 2, 3, 2, 4)).astype("float32"))
+    expected = cache.numpy().copy()
+    expected[:, :, :, 5:7] = new.numpy()
+    fn = tf.function(lambda c, n, i: _write_cache(c, n, i), jit_compile=True)
+    with in_place_cache_writes():
+        in_place = fn(cache, new, tf.constant(5))
+    graph = fn.get_concrete_function(cache, new, tf.constant(5)).graph.as_graph_def()
+    assert any(node.op == "XlaDynamicUpdateSlice" for node in graph.node)
+    np.testing.assert_array_equal(in_place.numpy(), expected)
+    np.testing.assert_array_equal(_write_cache(cache, new, 5).numpy(), expected)  # default: select form

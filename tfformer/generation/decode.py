@@ -11,6 +11,7 @@ import warnings
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
+from tfformer.layers.attention import in_place_cache_writes
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
 
@@ -160,7 +161,10 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
-    return _compiled(model, key, make)(token_ids)
+    if not jit_compile:
+        return _compiled(model, key, make)(token_ids)
+    with in_place_cache_writes():  # traced for XLA: cache writes cost O(new tokens), not O(cache size)
+        return _compiled(model, key, make)(token_ids)
 
 
 def strip_after_end(ids):

@@ -1,3 +1,4 @@
+import contextlib
 import math
 
 import keras
@@ -24,14 +25,38 @@ def check_dropout(value, name="dropout"):
         raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
 
 
+_IN_PLACE_CACHE_WRITES = [False]
+
+
+@contextlib.contextmanager
+def in_place_cache_writes():
+    """While tracing inside this context, cache writes are in-place dynamic-update-slices.
+
+    For code compiled with XLA (`jit_compile=True`): a decode step then writes
+    `T` cache positions instead of rewriting the whole `(B, 2, N, S_max, H)`
+    buffer, so its cost does not grow with `S_max`. Outside XLA that op does not
+    exist (SavedModel without XLA, TFLite), hence the default select form.
+    """
+    previous = _IN_PLACE_CACHE_WRITES[0]
+    _IN_PLACE_CACHE_WRITES[0] = True
+    try:
+        yield
+    finally:
+        _IN_PLACE_CACHE_WRITES[0] = previous
+
+
 def _write_cache(cache, new, index):
     """`cache` (B, 2, N, S, H) with `new` (B, 2, N, T, H) written at positions `index .. index+T-1`.
 
-    A gather + select with static shapes, instead of `ops.slice_update`: on
-    TensorFlow that is XlaDynamicUpdateSlice, which needs XLA at run time (not
+    By default a gather + select with static shapes, instead of `ops.slice_update`:
+    on TensorFlow that is XlaDynamicUpdateSlice, which needs XLA at run time (not
     in every TF Serving build) and has no TFLite builtin, while a dynamic pad
-    would break XLA compilation. This form runs in all three.
+    would break XLA compilation. This form runs in all three; under
+    `in_place_cache_writes()` (XLA only) the slice update is used.
     """
+    if _IN_PLACE_CACHE_WRITES[0]:
+        zero = ops.zeros((), "int32")
+        return ops.slice_update(cache, [zero, zero, zero, ops.cast(index, "int32"), zero], new)
     size, length = ops.shape(cache)[3], ops.shape(new)[3]
     offset = ops.arange(size) - index  # slot s takes new[s - index]
     written = ops.logical_and(offset >= 0, offset < length)
