@@ -30,9 +30,12 @@ def main(argv=None):
         serve = saved.signatures["predict_ids"]
         calls = {"saved_model": lambda: serve(token_ids=tf.constant(ids))["logits"].numpy()}
         for quantize in (None, "dynamic"):
-            path = export.tflite(model, os.path.join(tmp, f"{quantize}.tflite"), quantize=quantize, sequence_length=length)
-            runner = Interpreter(model_path=path, num_threads=2).get_signature_runner("predict_ids")
-            calls[f"tflite {quantize or 'float32'}"] = lambda runner=runner: runner(token_ids=ids)["logits"]
+            for batch_size in (None, 1):  # dynamic batch, and every shape static
+                path = export.tflite(model, os.path.join(tmp, f"{quantize}-{batch_size}.tflite"), quantize=quantize,
+                                     sequence_length=length, batch_size=batch_size)
+                runner = Interpreter(model_path=path, num_threads=2).get_signature_runner("predict_ids")
+                name = f"tflite {quantize or 'float32'}" + (" batch=1 static" if batch_size else "")
+                calls[name] = lambda runner=runner: runner(token_ids=ids)["logits"]
         times = common.interleaved(calls, repeats=1 if args.smoke else 20, warmup=2)
     base = common.median(times["saved_model"])
     for name, values in times.items():

@@ -35,6 +35,20 @@ def test_float32_tflite_matches_keras(tmp_path, rng, architecture):
         np.testing.assert_allclose(got[key], np.asarray(value), atol=1e-4)
 
 
+
+@pytest.mark.parametrize("architecture", ["seq2seq", "causal_lm"])
+def test_static_shape_tflite_matches_keras_without_shape_ops(tmp_path, rng, architecture):
+    model = spread(models.build_model(models.TransformerConfig(architecture=architecture, vocabulary_size=50, **CFG)))
+    inputs = _inputs(model, rng, batch=1, length=6)
+    length = 6 if architecture == "causal_lm" else None  # seq2seq: both inputs' lengths stay free
+    path = export.tflite(model, str(tmp_path / "m.tflite"), sequence_length=length, batch_size=1)
+    np.testing.assert_allclose(_run(path, inputs)["logits"], np.asarray(model(inputs)), atol=1e-4)
+    if architecture == "causal_lm":  # every shape static: no run-time shape arithmetic left in the graph
+        ops = {op["op_name"] for op in Interpreter(model_path=path)._get_ops_details()}
+        assert not ops & {"SHAPE", "PACK", "REDUCE_PROD"}, ops  # (GATHER stays: the embedding lookup)
+    with pytest.raises(ValueError, match="batch_size"):
+        export.tflite(model, str(tmp_path / "x.tflite"), batch_size=0)
+
 @pytest.fixture(scope="module")
 def trained_lm():
     """A tiny LM trained on a structured token stream, so top-1 agreement is measured on real predictions."""
