@@ -7,6 +7,12 @@ from tfformer.layers.dropout import Dropout
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 
+def _in_float32(fn, x):
+    # erf/exp/sigmoid on bfloat16 tensors run element by element through float conversions on CPU:
+    # casting around them is about 2x faster (and more precise) than computing in bfloat16.
+    return ops.cast(fn(ops.cast(x, "float32")), x.dtype)
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class FeedForward(keras.layers.Layer):
     """Position-wise feed-forward network: `W_2 act(W_1 x + b_1) + b_2`.
@@ -68,9 +74,9 @@ class FeedForward(keras.layers.Layer):
         x = self.intermediate_dense(inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
-            x = ops.silu(gate) * x
+            x = _in_float32(ops.silu, gate) * x
         elif self.activation == "gelu":
-            x = ops.gelu(x, approximate=False)
+            x = _in_float32(lambda h: ops.gelu(h, approximate=False), x)
         else:
             x = ops.relu(x)
         x = self._dropout_layer(x, training=training)
