@@ -105,6 +105,14 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     assert exported.returncode == 0, exported.stderr[-3000:]
     names = sorted(os.listdir(tmp_path / "models" / "en-de"))
     assert names == ["1", "decoder.tflite", "model.tflite"]
+    static = _cli("export", str(out), "--format", "tflite", "--out", str(tmp_path / "static"), "--batch-size", "1",
+                  "--sequence-length", "8")
+    assert static.returncode == 0, static.stderr[-3000:]
+    from ai_edge_litert.interpreter import Interpreter
+
+    runner = Interpreter(model_path=str(tmp_path / "static" / "model.tflite")).get_signature_runner("predict_ids")
+    assert {name: list(d["shape"]) for name, d in runner.get_input_details().items()} == {
+        "encoder_token_ids": [1, 8], "decoder_token_ids": [1, 8]}
     again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"), "--version", "1")
     assert again.returncode == 2 and "already exists" in again.stderr
     blank = _cli("translate", "--run", str(out), "   ")

@@ -89,7 +89,8 @@ def _export(args):
             print(f"SavedModel: {path}  (serving_default: text -> embedding; predict_ids: token_ids, padding_mask)")
         if args.format in ("tflite", "all"):
             os.makedirs(args.out, exist_ok=True)
-            ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize)
+            ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize,
+                                sequence_length=args.sequence_length, batch_size=args.batch_size)
             print(f"TFLite: {ids} (token_ids, padding_mask -> embedding; tokenize on the host)")
         return 0
     if args.format in ("saved_model", "all"):
@@ -99,7 +100,8 @@ def _export(args):
               f"--model_name NAME --model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
         os.makedirs(args.out, exist_ok=True)
-        ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize)
+        ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize,
+                            sequence_length=args.sequence_length, batch_size=args.batch_size)
         decoder = export.tflite_decoder(model, os.path.join(args.out, "decoder.tflite"), tokenizer=tokenizer,
                                         quantize=args.quantize)
         print(f"TFLite: {ids} (token ids -> logits), {decoder} (single-step decoder + tokenizer, for tfformer.edge)")
@@ -238,6 +240,9 @@ def main(argv=None):
     exporter.add_argument("--max-new-tokens", type=int, default=64)
     exporter.add_argument("--beam-size", type=int)
     exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
+    exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
+    exporter.add_argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
+                          "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)")
     exporter.set_defaults(fn=_export)
 
     evaluate = commands.add_parser("evaluate", help="BLEU of a translation run on a split")

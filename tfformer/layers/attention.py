@@ -270,11 +270,15 @@ class MultiHeadAttention(keras.layers.Layer):
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
             hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
             return ops.sum(hidden * w, axis=-1)
+        return ops.matmul(self._score_query(q), ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
+
+    def _score_query(self, q):
+        # Dot-product scores are (q W) . k: W = I/sqrt(H) (scaled_dot), I (dot), one W per head (general).
         if self.score == "general":
-            q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
-        elif self.score == "scaled_dot":
-            q = q * ops.cast(1.0 / math.sqrt(self.key_dim), q.dtype)
-        return ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
+            return ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
+        if self.score == "scaled_dot":
+            return q * ops.cast(1.0 / math.sqrt(self.key_dim), q.dtype)
+        return q
 
     def call(
         self,
@@ -317,10 +321,19 @@ class MultiHeadAttention(keras.layers.Layer):
             if cache_index is not None and not use_causal_mask
             else None,
         )
-        scores = self._scores(q, k)  # (B, N, T, S)
+        # One query against a cache, under XLA: XLA's CPU dot for these (B*N) tiny matrix-vector products is
+        # a scalar loop; a broadcast multiply + sum fuses into one vectorized pass over the cache.
+        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1 and self.score != "additive"
+        if one_step:
+            scores = ops.sum(self._score_query(q) * k, axis=-1)[:, :, None, :]  # (B, N, 1, H) * (B, N, S, H) -> (B, N, 1, S)
+        else:
+            scores = self._scores(q, k)  # (B, N, T, S)
         weights = masks_lib.masked_softmax(scores, None if mask is None else ops.expand_dims(mask, 1))  # (B, N, T, S) float32
         dropped = self._dropout_layer(weights, training=training)
-        x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
+        if one_step:
+            x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
+        else:
+            x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
         x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
         x = ops.reshape(x, (ops.shape(x)[0], query_length, self._v_units))  # (B, T, N*Hv)
         outputs = self._dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1])
