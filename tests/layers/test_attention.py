@@ -158,6 +158,9 @@ def test_fully_masked_rows_are_finite(rng, policy):
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(np.asarray(w)))
     assert keras.backend.standardize_dtype(w.dtype) == "float32"  # softmax ran in float32
     np.testing.assert_array_equal(np.asarray(w)[0], 0.0)
+    # A query with no visible key outputs exactly the output bias.
+    bias = ops.convert_to_numpy(ops.cast(layer.output_bias, "float32"))
+    np.testing.assert_allclose(out[0], np.broadcast_to(bias, out[0].shape), atol=1e-6)
 
 
 def test_unequal_widths_use_separate_projections(rng):

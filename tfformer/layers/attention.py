@@ -328,12 +328,19 @@ class MultiHeadAttention(keras.layers.Layer):
             scores = ops.sum(self._score_query(q) * k, axis=-1)[:, :, None, :]  # (B, N, 1, H) * (B, N, S, H) -> (B, N, 1, S)
         else:
             scores = self._scores(q, k)  # (B, N, T, S)
-        weights = masks_lib.masked_softmax(scores, None if mask is None else ops.expand_dims(mask, 1))  # (B, N, T, S) float32
+        mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
+        # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
+        weights = masks_lib.masked_softmax(scores, mask, zero_empty_rows=False)  # (B, N, T, S) float32
         dropped = self._dropout_layer(weights, training=training)
         if one_step:
             x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
         else:
             x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
+        if mask is not None:
+            row_has_key = ops.any(mask, axis=-1, keepdims=True)  # (B|1, 1, T, 1)
+            x = x * ops.cast(row_has_key, x.dtype)
+            if return_attention_scores:
+                weights = weights * ops.cast(row_has_key, weights.dtype)
         x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
         x = ops.reshape(x, (ops.shape(x)[0], query_length, self._v_units))  # (B, T, N*Hv)
         outputs = self._dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1])

@@ -64,11 +64,13 @@ def merge_masks(*masks):
     return merged
 
 
-def masked_softmax(scores, mask=None, axis=-1):
+def masked_softmax(scores, mask=None, axis=-1, zero_empty_rows=True):
     """Softmax in float32 over `axis` with masked positions set to exactly 0.
 
     `mask` broadcasts to `scores`. A row whose keys are all masked gets all-zero
-    weights (no NaN), whatever the dtype of `scores`.
+    weights (no NaN), whatever the dtype of `scores`. With `zero_empty_rows=False`
+    such a row keeps uniform weights and the caller zeroes what it computes from
+    it (MultiHeadAttention zeroes the mixed values, a smaller tensor).
     """
     scores = ops.cast(scores, "float32")
     if mask is not None:
@@ -78,7 +80,7 @@ def masked_softmax(scores, mask=None, axis=-1):
         weights = ops.ones_like(scores)  # one key: ops.softmax would warn that the result is always 1
     else:
         weights = ops.softmax(scores, axis=axis)  # one fused kernel (and one fused gradient)
-    if mask is None:
+    if mask is None or not zero_empty_rows:
         return weights
     # A fully masked row softmaxes to uniform weights; zero it. The row test runs on the
     # (usually broadcast, small) mask, so the full-size cost is one multiply.

@@ -63,6 +63,7 @@ class TokenEmbedding(keras.layers.Layer):
         _check_positive_int("vocabulary_size", vocabulary_size)
         _check_positive_int("hidden_dim", hidden_dim)
         super().__init__(**kwargs)
+        self.autocast = False  # variables are read in float32; call() and attend() cast what they use
         self.vocabulary_size = vocabulary_size
         self.hidden_dim = hidden_dim
         self.scale = scale
@@ -81,7 +82,8 @@ class TokenEmbedding(keras.layers.Layer):
         if reverse:
             return self.attend(inputs)
         check_token_ids(inputs, self.vocabulary_size)
-        x = ops.take(ops.cast(self.embeddings, self.compute_dtype), ops.cast(inputs, "int32"), axis=0)  # (B, T, D)
+        # Gather from the float32 table, then cast the (B, T, D) rows: not the whole (V, D) table.
+        x = ops.cast(ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)  # (B, T, D)
         return x * ops.cast(math.sqrt(self.hidden_dim), x.dtype) if self.scale else x
 
     def attend(self, inputs):
