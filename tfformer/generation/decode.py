@@ -123,7 +123,7 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
     search with the GNMT `length_penalty`.
 
-    XLA is on by default: on this CPU it makes batch-1 decoding about 2.7x faster (benchmarks/generation.py).
+    XLA is on by default: on this CPU it makes batch-1 decoding about 4x faster (benchmarks/generation.py).
     Inputs are right-padded to a multiple of 16 tokens so that XLA compiles a handful of shapes, not one per
     length.
     """
