@@ -15,8 +15,12 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def interleaved(callables, repeats=5, warmup=1):
-    """{name: [seconds...]} running each callable in turn, `repeats` rounds after `warmup` rounds."""
+def interleaved(callables, repeats=5, warmup=1, self_timed=False):
+    """{name: [seconds...]} running each callable in turn, `repeats` rounds after `warmup` rounds.
+
+    With `self_timed`, each callable returns its own duration in seconds (e.g. one measured in a worker
+    process, without the IPC around it) and that is recorded instead of the wall time of the call.
+    """
     for _ in range(warmup):
         for fn in callables.values():
             fn()
@@ -24,8 +28,8 @@ def interleaved(callables, repeats=5, warmup=1):
     for _ in range(repeats):
         for name, fn in callables.items():
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            seconds = fn()
+            times[name].append(seconds if self_timed else time.perf_counter() - start)
     return times
 
 

@@ -240,13 +240,7 @@ def main(argv=None):
         if skipped:
             print(f"PyTorch rows skipped: {skipped}", flush=True)
 
-        for _ in range(warmup):
-            for call in systems.values():
-                call()
-        times = {key: [] for key in systems}
-        for _ in range(repeats):
-            for key, call in systems.items():
-                times[key].append(call())
+        times = common.interleaved(systems, repeats=repeats, warmup=warmup, self_timed=True)
     finally:
         if worker is not None:
             worker.close()

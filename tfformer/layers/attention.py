@@ -337,7 +337,7 @@ class MultiHeadAttention(keras.layers.Layer):
         else:
             x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
         if mask is not None:
-            row_has_key = ops.any(mask, axis=-1, keepdims=True)  # (B|1, 1, T, 1)
+            row_has_key = masks_lib.has_visible_key(mask)  # (B|1, 1, T, 1)
             x = x * ops.cast(row_has_key, x.dtype)
             if return_attention_scores:
                 weights = weights * ops.cast(row_has_key, weights.dtype)

@@ -38,7 +38,7 @@ class Dropout(keras.layers.Dropout):
     def call(self, inputs, training=False):
         if not training or self.rate == 0 or self.noise_shape is not None:
             return super().call(inputs, training=training)
-        threshold = min(round(self.rate * _LEVELS), _LEVELS)
+        threshold = round(self.rate * _LEVELS)  # rate is in [0, 1]
         if threshold == _LEVELS:
             return tf.zeros_like(inputs)
         seed = self.seed_generator.next()

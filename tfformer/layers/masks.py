@@ -64,6 +64,11 @@ def merge_masks(*masks):
     return merged
 
 
+def has_visible_key(mask, axis=-1):
+    """True where a row of `mask` lets the query see at least one key (shape of `mask`, `axis` kept as 1)."""
+    return ops.any(ops.cast(mask, "bool"), axis=axis, keepdims=True)
+
+
 def masked_softmax(scores, mask=None, axis=-1, zero_empty_rows=True):
     """Softmax in float32 over `axis` with masked positions set to exactly 0.
 
@@ -84,5 +89,4 @@ def masked_softmax(scores, mask=None, axis=-1, zero_empty_rows=True):
         return weights
     # A fully masked row softmaxes to uniform weights; zero it. The row test runs on the
     # (usually broadcast, small) mask, so the full-size cost is one multiply.
-    row_has_key = ops.any(mask, axis=axis, keepdims=True)
-    return weights * ops.cast(row_has_key, "float32")
+    return weights * ops.cast(has_visible_key(mask, axis), "float32")
