@@ -50,3 +50,18 @@ def test_mask_value_is_finite():
     # Large negative scores next to the mask value still softmax correctly.
     weights = ops.convert_to_numpy(masks.masked_softmax(np.array([[-1e8, 0.0]]), np.array([[True, True]])))
     np.testing.assert_allclose(weights, [[0.0, 1.0]], atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_mask_bias_masks_like_select_and_stays_finite(dtype):
+    mask = np.array([[True, False, True, False], [False, False, False, False]])
+    bias = ops.convert_to_numpy(ops.cast(masks.mask_bias(mask, dtype), "float32"))
+    assert np.all(np.isfinite(bias))  # float16 cannot hold -1e9: it would round to -inf and give NaN
+    np.testing.assert_array_equal(bias[mask], 0.0)
+    assert np.all(bias[~mask] <= -3e4)
+    scores = ops.cast(np.array([[1.0, 9.0, 3.0, 7.0], [4.0, 5.0, 6.0, 7.0]]), dtype)
+    biased = ops.convert_to_numpy(masks.masked_softmax(ops.add(scores, masks.mask_bias(mask, dtype)), None))
+    selected = ops.convert_to_numpy(masks.masked_softmax(scores, mask, zero_empty_rows=False))
+    assert np.all(np.isfinite(biased))
+    np.testing.assert_array_equal(biased[0][~mask[0]], 0.0)  # masked keys get exactly zero weight
+    np.testing.assert_allclose(biased[0], selected[0], rtol=1e-2 if dtype != "float32" else 1e-6)

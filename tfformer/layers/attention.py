@@ -270,13 +270,14 @@ class MultiHeadAttention(keras.layers.Layer):
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
             hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
             return ops.sum(hidden * w, axis=-1)
-        return ops.matmul(self._score_query(q), ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
+        return ops.matmul(self._score_query(q, scale=False), ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
 
-    def _score_query(self, q):
+    def _score_query(self, q, scale=True):
         # Dot-product scores are (q W) . k: W = I/sqrt(H) (scaled_dot), I (dot), one W per head (general).
+        # With `scale=False` the caller applies 1/sqrt(H) to the scores instead.
         if self.score == "general":
             return ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
-        if self.score == "scaled_dot":
+        if self.score == "scaled_dot" and scale:
             return q * ops.cast(1.0 / math.sqrt(self.key_dim), q.dtype)
         return q
 
@@ -324,13 +325,20 @@ class MultiHeadAttention(keras.layers.Layer):
         # One query against a cache, under XLA: XLA's CPU dot for these (B*N) tiny matrix-vector products is
         # a scalar loop; a broadcast multiply + sum fuses into one vectorized pass over the cache.
         one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1 and self.score != "additive"
+        mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
         if one_step:
             scores = ops.sum(self._score_query(q) * k, axis=-1)[:, :, None, :]  # (B, N, 1, H) * (B, N, S, H) -> (B, N, 1, S)
         else:
             scores = self._scores(q, k)  # (B, N, T, S)
-        mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
+        # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
+        # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
+        fold_mask = not one_step and self.score != "additive"
+        if fold_mask and self.score == "scaled_dot":
+            scores = scores * ops.cast(1.0 / math.sqrt(self.key_dim), scores.dtype)
+        if fold_mask and mask is not None:
+            scores = scores + masks_lib.mask_bias(mask, scores.dtype)
         # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
-        weights = masks_lib.masked_softmax(scores, mask, zero_empty_rows=False)  # (B, N, T, S) float32
+        weights = masks_lib.masked_softmax(scores, None if fold_mask else mask, zero_empty_rows=False)  # (B, N, T, S) float32
         dropped = self._dropout_layer(weights, training=training)
         if one_step:
             x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)

@@ -14,6 +14,8 @@ from keras import ops
 # Finite, and far below any real float32 score. Never `-inf`: `-inf - -inf`
 # inside softmax gives NaN for a fully masked row.
 MASK_VALUE = -1e9
+# float16 cannot hold -1e9 (it would round to -inf); Keras' Softmax uses the same value.
+FLOAT16_MASK_VALUE = -3e4
 
 
 def causal_mask(query_length, key_length=None, offset=0):
@@ -62,6 +64,16 @@ def merge_masks(*masks):
         mask = ops.cast(mask, "bool")
         merged = mask if merged is None else ops.logical_and(merged, mask)
     return merged
+
+
+def mask_bias(mask, dtype):
+    """`mask` as an additive bias of `dtype`: 0 where True, a large finite negative value where False.
+
+    Adding it to scores masks them like `where(mask, scores, MASK_VALUE)` does, but as an
+    add that oneDNN fuses into the score matmul (BatchMatMul + Mul + Add is one kernel on CPU).
+    """
+    large_negative = FLOAT16_MASK_VALUE if dtype == "float16" else MASK_VALUE
+    return ops.cast(ops.where(ops.cast(mask, "bool"), 0.0, large_negative), dtype)
 
 
 def has_visible_key(mask, axis=-1):
