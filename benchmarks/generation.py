@@ -91,7 +91,8 @@ def main(argv=None):
         short, long_ = 16, 48
         calls = {n: (lambda n=n: generation.generate_ids(ours, prompt, n, jit_compile=True, end_id=-1).numpy())
                  for n in (short, long_)}
-        times = common.interleaved(calls, repeats=repeats, warmup=1)
+        # A difference of two short runs is noisy: three times the rounds (each call is only tens of ms).
+        times = common.interleaved(calls, repeats=3 * repeats, warmup=1)
         per_token[position] = (common.median(times[long_]) - common.median(times[short])) / (long_ - short)
         common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
                      "ms_per_token": round(per_token[position] * 1000, 3)})
