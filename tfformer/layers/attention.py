@@ -2,6 +2,7 @@ import contextlib
 import math
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from tfformer.layers import masks as masks_lib
@@ -270,16 +271,11 @@ class MultiHeadAttention(keras.layers.Layer):
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
             hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
             return ops.sum(hidden * w, axis=-1)
-        return ops.matmul(self._score_query(q, scale=False), ops.transpose(k, (0, 1, 3, 2)))  # (B, N, T, S)
-
-    def _score_query(self, q, scale=True):
-        # Dot-product scores are (q W) . k: W = I/sqrt(H) (scaled_dot), I (dot), one W per head (general).
-        # With `scale=False` the caller applies 1/sqrt(H) to the scores instead.
+        # Dot-product scores are (q W) . k: W = I (dot, and scaled_dot before its 1/sqrt(H)), one W per head (general).
         if self.score == "general":
-            return ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
-        if self.score == "scaled_dot" and scale:
-            return q * ops.cast(1.0 / math.sqrt(self.key_dim), q.dtype)
-        return q
+            q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
+        # transpose_b, not a transposed copy of k: under XLA a transpose of the cache is a copy every step.
+        return tf.matmul(q, k, transpose_b=True)  # (B, N, T, H) x (B, N, S, H)^T -> (B, N, T, S)
 
     def call(
         self,
@@ -322,17 +318,11 @@ class MultiHeadAttention(keras.layers.Layer):
             if cache_index is not None and not use_causal_mask
             else None,
         )
-        # One query against a cache, under XLA: XLA's CPU dot for these (B*N) tiny matrix-vector products is
-        # a scalar loop; a broadcast multiply + sum fuses into one vectorized pass over the cache.
-        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1 and self.score != "additive"
         mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
-        if one_step:
-            scores = ops.sum(self._score_query(q) * k, axis=-1)[:, :, None, :]  # (B, N, 1, H) * (B, N, S, H) -> (B, N, 1, S)
-        else:
-            scores = self._scores(q, k)  # (B, N, T, S)
+        scores = self._scores(q, k)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
-        fold_mask = not one_step and self.score != "additive"
+        fold_mask = self.score != "additive"
         if fold_mask and self.score == "scaled_dot":
             scores = scores * ops.cast(1.0 / math.sqrt(self.key_dim), scores.dtype)
         if fold_mask and mask is not None:
@@ -340,6 +330,10 @@ class MultiHeadAttention(keras.layers.Layer):
         # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
         weights = masks_lib.masked_softmax(scores, None if fold_mask else mask, zero_empty_rows=False)  # (B, N, T, S) float32
         dropped = self._dropout_layer(weights, training=training)
+        # One query against a cache, under XLA: XLA's CPU dot for the (B*N) tiny weights-times-values
+        # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass.
+        # (The scores above stay a dot: a reduction over H=64 costs XLA a reduce-window + reduce pair.)
+        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1
         if one_step:
             x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
         else:
