@@ -159,3 +159,49 @@ def test_causal_beam_search_with_and_without_xla(lm, jit_compile):
     assert out.shape == (3, 5)
     one = np.asarray(generation.generate_ids(lm, PROMPTS, max_new_tokens=5, beam_size=1, jit_compile=jit_compile))
     assert _trim(one) == _trim(generation.generate_ids(lm, PROMPTS, max_new_tokens=5, jit_compile=jit_compile))
+
+
+def test_segment_sizes():
+    from tfformer.generation.decode import segment_sizes
+
+    assert segment_sizes(128) == [16, 32, 64, 128]
+    assert segment_sizes(48) == [24, 48]  # 6 and 12 slots are below MIN_SEGMENT
+    assert segment_sizes(16) == [16]
+    assert segment_sizes(1) == [1]
+
+
+@pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
+def test_decode_steps_attend_over_growing_caches(request, fixture, monkeypatch):
+    """A step attends over a cache sized to what is filled (prompt + 1, 2, 4, 7 slots), not the full buffer."""
+    from tfformer.generation import decode
+
+    monkeypatch.setattr(decode, "MIN_SEGMENT", 1)  # tiny models: segment from one slot up
+    model = request.getfixturevalue(fixture)
+    inputs, new_tokens = (SOURCE, 7) if fixture == "seq2seq" else (PROMPTS, 7)
+    prefix = 0 if fixture == "seq2seq" else PROMPTS.shape[1]
+    seen = []  # (first position written, cache slots) per decode_step call
+    step = model.decode_step
+
+    def spy(token_ids, cache, cache_index, *args, **kwargs):
+        seen.append((int(cache_index), int(cache[0].shape[3])))
+        assert int(cache_index) + token_ids.shape[1] <= cache[0].shape[3]  # every write lands inside the cache
+        return step(token_ids, cache, cache_index, *args, **kwargs)
+
+    monkeypatch.setattr(model, "decode_step", spy)
+    eager = decode.decode_fn(model, new_tokens)(inputs)  # tf.while_loop runs eagerly: the spy sees shapes
+    monkeypatch.undo()
+    slots = [s for _, s in seen]
+    assert slots == sorted(slots) and slots[-1] == prefix + new_tokens
+    assert sorted(set(slots)) == [prefix + n for n in (1, 2, 4, 7)]
+    # Same tokens as decoding without a cache.
+    uncached = _uncached_seq2seq if fixture == "seq2seq" else _uncached_lm
+    assert _trim(eager) == uncached(model, inputs, new_tokens)
+
+
+def test_last_only_logits_equal_the_last_row(lm):
+    cache = lm.empty_cache(3, 8)
+    full, full_cache = lm.decode_step(PROMPTS, cache, 0)
+    last, last_cache = lm.decode_step(PROMPTS, cache, 0, last_only=True)
+    assert tuple(last.shape) == (3, 1, CFG["vocabulary_size"])
+    np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(last_cache), np.asarray(full_cache))

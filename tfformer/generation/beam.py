@@ -95,7 +95,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, P + N)
         start = tf.reduce_min(prompt_lengths)
         cache = tuple(tf.unstack(model.empty_cache(batch * beam, total)))
-        logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0)
+        logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0, last_only=True)
         logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
         finished = tf.zeros([batch, beam], tf.bool)

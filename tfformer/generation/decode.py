@@ -14,6 +14,11 @@ from tfformer.generation.samplers import as_sampler
 from tfformer.layers.attention import in_place_cache_writes
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
+# The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
+# N new tokens), so a step attends over at most about twice the positions filled so far, not the whole
+# buffer. A segment smaller than MIN_SEGMENT slots saves less than its extra loop costs to trace and compile.
+CACHE_SEGMENTS = 4
+MIN_SEGMENT = 16
 
 
 def _check_max_new_tokens(max_new_tokens):
@@ -32,19 +37,47 @@ def _ids_spec():
     return tf.TensorSpec([None, None], tf.int32)
 
 
+def segment_sizes(max_new_tokens):
+    """Slots for new tokens in each segment's cache: N/8, N/4, N/2, N (rounded up; N always, the others
+    only from MIN_SEGMENT slots up)."""
+    sizes = [-(-max_new_tokens // 2**k) for k in reversed(range(1, CACHE_SEGMENTS))]
+    return [size for size in sizes if size >= MIN_SEGMENT] + [max_new_tokens]
+
+
+def _grown(cache, size):
+    """Per-layer caches `(B, 2, N, S, H)` zero-padded along S to `size` slots."""
+    return tuple(tf.pad(c, [[0, 0], [0, 0], [0, 0], [0, size - tf.shape(c)[3]], [0, 0]]) for c in cache)
+
+
+def _segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
+    """`tf.while_loop(cond, body, loop_vars)` over growing caches.
+
+    `loop_vars` is `(i, ...)` with the per-layer caches at index `cache_at`; step `i` writes cache slot `i`.
+    Segment k runs while `i < prefix + segment_sizes(N)[k]` on caches of that many slots; between segments
+    the caches are zero-padded to the next size. Sizes come from static shapes, so XLA compiles each loop
+    with a fixed cache length.
+    """
+    for size in segment_sizes(max_new_tokens):
+        stop = prefix + size
+        loop_vars = (*loop_vars[:cache_at], _grown(loop_vars[cache_at], stop), *loop_vars[cache_at + 1:])
+        loop_vars = tf.while_loop(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body, loop_vars)
+    return loop_vars
+
+
 def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
     def run(encoder_token_ids):
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = tuple(tf.unstack(model.empty_cache(batch, max_new_tokens, dtype=cross.dtype)))  # per layer
+        first = segment_sizes(max_new_tokens)[0]
+        cache = tuple(tf.unstack(model.empty_cache(batch, first, dtype=cross.dtype)))  # per layer; grows
         cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
         done = tf.zeros([batch], tf.bool)
 
         def cond(i, tokens, cache, output, done):
-            return tf.logical_and(i < max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+            return tf.logical_not(tf.reduce_all(done))
 
         def body(i, tokens, cache, output, done):
             logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask)  # (B, 1, V)
@@ -56,7 +89,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
             done = done | tf.equal(next_ids, end_id)
             return i + 1, next_ids[:, None], cache, output, done
 
-        _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), tokens, cache, output, done))
+        _, _, _, output, _ = _segmented_loop(cond, body, (tf.constant(0), tokens, cache, output, done), 2, 0, max_new_tokens)
         return output
 
     return run
@@ -66,12 +99,12 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
     def run(prompt_ids):
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
-        total = prompt_length + max_new_tokens
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
-        cache = tuple(tf.unstack(model.empty_cache(batch, total)))  # per layer: no re-stacking each step
+        # Per layer (no re-stacking each step), prompt + the first segment's slots; grows in the loop.
+        cache = tuple(tf.unstack(model.empty_cache(batch, prompt_length + segment_sizes(max_new_tokens)[0])))
         # Prefill the part every prompt shares, in one pass.
-        logits, cache = model.decode_step(tokens[:, :start], cache, 0)
+        logits, cache = model.decode_step(tokens[:, :start], cache, 0, last_only=True)
         next_ids = sampler(logits[:, -1, :], start)
         done = tf.zeros([batch], tf.bool)
 
@@ -86,7 +119,8 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
             logits, cache = model.decode_step(chosen[:, None], cache, i)
             return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
 
-        _, _, tokens, _, _ = tf.while_loop(cond, body, (start, next_ids, tokens, cache, done))
+        loop_vars = (start, next_ids, tokens, cache, done)
+        _, _, tokens, _, _ = _segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
         # Each row's continuation starts at its own prompt length.
         index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
         return tf.gather(tokens, index, batch_dims=1)

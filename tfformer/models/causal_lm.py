@@ -60,8 +60,12 @@ class CausalLM(base.TransformerModel):
         c = self.config
         return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
 
-    def decode_step(self, token_ids, cache, cache_index):
-        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
+    def decode_step(self, token_ids, cache, cache_index, last_only=False):
+        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.
+
+        With `last_only=True` only the last position's logits are computed, `(B, 1, V)`: what a prefill
+        needs (the vocabulary projection of a whole prompt is most of a prefill's cost).
+        """
         x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
         caches = []
         # A stacked (L, ...) cache, or a tuple of per-layer caches (cheaper inside decode loops: no re-stacking).
@@ -69,6 +73,8 @@ class CausalLM(base.TransformerModel):
         for i, block in enumerate(self.decoder_blocks):
             x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
             caches.append(layer_cache)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, D)
         if self.final_norm:
             x = self.final_norm(x)
         logits = self.token_embedding(x, reverse=True) if self.output_projection is None else self.output_projection(x)
