@@ -3,12 +3,12 @@
 Workloads: training (seq2seq + GPT-shaped LM vs keras-hub), generation (vs keras-hub GPT2CausalLM),
 encoder (MiniLM vs keras-hub BertBackbone and PyTorch), tflite (batch-1 latency vs SavedModel), and
 translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes, never in
-the default set). Each prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes
-(CI runs it so the runner cannot rot); numbers from it mean nothing.
+the default set). Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
+one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing.
 """
 
 import argparse
-import importlib
+import subprocess
 import sys
 
 WORKLOADS = {
@@ -33,8 +33,11 @@ def main(argv=None):
         if args.smoke and name == "translation_bleu":
             continue
         print(f"## {name}", flush=True)
-        module = importlib.import_module(WORKLOADS[name])
-        module.main(["--smoke"] if args.smoke else [])
+        # A fresh interpreter per workload: TF's thread settings only take before its runtime starts (the
+        # encoder pins 2 intra-op / 1 inter-op threads), and no workload inherits another's memory.
+        code = subprocess.call([sys.executable, "-m", WORKLOADS[name], *(["--smoke"] if args.smoke else [])])
+        if code:
+            return code
     return 0
 
 
