@@ -322,13 +322,13 @@ class MultiHeadAttention(keras.layers.Layer):
         scores = self._scores(q, k)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
-        fold_mask = self.score != "additive"
-        if fold_mask and self.score == "scaled_dot":
+        dot_scores = self.score != "additive"
+        if self.score == "scaled_dot":
             scores = scores * ops.cast(1.0 / math.sqrt(self.key_dim), scores.dtype)
-        if fold_mask and mask is not None:
+        if dot_scores and mask is not None:
             scores = scores + masks_lib.mask_bias(mask, scores.dtype)
         # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
-        weights = masks_lib.masked_softmax(scores, None if fold_mask else mask, zero_empty_rows=False)  # (B, N, T, S) float32
+        weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)  # (B, N, T, S) float32
         dropped = self._dropout_layer(weights, training=training)
         # One query against a cache, under XLA: XLA's CPU dot for the (B*N) tiny weights-times-values
         # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass.
