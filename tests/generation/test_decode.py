@@ -170,8 +170,9 @@ def test_segment_sizes():
     assert segment_sizes(1) == [1]
 
 
+@pytest.mark.parametrize("beam_size", [None, 2])
 @pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
-def test_decode_steps_attend_over_growing_caches(request, fixture, monkeypatch):
+def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, monkeypatch):
     """A step attends over a cache sized to what is filled (prompt + 1, 2, 4, 7 slots), not the full buffer."""
     from tfformer.generation import decode
 
@@ -188,14 +189,17 @@ def test_decode_steps_attend_over_growing_caches(request, fixture, monkeypatch):
         return step(token_ids, cache, cache_index, *args, **kwargs)
 
     monkeypatch.setattr(model, "decode_step", spy)
-    eager = decode.decode_fn(model, new_tokens)(inputs)  # tf.while_loop runs eagerly: the spy sees shapes
+    eager = decode.decode_fn(model, new_tokens, beam_size=beam_size)(inputs)  # tf.while_loop runs eagerly
     monkeypatch.undo()
     slots = [s for _, s in seen]
     assert slots == sorted(slots) and slots[-1] == prefix + new_tokens
     assert sorted(set(slots)) == [prefix + n for n in (1, 2, 4, 7)]
-    # Same tokens as decoding without a cache.
-    uncached = _uncached_seq2seq if fixture == "seq2seq" else _uncached_lm
-    assert _trim(eager) == uncached(model, inputs, new_tokens)
+    if beam_size is None:  # same tokens as decoding without a cache
+        uncached = _uncached_seq2seq if fixture == "seq2seq" else _uncached_lm
+        assert _trim(eager) == uncached(model, inputs, new_tokens)
+    else:  # same beams as one full-size cache (MIN_SEGMENT is back to 16: one loop for 7 tokens)
+        full = generation.generate_ids(model, inputs, new_tokens, beam_size=beam_size, jit_compile=False)
+        np.testing.assert_array_equal(np.asarray(eager), np.asarray(full))
 
 
 def test_last_only_logits_equal_the_last_row(lm):

@@ -49,7 +49,7 @@ def _grown(cache, size):
     return tuple(tf.pad(c, [[0, 0], [0, 0], [0, 0], [0, size - tf.shape(c)[3]], [0, 0]]) for c in cache)
 
 
-def _segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
+def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
     """`tf.while_loop(cond, body, loop_vars)` over growing caches.
 
     `loop_vars` is `(i, ...)` with the per-layer caches at index `cache_at`; step `i` writes cache slot `i`.
@@ -89,7 +89,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
             done = done | tf.equal(next_ids, end_id)
             return i + 1, next_ids[:, None], cache, output, done
 
-        _, _, _, output, _ = _segmented_loop(cond, body, (tf.constant(0), tokens, cache, output, done), 2, 0, max_new_tokens)
+        _, _, _, output, _ = segmented_loop(cond, body, (tf.constant(0), tokens, cache, output, done), 2, 0, max_new_tokens)
         return output
 
     return run
@@ -120,7 +120,7 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
             return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
 
         loop_vars = (start, next_ids, tokens, cache, done)
-        _, _, tokens, _, _ = _segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
+        _, _, tokens, _, _ = segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
         # Each row's continuation starts at its own prompt length.
         index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
         return tf.gather(tokens, index, batch_dims=1)
