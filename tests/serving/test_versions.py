@@ -76,8 +76,9 @@ def test_new_version_is_loaded_before_the_old_one_is_unloaded(tmp_path, text_ver
     with serving.Server(model_name="m", model_base_path=str(base), file_system_poll_wait_seconds=0.1) as server:
         client = serving.Client(server.rest_url)
         assert client.predict("m", ["a"])["version"].tolist() == [1]
-        shutil.copytree(text_versions / "3", base / "3")
-        os.remove(base / "3" / "saved_model.pb")  # incomplete: must not be picked up
+        # Incomplete (no saved_model.pb), and never complete: copying it in and deleting the file afterwards
+        # left a window in which the 0.1 s poll could see a whole version 3.
+        shutil.copytree(text_versions / "3", base / "3", ignore=shutil.ignore_patterns("saved_model.pb"))
         time.sleep(0.5)
         assert states(server, "m") == {1: "AVAILABLE"}
         publish(text_versions, base, 2)
