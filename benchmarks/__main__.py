@@ -4,7 +4,8 @@ Workloads: training (seq2seq + GPT-shaped LM vs keras-hub), generation (vs keras
 encoder (MiniLM vs keras-hub BertBackbone and PyTorch), tflite (batch-1 latency vs SavedModel), and
 translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes, never in
 the default set). Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
-one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing.
+one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing. Ratios are
+given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
 """
 
 import argparse

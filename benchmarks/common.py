@@ -37,6 +37,25 @@ def median(values):
     return statistics.median(values)
 
 
+def paired_ratio(a, b):
+    """`(median, min, max)` over rounds of `b[i] / a[i]`: for seconds, how many times faster `a` ran than `b`.
+
+    `a` and `b` are the seconds of two callables from the same `interleaved` run. Both ran in the same round,
+    seconds apart, so a drift of the machine's speed between rounds (up to ~1.5x on these VMs) cancels in
+    each round's ratio; the range over rounds says how far one run's ratio can be trusted.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"`a` and `b` need the same, non-zero number of rounds. Received: {len(a)} and {len(b)}")
+    ratios = [y / x for x, y in zip(a, b)]
+    return median(ratios), min(ratios), max(ratios)
+
+
+def ratio_text(ratio):
+    """`(median, min, max)` as "1.35 (1.30-1.41 over rounds)"."""
+    mid, low, high = ratio
+    return f"{mid:.2f} ({low:.2f}-{high:.2f} over rounds)"
+
+
 def emit(record):
     record = {"host": platform.node(), "cpus": os.cpu_count(), **record}
     print(json.dumps(record), flush=True)

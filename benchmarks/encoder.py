@@ -262,10 +262,13 @@ def main(argv=None):
         for other in ("keras-hub", "pytorch"):
             if system == "tfformer" and (other, dtype) in rows:
                 row[f"tfformer/{other}"] = f"{record['sentences_per_s'] / rows[(other, dtype)]['sentences_per_s']:.2f}"
+                row[f"tfformer/{other} per round"] = common.ratio_text(
+                    common.paired_ratio(times[(system, dtype)], times[(other, dtype)]))
         table_rows.append(row)
     print()
     print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",
-                                    "tfformer/keras-hub", "tfformer/pytorch"]))
+                                    "tfformer/keras-hub", "tfformer/keras-hub per round", "tfformer/pytorch",
+                                    "tfformer/pytorch per round"]))
     print(f"\nbatch {batch}, sequence {length}, {THREADS} threads, medians of {repeats} interleaved repeats after "
           f"{warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is faster.")
     if skipped:

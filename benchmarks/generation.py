@@ -4,7 +4,8 @@ Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 102
 128 new tokens, batch 1 and 8; random weights, no early stop. Each system with and without XLA, and
 with XLA under the mixed_bfloat16 policy (what a model trained with `--mixed-precision` runs in; logits
 stay float32). "Best" is each system's fastest row.
-Also: tfformer's per-token time at position ~500 vs ~50.
+Also: tfformer's per-token time at position ~500 vs ~50. Every ratio is printed twice: of the medians,
+and per round (median, min-max of each round's own pair, `common.paired_ratio`), which shows its spread.
 
     python -m benchmarks.generation [--smoke]
 """
@@ -58,7 +59,7 @@ def main(argv=None):
     ours, theirs = build(shape, max_length)
     ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
     rng = np.random.default_rng(0)
-    rows = []
+    rows, round_times = [], {}
     for batch in batches:
         prompt = rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32")
         mask = np.ones_like(prompt, dtype=bool)
@@ -73,16 +74,29 @@ def main(argv=None):
         calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(ours16, prompt, new_tokens, end_id=-1).numpy()
         calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
             {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
-        times = common.interleaved(calls, repeats=repeats, warmup=1)
+        times = round_times[batch] = common.interleaved(calls, repeats=repeats, warmup=1)
         for name, values in times.items():
             seconds = common.median(values)
             rows.append(common.emit({"bench": "generation", "system": name, "batch": batch, "new_tokens": new_tokens,
                                      "tokens_per_s": round(batch * new_tokens / seconds, 1),
                                      "seconds": round(seconds, 4), "peak_rss_mb": round(common.peak_rss_mb())}))
-    best_kh = {b: max(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"].startswith("keras-hub"))
-               for b in batches}
-    best_tf = {b: max(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"].startswith("tfformer"))
-               for b in batches}
+
+    def best(system, b):  # the fastest setting (by median) of one system at batch b
+        return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)), key=lambda r: r["tokens_per_s"])
+
+    def speed(name, b):
+        return next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == name)
+
+    ratios = {}  # (batch, label) -> tfformer's speed / keras-hub's: ratio of medians, then (median, min, max) per round
+    for b in batches:
+        pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
+                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=True", "bf16 xla=True")}}
+        for label, (ours_name, theirs_name) in pairs.items():
+            of_medians = speed(ours_name, b) / speed(theirs_name, b)
+            per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
+            ratios[(b, label)] = of_medians, per_round
+            common.emit({"bench": "generation_ratio", "batch": b, "tfformer": ours_name, "keras_hub": theirs_name,
+                         "ratio": round(of_medians, 3), "per_round": [round(x, 3) for x in per_round]})
     # Per-token time at position ~500 vs ~50: difference of two lengths, so prefill cancels out. All four
     # calls share the same interleaved rounds, so a change in machine speed hits both positions alike.
     positions = (50, 500) if not args.smoke else (4, 16)
@@ -93,23 +107,27 @@ def main(argv=None):
         for n in (short, long_):
             calls[(position, n)] = (lambda prompt=prompt, n=n: generation.generate_ids(
                 ours, prompt, n, jit_compile=True, end_id=-1).numpy())
-    # A difference of two short runs is noisy: three times the rounds (each call is only tens of ms).
-    times = common.interleaved(calls, repeats=3 * repeats, warmup=1)
+    # A difference of two short runs is noisy: twelve times the rounds (each call is only tens of ms; with 15
+    # rounds one run read 1.32 where 60 rounds of the same run read 1.60).
+    times = common.interleaved(calls, repeats=12 * repeats, warmup=1)
     per_token = {}
     for position in positions:
         per_token[position] = (common.median(times[(position, long_)]) - common.median(times[(position, short)])) / (
             long_ - short)
         common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
                      "ms_per_token": round(per_token[position] * 1000, 3)})
+    # The same ratio from each round's own four calls (noisier: a difference of two short calls per round).
+    slope = {p: [lo - sh for lo, sh in zip(times[(p, long_)], times[(p, short)])] for p in positions}
+    per_token_rounds = common.paired_ratio(slope[positions[0]], slope[positions[1]])
+    per_token_ratio = per_token[positions[1]] / per_token[positions[0]]
+    common.emit({"bench": "per_token_ratio", "positions": list(positions), "ratio": round(per_token_ratio, 3),
+                 "per_round": [round(x, 3) for x in per_token_rounds]})
     print()
     print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
-    for b in batches:
-        print(f"batch {b}: tfformer best / keras-hub best = {best_tf[b] / best_kh[b]:.2f}")
-        for tag in ("xla=True", "bf16 xla=True"):
-            ratio = next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == f"tfformer {tag}") / next(
-                r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == f"keras-hub {tag}")
-            print(f"batch {b}: tfformer {tag} / keras-hub {tag} = {ratio:.2f}")
-    print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token[positions[1]] / per_token[positions[0]]:.2f}")
+    for (b, label), (of_medians, per_round) in ratios.items():
+        print(f"batch {b}: tfformer {label} / keras-hub {label} = {of_medians:.2f}; per round {common.ratio_text(per_round)}")
+    print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f}; per round "
+          f"{common.ratio_text(per_token_rounds)}")
 
 
 if __name__ == "__main__":

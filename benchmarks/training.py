@@ -139,6 +139,7 @@ def run(workload, smoke=False, repeats=5, steps=3):
     base = next(r for r in rows if r["system"] == "keras-hub float32")["tokens_per_s"]
     for r in rows:
         r["ratio_vs_keras_hub"] = round(r["tokens_per_s"] / base, 2)
+        r["per_round"] = common.ratio_text(common.paired_ratio(times[r["system"]], times["keras-hub float32"]))
     return rows
 
 
@@ -152,7 +153,7 @@ def main(argv=None):
         rows += run(workload, smoke=args.smoke)
     print()
     print(common.table(rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
-                              "ratio_vs_keras_hub"]))
+                              "ratio_vs_keras_hub", "per_round"]))
 
 
 if __name__ == "__main__":

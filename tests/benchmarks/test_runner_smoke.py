@@ -15,6 +15,12 @@ def test_runner_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     benches = {r["bench"] for r in records}
-    assert {"train_seq2seq", "train_lm", "generation", "per_token", "latency_batch1"} <= benches
+    assert {"train_seq2seq", "train_lm", "generation", "generation_ratio", "per_token", "per_token_ratio",
+            "latency_batch1"} <= benches
+    for r in records:  # every ratio comes with its per-round (median, min, max)
+        if r["bench"] in ("generation_ratio", "per_token_ratio"):
+            median, low, high = r["per_round"]
+            assert low <= median <= high
+    assert "over rounds" in out.stdout
     assert all(r.get("tokens_per_s", 1) > 0 for r in records)
     assert "| system |" in out.stdout or "| bench |" in out.stdout
