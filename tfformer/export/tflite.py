@@ -18,6 +18,7 @@ with `InterpreterWithCustomOps(custom_op_registerers=tf_text.tflite_registrar.SE
 
 import os
 import tempfile
+import warnings
 
 import keras
 import tensorflow as tf
@@ -48,7 +49,11 @@ def _converter(saved_model_dir, signature_keys, quantize, representative_data, c
 
 
 def _write(converter, path):
-    content = converter.convert()
+    with warnings.catch_warnings():
+        # int8 calibration runs TF's own tf.lite.Interpreter inside convert(); its deprecation notice is
+        # about TF's code, not the caller's (our files run with ai_edge_litert).
+        warnings.filterwarnings("ignore", message=r"\s*Warning: tf\.lite\.Interpreter is deprecated", category=UserWarning)
+        content = converter.convert()
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as handle:
         handle.write(content)
