@@ -41,7 +41,7 @@ def paired_ratio(a, b):
     """`(median, min, max)` over rounds of `b[i] / a[i]`: for seconds, how many times faster `a` ran than `b`.
 
     `a` and `b` are the seconds of two callables from the same `interleaved` run. Both ran in the same round,
-    seconds apart, so a drift of the machine's speed between rounds (up to ~1.5x on these VMs) cancels in
+    seconds apart, so a drift of the machine's speed between rounds (up to ~2x on these VMs) cancels in
     each round's ratio; the range over rounds says how far one run's ratio can be trusted.
     """
     if len(a) != len(b) or not a:

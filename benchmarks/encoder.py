@@ -261,9 +261,12 @@ def main(argv=None):
         row = dict(record)
         for other in ("keras-hub", "pytorch"):
             if system == "tfformer" and (other, dtype) in rows:
-                row[f"tfformer/{other}"] = f"{record['sentences_per_s'] / rows[(other, dtype)]['sentences_per_s']:.2f}"
-                row[f"tfformer/{other} per round"] = common.ratio_text(
-                    common.paired_ratio(times[(system, dtype)], times[(other, dtype)]))
+                ratio = record["sentences_per_s"] / rows[(other, dtype)]["sentences_per_s"]
+                per_round = common.paired_ratio(times[(system, dtype)], times[(other, dtype)])
+                common.emit({"bench": "encoder_ratio", "dtype": dtype, "tfformer_vs": other, "ratio": round(ratio, 3),
+                             "per_round": [round(x, 3) for x in per_round]})
+                row[f"tfformer/{other}"] = f"{ratio:.2f}"
+                row[f"tfformer/{other} per round"] = common.ratio_text(per_round)
         table_rows.append(row)
     print()
     print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",

@@ -126,20 +126,19 @@ def run(workload, smoke=False, repeats=5, steps=3):
     limit32 = common.matmul_limit(256 if smoke else 2048)
     limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
     rows = []
+    base = common.median(times["keras-hub float32"]) / steps
     for name, values in times.items():
         seconds = common.median(values) / steps
         flops = _flops(s, attention_layers, _dense_params(built[name][0], s["vocab"]), predicted, tokens)
+        per_round = common.paired_ratio(values, times["keras-hub float32"])
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
             "ms_per_step": round(seconds * 1000, 1), "gflops": round(flops / seconds / 1e9, 1),
             "fraction_of_f32_limit": round(flops / seconds / 1e9 / limit32, 2),
             "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1),
             "peak_rss_mb": round(common.peak_rss_mb()),
+            "ratio_vs_keras_hub": round(base / seconds, 2), "per_round": [round(x, 3) for x in per_round],
         }))
-    base = next(r for r in rows if r["system"] == "keras-hub float32")["tokens_per_s"]
-    for r in rows:
-        r["ratio_vs_keras_hub"] = round(r["tokens_per_s"] / base, 2)
-        r["per_round"] = common.ratio_text(common.paired_ratio(times[r["system"]], times["keras-hub float32"]))
     return rows
 
 
@@ -152,8 +151,9 @@ def main(argv=None):
     for workload in args.workload or ["seq2seq", "lm"]:
         rows += run(workload, smoke=args.smoke)
     print()
-    print(common.table(rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
-                              "ratio_vs_keras_hub", "per_round"]))
+    table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
+    print(common.table(table_rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
+                                    "ratio_vs_keras_hub", "per_round"]))
 
 
 if __name__ == "__main__":

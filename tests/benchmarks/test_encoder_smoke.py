@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -13,12 +15,19 @@ def test_encoder_benchmark_smoke():
     out = subprocess.run([sys.executable, "-m", "benchmarks.encoder", "--smoke"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    all_records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    records = [r for r in all_records if r["bench"] == "encoder"]
+    ratios = [r for r in all_records if r["bench"] == "encoder_ratio"]
     systems = {(r["system"], r["dtype"]) for r in records}
     keras_rows = {(s, d) for s in ("tfformer", "keras-hub") for d in ("float32", "bfloat16")}
     assert keras_rows <= systems
     torch_rows = {("pytorch", "float32"), ("pytorch", "bfloat16")}
     # The PyTorch rows are there when an interpreter with torch exists, else the skip is said.
     assert torch_rows <= systems or ("PyTorch rows skipped" in out.stdout and not systems & torch_rows)
-    assert all(r["bench"] == "encoder" and r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
+    assert all(r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
+    speed = {(r["system"], r["dtype"]): r["sentences_per_s"] for r in records}
+    for dtype in ("float32", "bfloat16"):  # tfformer / keras-hub, per dtype; with one round, per round = of the medians
+        (r,) = [r for r in ratios if r["dtype"] == dtype and r["tfformer_vs"] == "keras-hub"]
+        assert r["ratio"] == pytest.approx(speed[("tfformer", dtype)] / speed[("keras-hub", dtype)], rel=0.01)
+        assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
     assert "| system | dtype |" in out.stdout and "tfformer/keras-hub" in out.stdout

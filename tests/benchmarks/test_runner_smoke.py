@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -17,10 +19,19 @@ def test_runner_smoke():
     benches = {r["bench"] for r in records}
     assert {"train_seq2seq", "train_lm", "generation", "generation_ratio", "per_token", "per_token_ratio",
             "latency_batch1"} <= benches
-    for r in records:  # every ratio comes with its per-round (median, min, max)
-        if r["bench"] in ("generation_ratio", "per_token_ratio"):
-            median, low, high = r["per_round"]
-            assert low <= median <= high
+    # Ratios agree with the rows they come from; with one round (smoke), per round = the ratio of the medians.
+    speed = {(r["batch"], r["system"]): r["tokens_per_s"] for r in records if r["bench"] == "generation"}
+    for r in (r for r in records if r["bench"] == "generation_ratio"):
+        assert r["ratio"] == pytest.approx(speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["keras_hub"])], rel=0.01)
+        assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
+    for bench in ("train_seq2seq", "train_lm"):
+        rows = {r["system"]: r for r in records if r["bench"] == bench}
+        base = rows["keras-hub float32"]["tokens_per_s"]
+        for r in rows.values():
+            assert r["ratio_vs_keras_hub"] == pytest.approx(r["tokens_per_s"] / base, abs=0.011)
+            assert r["per_round"] == pytest.approx([r["tokens_per_s"] / base] * 3, rel=0.01)
+    (saved,) = [r for r in records if r["bench"] == "latency_batch1" and r["system"] == "saved_model"]
+    assert saved["per_round"] == [1.0, 1.0, 1.0]
     assert "over rounds" in out.stdout
     assert all(r.get("tokens_per_s", 1) > 0 for r in records)
     assert "| system |" in out.stdout or "| bench |" in out.stdout
