@@ -131,12 +131,13 @@ def test_exhaustive_search_equals_wide_beam():
     assert tuple(_trim(beam)[0]) == best
 
 
-def test_generate_does_not_retrace(seq2seq):
-    generation.generate_ids(seq2seq, SOURCE, 5)
-    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID)]
+@pytest.mark.parametrize("batch", [1, 2])  # a batch of one has its own function (one-row matmuls)
+def test_generate_does_not_retrace(seq2seq, batch):
+    generation.generate_ids(seq2seq, SOURCE[:batch], 5)
+    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID, batch == 1)]
     before = fn.experimental_get_tracing_count()
     for length in (3, 7, 9):
-        generation.generate_ids(seq2seq, np.ones((2, length), "int32") * 5, 5)
+        generation.generate_ids(seq2seq, np.ones((batch, length), "int32") * 5, 5)
     assert fn.experimental_get_tracing_count() == before
 
 
@@ -209,3 +210,91 @@ def test_last_only_logits_equal_the_last_row(lm):
     assert tuple(last.shape) == (3, 1, CFG["vocabulary_size"])
     np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(last_cache), np.asarray(full_cache))
+
+
+def _randomized(model, seed):
+    """`spread` kernels plus small random biases, so that a dropped or misplaced bias would show."""
+    rng = np.random.default_rng(seed)
+    _spread(model, seed)
+    for w in model.weights:
+        if w.name.endswith("bias"):
+            w.assign(rng.normal(size=w.shape).astype("float32") * 0.1)
+    return model
+
+
+ONE_ROW_MODELS = {
+    "causal tied gelu": dict(architecture="causal_lm", tie_embeddings=True, activation="gelu"),
+    "causal untied swiglu": dict(architecture="causal_lm", tie_embeddings=False, activation="swiglu"),
+    "seq2seq untied relu": dict(architecture="seq2seq", tie_embeddings=False, activation="relu"),
+}
+
+
+def _one_row_model(options, policy="float32"):
+    import keras
+
+    keras.config.set_dtype_policy(policy)
+    try:
+        config = models.TransformerConfig(**dict(CFG, **options))
+        build = models.build_causal_lm if options["architecture"] == "causal_lm" else models.build_seq2seq
+        return _randomized(build(config), seed=4)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _xla_step(model, rows):
+    """One decode step of one token under XLA at position 3 of a batch-1 cache, with or without row kernels."""
+    import tensorflow as tf
+
+    from tfformer.layers.attention import in_place_cache_writes, row_kernels, transposed_kernels
+
+    tokens = np.array([[7]], "int32")
+
+    @tf.function(jit_compile=True)
+    def step(tokens):
+        with in_place_cache_writes(), row_kernels(transposed_kernels(model) if rows else None):
+            cache = tuple(tf.unstack(model.empty_cache(1, 8)))
+            if model.config.architecture == "seq2seq":
+                encoder_outputs, mask = model.encode(tf.constant(SOURCE[:1]))
+                cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))
+                return model.decode_step(tokens, cache, 3, cross, mask)[0]
+            return model.decode_step(tokens, cache, 3)[0]
+
+    transposes = sum(n.op == "Transpose" for n in step.get_concrete_function(tokens).graph.as_graph_def().node)
+    return np.asarray(step(tokens)), transposes
+
+
+@pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
+def test_one_row_decode_step_equals_the_plain_step(name):
+    """Batch-1 XLA decoding multiplies transposed kernels back ([W^T | b], row_kernels): same logits, biases included."""
+    model = _one_row_model(ONE_ROW_MODELS[name])
+    plain, plain_transposes = _xla_step(model, rows=False)
+    rows, row_transposes = _xla_step(model, rows=True)
+    kernels = sum(len(w.shape) == 2 and w.name.endswith("kernel") for w in model.weights)
+    assert row_transposes >= plain_transposes + kernels  # each kernel transposed (and back): the one-row form ran
+    assert np.abs(plain).max() > 1.0  # logits of some size, so that the tolerance below means something
+    np.testing.assert_allclose(rows, plain, rtol=1e-5, atol=1e-4)
+
+
+def test_one_row_decode_step_under_mixed_bfloat16():
+    """Under mixed_bfloat16 the one-row matmuls run in float32 (a cast of the weights would be hoisted out of
+    the loop with the transpose): same logits as the bfloat16 step, to bfloat16 precision."""
+    options = ONE_ROW_MODELS["causal untied swiglu"]
+    reference, _ = _xla_step(_one_row_model(options), rows=False)
+    model = _one_row_model(options, "mixed_bfloat16")
+    plain, _ = _xla_step(model, rows=False)
+    rows, _ = _xla_step(model, rows=True)
+    scale = np.abs(reference).max()
+    assert np.abs(plain - reference).max() < 0.05 * scale  # what bfloat16 costs here
+    assert np.abs(rows - reference).max() < 0.05 * scale
+    assert np.abs(rows - plain).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
+def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
+    model = _one_row_model(ONE_ROW_MODELS[name])
+    inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
+    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0] for i in range(len(inputs))]
+    assert [key[-1] for key in model._tfformer_generate_fns] == [True]  # only the one-row function so far
+    batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
+    np.testing.assert_array_equal(np.stack(rows), batch)
+    assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token

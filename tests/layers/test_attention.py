@@ -215,9 +215,10 @@ def test_in_place_cache_write_under_xla_equals_select_write(rng):
     np.testing.assert_array_equal(_write_cache(cache, new, 5).numpy(), expected)  # default: select form
 
 
-@pytest.mark.parametrize("batch", [1, B])  # one-query scores: a dot at batch 1, a multiply + sum above
+@pytest.mark.parametrize("key_dim", [H, 16])  # one-query dot-product scores: a dot (H=4), a split multiply + sum (16)
+@pytest.mark.parametrize("batch", [1, B])
 @pytest.mark.parametrize("score", ["scaled_dot", "general", "dot", "additive"])
-def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch):
+def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim):
     """The XLA path (in-place cache writes, attention over the stacked cache) == the full causal pass."""
     import tensorflow as tf
 
@@ -225,13 +226,13 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch):
 
     x = rng.normal(size=(batch, T, D)).astype("float32")
     memory = rng.normal(size=(batch, S, D)).astype("float32")
-    layer = MultiHeadAttention(num_heads=N, key_dim=H, score=score)
+    layer = MultiHeadAttention(num_heads=N, key_dim=key_dim, score=score)
     full = np.asarray(layer(x, x, use_causal_mask=True))
     cross = np.asarray(layer(x, memory))
     step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=True)
     read = tf.function(lambda q, c: layer(q, q, cache=c)[0], jit_compile=True)
     with in_place_cache_writes():
-        cache = tf.zeros((batch, 2, N, T + 2, H))
+        cache = tf.zeros((batch, 2, N, T + 2, key_dim))
         out, cache = step(x[:, :2], cache, tf.constant(0))
         outs = [out.numpy()]
         for t in range(2, T):

@@ -11,7 +11,7 @@ import warnings
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
-from tfformer.layers.attention import in_place_cache_writes
+from tfformer.layers.attention import in_place_cache_writes, row_kernels, transposed_kernels
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
 # The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
@@ -62,6 +62,18 @@ def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
         loop_vars = (*loop_vars[:cache_at], _grown(loop_vars[cache_at], stop), *loop_vars[cache_at + 1:])
         loop_vars = tf.while_loop(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body, loop_vars)
     return loop_vars
+
+
+def _one_row(fn, model, one_row):
+    """`fn` with its matmuls of one token in `row_kernels` form: kernels transposed once, before the loop."""
+    if not one_row:
+        return fn
+
+    def run(token_ids):
+        with row_kernels(transposed_kernels(model)):
+            return fn(token_ids)
+
+    return run
 
 
 def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
@@ -128,11 +140,13 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
     return run
 
 
-def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID):
+def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID, one_row=False):
     """The (untraced) decoding function `ids (B, L) int32 -> new ids (B, max_new_tokens)` of `model`.
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
+    `one_row=True` is for a batch of one compiled with XLA (greedy or sampling): the
+    decode steps' matmuls then take the `row_kernels` form, about 2x faster there.
     """
     from tfformer.generation import beam
 
@@ -141,11 +155,11 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     if architecture == "seq2seq":
         if beam_size:
             return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _seq2seq_fn(model, max_new_tokens, sampler, end_id)
+        return _one_row(_seq2seq_fn(model, max_new_tokens, sampler, end_id), model, one_row)
     if architecture == "causal_lm":
         if beam_size:
             return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _causal_fn(model, max_new_tokens, sampler, end_id)
+        return _one_row(_causal_fn(model, max_new_tokens, sampler, end_id), model, one_row)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
@@ -188,11 +202,13 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         if architecture == "causal_lm":
             bucket = min(bucket, limit - max_new_tokens)
         token_ids = tf.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
+    # A batch of one under XLA gets its own compiled function, with one-row matmuls (decode_fn's one_row).
+    one_row = bool(jit_compile and not beam_size and token_ids.shape[0] == 1)
     key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
-           end_id)
+           end_id, one_row)
 
     def make():
-        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id)
+        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, one_row=one_row)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
     if not jit_compile:

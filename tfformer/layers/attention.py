@@ -46,6 +46,89 @@ def in_place_cache_writes():
         _IN_PLACE_CACHE_WRITES[0] = previous
 
 
+_ROW_KERNELS = [None]
+
+
+@contextlib.contextmanager
+def row_kernels(kernels):
+    """While tracing inside this context, one-token matmuls read transposed kernels.
+
+    `kernels` is `transposed_kernels(model)`, computed before the decode loop. For
+    a batch-1 decode loop compiled with XLA: there, `[x, 1] @ transpose([W^T | b])`
+    of one row is a fused loop that reads each output's weights contiguously and
+    runs on both threads, while `x @ W + b` is a single-threaded matrix-vector call
+    (about 2x slower per step on these CPUs, benchmarks/RESULTS.md). XLA hoists no
+    transpose out of a loop, so computing `[W^T | b]` outside and transposing it
+    back inside keeps the fused form; the bias rides along as a last column because
+    a separate add would take the dot into an output fusion instead. `None` turns
+    it off.
+    """
+    previous = _ROW_KERNELS[0]
+    _ROW_KERNELS[0] = kernels
+    try:
+        yield
+    finally:
+        _ROW_KERNELS[0] = previous
+
+
+def transposed_kernels(model):
+    """`{id(kernel): [kernel^T | bias]}` `(units, input_dim + 1)` for every 2-D kernel of `model` (`row_kernels`).
+
+    A kernel's bias is the weight of the same layer named like it with `bias` for `kernel`; none: zeros.
+    """
+    by_path = {w.path: w for w in model.weights}
+    kernels = {}
+    for w in model.weights:
+        if len(w.shape) != 2 or not w.name.endswith("kernel"):
+            continue
+        bias = by_path.get(w.path[: -len("kernel")] + "bias")
+        bias = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
+        kernels[id(w)] = ops.concatenate([ops.transpose(w), bias[:, None]], axis=1)  # (units, input_dim + 1)
+    return kernels
+
+
+def one_row_step(x):
+    """Whether `x` `(B, T, D)` is one token inside `row_kernels` (a batch-1 decode step under XLA)."""
+    return _ROW_KERNELS[0] is not None and x.shape[1] == 1
+
+
+def uses_row_kernels(x, kernel):
+    """Whether `dense(x, kernel)` takes the `row_kernels` form: one token, and `kernel` among them."""
+    return one_row_step(x) and id(kernel) in _ROW_KERNELS[0]
+
+
+def dense(x, kernel, bias=None, start=0, stop=None):
+    """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype, `x` `(B, T, input_dim)`.
+
+    A one-token `x` (T == 1) under `row_kernels` multiplies the transposed kernel
+    back, which XLA fuses into one loop (see `row_kernels`).
+    """
+    stop = kernel.shape[-1] if stop is None else stop
+    part = (start, stop) != (0, kernel.shape[-1])
+    if uses_row_kernels(x, kernel):
+        # In the kernel's dtype (float32) also under mixed precision: a cast of the weights inside the loop
+        # would be hoisted out of it together with the transpose, and the fused form lost.
+        rows = _ROW_KERNELS[0][id(kernel)]  # (units, input_dim + 1), the bias last
+        rows = rows[start:stop] if part else rows
+        row = ops.cast(x, rows.dtype)  # (B, 1, input_dim)
+        if bias is None:
+            rows = rows[:, :-1]
+        else:
+            row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
+        return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
+    y = ops.matmul(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype))  # (B, T, units)
+    if bias is None:
+        return y
+    return y + ops.cast(bias[start:stop] if part else bias, x.dtype)
+
+
+def apply_dense(layer, x):
+    """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `row_kernels`) for one token."""
+    if not uses_row_kernels(x, layer.kernel):
+        return layer(x)
+    return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
+
+
 def _write_cache(cache, new, index):
     """`cache` (B, 2, N, S, H) with `new` (B, 2, N, T, H) written at positions `index .. index+T-1`.
 
@@ -210,14 +293,6 @@ class MultiHeadAttention(keras.layers.Layer):
         self.built = True
 
     # === Projections ===
-    def _dense(self, x, kernel, bias, start, stop):
-        # One matmul with columns [start, stop) of a (possibly fused) kernel.
-        if self._fused and (start, stop) != (0, kernel.shape[-1]):
-            kernel = kernel[:, start:stop]
-            bias = None if bias is None else bias[start:stop]
-        y = ops.matmul(x, ops.cast(kernel, x.dtype))
-        return y if bias is None else y + ops.cast(bias, x.dtype)
-
     def _split_heads(self, x, head_dim):
         b, t = ops.shape(x)[0], ops.shape(x)[1]
         x = ops.reshape(x, (b, t, self.num_heads, head_dim))  # (B, T, N, H)
@@ -225,28 +300,28 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project_query(self, query):
         if self._fused:
-            return self._dense(query, self.qkv_kernel, self.qkv_bias, 0, self._q_units)
-        return self._dense(query, self.query_kernel, self.query_bias, 0, self._q_units)
+            return dense(query, self.qkv_kernel, self.qkv_bias, 0, self._q_units)
+        return dense(query, self.query_kernel, self.query_bias, 0, self._q_units)
 
     def _project(self, query, value, key):
         """Returns q `(B, N, T, H)`, k `(B, N, S, H)`, v `(B, N, S, Hv)`."""
         qu, ku, vu = self._q_units, self._k_units, self._v_units
         if self._fused and value is query and (key is None or key is query):
-            qkv = self._dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*(2H+Hv))
+            qkv = dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*(2H+Hv))
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
             q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
         elif self._fused:
             q = self._project_query(query)
             if key is None or key is value:
-                kv = self._dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
+                kv = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
                 k, v = ops.split(kv, [ku], axis=-1)
             else:
-                k = self._dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
-                v = self._dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)
+                k = dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
+                v = dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)
         else:
             q = self._project_query(query)
-            k = self._dense(value if key is None else key, self.key_kernel, self.key_bias, 0, ku)
-            v = self._dense(value, self.value_kernel, self.value_bias, 0, vu)
+            k = dense(value if key is None else key, self.key_kernel, self.key_bias, 0, ku)
+            v = dense(value, self.value_kernel, self.value_bias, 0, vu)
         return (
             self._split_heads(q, self.key_dim),
             self._split_heads(k, self.key_dim),
@@ -265,7 +340,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return ops.stack([k, v], axis=1)  # (B, 2, N, S, H)
 
     # === Scores ===
-    def _scores(self, q, k):
+    def _scores(self, q, k, one_query=False):
         # q (B, N, T, H), k (B, N, S, H) -> (B, N, T, S)
         if self.score == "additive":
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
@@ -274,6 +349,17 @@ class MultiHeadAttention(keras.layers.Layer):
         # Dot-product scores are (q W) . k: W = I (dot, and scaled_dot before its 1/sqrt(H)), one W per head (general).
         if self.score == "general":
             q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
+        head_dim = q.shape[-1]
+        if one_query and head_dim is not None and head_dim % 8 == 0:
+            # One query against a cache, under XLA: a dot needs the key half of the (B, 2, N, S, H) cache as a
+            # buffer of its own, i.e. a copy of all cached keys every step; a multiply + sum fuses and reads the
+            # cache in place. Summed over H as (H/8, 8): one reduce, where a sum over one axis of 64 becomes a
+            # reduce-window + reduce pair on XLA's CPU backend (benchmarks/RESULTS.md). float32 products and
+            # sums also under mixed precision (the fusion converts in registers).
+            b, n, s = ops.shape(k)[0], ops.shape(k)[1], ops.shape(k)[2]
+            q8 = ops.reshape(ops.cast(q, "float32"), (b, n, 1, head_dim // 8, 8))  # (B, N, 1, H/8, 8)
+            k8 = ops.reshape(ops.cast(k, "float32"), (b, n, s, head_dim // 8, 8))  # (B, N, S, H/8, 8)
+            return ops.sum(ops.sum(q8 * k8, axis=3), axis=3)[:, :, None, :]  # (B, N, S) -> (B, N, 1, S)
         # transpose_b, not a transposed copy of k: under XLA a transpose of the cache is a copy every step.
         return tf.matmul(q, k, transpose_b=True)  # (B, N, T, H) x (B, N, S, H)^T -> (B, N, T, S)
 
@@ -319,7 +405,9 @@ class MultiHeadAttention(keras.layers.Layer):
             else None,
         )
         mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
-        scores = self._scores(q, k)  # (B, N, T, S)
+        # One query against a cache, under XLA (a decode step): see _scores and the value mixing below.
+        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1
+        scores = self._scores(q, k, one_query=one_step)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
         dot_scores = self.score != "additive"
@@ -332,8 +420,6 @@ class MultiHeadAttention(keras.layers.Layer):
         dropped = self._dropout_layer(weights, training=training)
         # One query against a cache, under XLA: XLA's CPU dot for the (B*N) tiny weights-times-values
         # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass.
-        # (The scores above stay a dot: a reduction over H=64 costs XLA a reduce-window + reduce pair.)
-        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1
         if one_step:
             x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
         else:
@@ -345,7 +431,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 weights = weights * ops.cast(row_has_key, weights.dtype)
         x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
         x = ops.reshape(x, (ops.shape(x)[0], query_length, self._v_units))  # (B, T, N*Hv)
-        outputs = self._dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1])
+        outputs = dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1])
 
         result = (outputs,)
         if return_attention_scores:

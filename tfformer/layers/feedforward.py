@@ -2,7 +2,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.attention import _check_positive_int, check_dropout
+from tfformer.layers.attention import _check_positive_int, apply_dense, check_dropout, uses_row_kernels
 from tfformer.layers.dropout import Dropout
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -72,9 +72,11 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        if not training and self.activation in ("gelu", "relu"):
+        # A batch-1 decode step under XLA takes apply_dense's one-row form instead (attention.row_kernels).
+        one_row = uses_row_kernels(inputs, self.intermediate_dense.kernel)
+        if not training and self.activation in ("gelu", "relu") and not one_row:
             return self.output_dense(self._fused_intermediate(inputs))
-        x = self.intermediate_dense(inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
+        x = apply_dense(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
             x = _in_float32(ops.silu, gate) * x
@@ -83,7 +85,7 @@ class FeedForward(keras.layers.Layer):
         else:
             x = ops.relu(x)
         x = self._dropout_layer(x, training=training)
-        return self.output_dense(x)
+        return apply_dense(self.output_dense, x)
 
     def _fused_intermediate(self, inputs):
         # Inference: a 2-D matmul -> bias_add -> relu/gelu chain, the pattern grappler rewrites into one

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.attention import _check_positive_int
+from tfformer.layers.attention import _check_positive_int, one_row_step
 
 
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
@@ -88,6 +88,10 @@ class TokenEmbedding(keras.layers.Layer):
 
     def attend(self, inputs):
         """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32."""
+        if one_row_step(inputs):
+            # A batch-1 decode step under XLA (attention.row_kernels): float32 also under mixed precision, so
+            # that XLA fuses the transposed table into one loop; a cast of the table would be hoisted with it.
+            return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(self.embeddings))  # (B, 1, V)
         kernel = ops.cast(self.embeddings, inputs.dtype)
         return ops.cast(ops.matmul(inputs, ops.transpose(kernel)), "float32")
 

@@ -77,7 +77,10 @@ class CausalLM(base.TransformerModel):
             x = x[:, -1:]  # (B, 1, D)
         if self.final_norm:
             x = self.final_norm(x)
-        logits = self.token_embedding(x, reverse=True) if self.output_projection is None else self.output_projection(x)
+        if self.output_projection is None:
+            logits = self.token_embedding(x, reverse=True)
+        else:
+            logits = layers.attention.apply_dense(self.output_projection, x)  # Dense, one-row form in decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 

@@ -113,7 +113,10 @@ class Seq2SeqTransformer(base.TransformerModel):
             caches.append(layer_cache)
         if self.decoder_norm:
             y = self.decoder_norm(y)
-        logits = self.token_embedding(y, reverse=True) if self.output_projection is None else self.output_projection(y)
+        if self.output_projection is None:
+            logits = self.token_embedding(y, reverse=True)
+        else:
+            logits = layers.attention.apply_dense(self.output_projection, y)  # Dense, one-row form in decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 
