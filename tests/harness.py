@@ -86,3 +86,11 @@ def spread(model, seed=0, scale=0.5):
     model.set_weights([rng.normal(size=w.shape).astype("float32") * scale if w.ndim >= 2 else w
                        for w in model.get_weights()])
     return model
+
+
+def transposed_matmuls(fn, *args):
+    """Matmuls in `fn`'s traced graph with a Transpose operand (`layers.attention.row_kernels`' `x @ transpose(rows)`)."""
+    nodes = fn.get_concrete_function(*args).graph.as_graph_def().node
+    ops_by_name = {n.name: n.op for n in nodes}
+    return sum(n.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3")
+               and any(ops_by_name.get(i.split(":")[0].lstrip("^")) == "Transpose" for i in n.input) for n in nodes)

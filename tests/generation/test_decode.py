@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from tests.harness import spread as _spread
+from tests.harness import transposed_matmuls
 from tfformer import generation, models
 from tfformer.generation.decode import END_ID
 
@@ -232,17 +233,20 @@ ONE_ROW_MODELS = {
 def _one_row_model(options, policy="float32"):
     import keras
 
+    previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
         config = models.TransformerConfig(**dict(CFG, **options))
         build = models.build_causal_lm if options["architecture"] == "causal_lm" else models.build_seq2seq
         return _randomized(build(config), seed=4)
     finally:
-        keras.config.set_dtype_policy("float32")
+        keras.config.set_dtype_policy(previous)
 
 
-def _xla_step(model, rows):
-    """One decode step of one token under XLA at position 3 of a batch-1 cache, with or without row kernels."""
+def _xla_step(model, one_row):
+    """One decode step of one token under XLA at position 3 of a batch-1 cache, with or without row kernels.
+
+    Returns the logits and the number of matmuls of the step with a transposed operand."""
     import tensorflow as tf
 
     from tfformer.layers.attention import in_place_cache_writes, row_kernels, transposed_kernels
@@ -251,7 +255,7 @@ def _xla_step(model, rows):
 
     @tf.function(jit_compile=True)
     def step(tokens):
-        with in_place_cache_writes(), row_kernels(transposed_kernels(model) if rows else None):
+        with in_place_cache_writes(), row_kernels(transposed_kernels(model) if one_row else None):
             cache = tuple(tf.unstack(model.empty_cache(1, 8)))
             if model.config.architecture == "seq2seq":
                 encoder_outputs, mask = model.encode(tf.constant(SOURCE[:1]))
@@ -259,18 +263,20 @@ def _xla_step(model, rows):
                 return model.decode_step(tokens, cache, 3, cross, mask)[0]
             return model.decode_step(tokens, cache, 3)[0]
 
-    transposes = sum(n.op == "Transpose" for n in step.get_concrete_function(tokens).graph.as_graph_def().node)
-    return np.asarray(step(tokens)), transposes
+    return np.asarray(step(tokens)), transposed_matmuls(step, tokens)
 
 
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
 def test_one_row_decode_step_equals_the_plain_step(name):
     """Batch-1 XLA decoding multiplies transposed kernels back ([W^T | b], row_kernels): same logits, biases included."""
     model = _one_row_model(ONE_ROW_MODELS[name])
-    plain, plain_transposes = _xla_step(model, rows=False)
-    rows, row_transposes = _xla_step(model, rows=True)
-    kernels = sum(len(w.shape) == 2 and w.name.endswith("kernel") for w in model.weights)
-    assert row_transposes >= plain_transposes + kernels  # each kernel transposed (and back): the one-row form ran
+    plain, plain_transposed = _xla_step(model, one_row=False)
+    rows, row_transposed = _xla_step(model, one_row=True)
+    # Every decode-step matmul of a decoder layer (self-attention qkv/output, FFN in/out, for seq2seq also
+    # cross-attention query/output) and an untied output projection take the one-row form.
+    per_layer = 6 if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else 4
+    untied = 0 if ONE_ROW_MODELS[name]["tie_embeddings"] else 1
+    assert row_transposed - plain_transposed >= per_layer * CFG["num_decoder_layers"] + untied
     assert np.abs(plain).max() > 1.0  # logits of some size, so that the tolerance below means something
     np.testing.assert_allclose(rows, plain, rtol=1e-5, atol=1e-4)
 
@@ -279,10 +285,12 @@ def test_one_row_decode_step_under_mixed_bfloat16():
     """Under mixed_bfloat16 the one-row matmuls run in float32 (a cast of the weights would be hoisted out of
     the loop with the transpose): same logits as the bfloat16 step, to bfloat16 precision."""
     options = ONE_ROW_MODELS["causal untied swiglu"]
-    reference, _ = _xla_step(_one_row_model(options), rows=False)
+    reference, _ = _xla_step(_one_row_model(options), one_row=False)
     model = _one_row_model(options, "mixed_bfloat16")
-    plain, _ = _xla_step(model, rows=False)
-    rows, _ = _xla_step(model, rows=True)
+    plain, _ = _xla_step(model, one_row=False)
+    rows, transposed = _xla_step(model, one_row=True)
+    assert transposed >= 4 * CFG["num_decoder_layers"] + 1
+    assert rows.dtype == plain.dtype == np.float32
     scale = np.abs(reference).max()
     assert np.abs(plain - reference).max() < 0.05 * scale  # what bfloat16 costs here
     assert np.abs(rows - reference).max() < 0.05 * scale

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from tests.harness import check_layer
+from tests.harness import check_layer, transposed_matmuls
 from tfformer.layers import MultiHeadAttention
 
 B, T, S, D, N, H = 2, 5, 7, 16, 4, 4
@@ -241,3 +241,46 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim
         got_cross = read(x, layer.compute_cache(memory)).numpy()
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
     np.testing.assert_allclose(got_cross, cross, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_bias, start, stop", [(True, 0, 10), (True, 3, 7), (False, 0, 10), (False, 2, 9)])
+def test_dense_in_one_row_form_equals_the_matmul(rng, use_bias, start, stop):
+    """`dense` under `row_kernels` ([W^T | b] transposed back, XLA) == x @ W[:, start:stop] + b[start:stop]."""
+    import tensorflow as tf
+
+    from tfformer.layers.attention import dense, row_kernels, transposed_kernels
+
+    layer = keras.layers.Dense(10, use_bias=use_bias)
+    layer.build((None, 6))
+    layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.get_weights()])
+    x = rng.normal(size=(1, 1, 6)).astype("float32")
+    bias = layer.bias if use_bias else None
+
+    @tf.function(jit_compile=True)
+    def rows(x):
+        with row_kernels(transposed_kernels(layer)):
+            return dense(x, layer.kernel, bias, start, stop)
+
+    expected = x @ layer.kernel.numpy()[:, start:stop] + (layer.bias.numpy()[start:stop] if use_bias else 0)
+    np.testing.assert_allclose(rows(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert transposed_matmuls(rows, x) == 1  # the one-row form ran
+
+
+def test_dense_with_another_bias_keeps_the_plain_form(rng):
+    """The [W^T | b] of `row_kernels` holds the kernel's own bias: a different bias takes the plain matmul."""
+    import tensorflow as tf
+
+    from tfformer.layers.attention import dense, row_kernels, transposed_kernels
+
+    layer = keras.layers.Dense(4)
+    layer.build((None, 3))
+    other = keras.Variable(np.arange(4, dtype="float32"), name="bias")
+    x = rng.normal(size=(1, 1, 3)).astype("float32")
+
+    @tf.function(jit_compile=True)
+    def fn(x):
+        with row_kernels(transposed_kernels(layer)):
+            return dense(x, layer.kernel, other)
+
+    np.testing.assert_allclose(fn(x).numpy(), x @ layer.kernel.numpy() + np.arange(4), rtol=1e-5, atol=1e-5)
+    assert transposed_matmuls(fn, x) == 0

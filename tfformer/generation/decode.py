@@ -2,8 +2,8 @@
 
 Each step feeds one token and attends over the cache, so a new token costs
 O(current length) instead of a full re-run. Compiled functions are cached per
-model, sampler and length, and take dynamic batch/length shapes, so repeated
-calls do not retrace.
+model, sampler and length (and, under XLA, batch of one or not), and take dynamic
+batch/length shapes, so repeated calls do not retrace.
 """
 
 import warnings
@@ -145,8 +145,10 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
-    `one_row=True` is for a batch of one compiled with XLA (greedy or sampling): the
-    decode steps' matmuls then take the `row_kernels` form, about 2x faster there.
+    `one_row=True` is for a batch of one compiled with XLA (greedy or sampling; beam
+    search ignores it): the decode steps' matmuls then take the `row_kernels` form,
+    in float32 also under mixed precision (benchmarks/RESULTS.md: batch-1 decoding
+    ~1.5x faster end to end on these CPUs).
     """
     from tfformer.generation import beam
 
@@ -173,7 +175,9 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
 
     XLA is on by default: on this CPU it makes batch-1 decoding about 4x faster (benchmarks/generation.py).
     Inputs are right-padded to a multiple of 16 tokens so that XLA compiles a handful of shapes, not one per
-    length.
+    length. A batch of one under XLA compiles its own function whose matmuls run in float32 also under a
+    mixed policy (`decode_fn`'s `one_row`): a bfloat16 model can then decode a prompt alone slightly
+    differently from the same prompt in a batch.
     """
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)

@@ -57,11 +57,11 @@ def row_kernels(kernels):
     a batch-1 decode loop compiled with XLA: there, `[x, 1] @ transpose([W^T | b])`
     of one row is a fused loop that reads each output's weights contiguously and
     runs on both threads, while `x @ W + b` is a single-threaded matrix-vector call
-    (about 2x slower per step on these CPUs, benchmarks/RESULTS.md). XLA hoists no
-    transpose out of a loop, so computing `[W^T | b]` outside and transposing it
-    back inside keeps the fused form; the bias rides along as a last column because
-    a separate add would take the dot into an output fusion instead. `None` turns
-    it off.
+    (per step, all matmuls: ~2.4x slower in benchmarks/RESULTS.md's loop). XLA does
+    not hoist a lone transpose out of a loop, so computing `[W^T | b]` outside and
+    transposing it back inside keeps the fused form; the bias rides along as a last
+    column because a separate add would take the dot into an output fusion instead.
+    `None` turns it off.
     """
     previous = _ROW_KERNELS[0]
     _ROW_KERNELS[0] = kernels
@@ -72,29 +72,34 @@ def row_kernels(kernels):
 
 
 def transposed_kernels(model):
-    """`{id(kernel): [kernel^T | bias]}` `(units, input_dim + 1)` for every 2-D kernel of `model` (`row_kernels`).
+    """`{id(kernel): ([kernel^T | bias] (units, input_dim + 1), id(bias) or None)}` for `row_kernels`.
 
-    A kernel's bias is the weight of the same layer named like it with `bias` for `kernel`; none: zeros.
+    Every float 2-D weight of `model` named `*kernel`; its bias is the weight of the same layer named
+    with `bias` for `kernel` (zeros if there is none). Quantized (integer) kernels are left out.
     """
     by_path = {w.path: w for w in model.weights}
     kernels = {}
     for w in model.weights:
-        if len(w.shape) != 2 or not w.name.endswith("kernel"):
+        if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
             continue
         bias = by_path.get(w.path[: -len("kernel")] + "bias")
-        bias = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
-        kernels[id(w)] = ops.concatenate([ops.transpose(w), bias[:, None]], axis=1)  # (units, input_dim + 1)
+        column = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
+        rows = ops.concatenate([ops.transpose(w), column[:, None]], axis=1)  # (units, input_dim + 1)
+        kernels[id(w)] = rows, None if bias is None else id(bias)
     return kernels
 
 
 def one_row_step(x):
-    """Whether `x` `(B, T, D)` is one token inside `row_kernels` (a batch-1 decode step under XLA)."""
+    """Whether `x` `(B, T, D)` is one token while `row_kernels` is active (a batch-1 decode under XLA sets it)."""
     return _ROW_KERNELS[0] is not None and x.shape[1] == 1
 
 
-def uses_row_kernels(x, kernel):
-    """Whether `dense(x, kernel)` takes the `row_kernels` form: one token, and `kernel` among them."""
-    return one_row_step(x) and id(kernel) in _ROW_KERNELS[0]
+def uses_row_kernels(x, kernel, bias=None):
+    """Whether `dense(x, kernel, bias)` takes the `row_kernels` form: one token, `kernel` among them, its own bias."""
+    if not one_row_step(x) or id(kernel) not in _ROW_KERNELS[0]:
+        return False
+    bias_id = _ROW_KERNELS[0][id(kernel)][1]
+    return bias is None or bias_id == id(bias)
 
 
 def dense(x, kernel, bias=None, start=0, stop=None):
@@ -105,10 +110,10 @@ def dense(x, kernel, bias=None, start=0, stop=None):
     """
     stop = kernel.shape[-1] if stop is None else stop
     part = (start, stop) != (0, kernel.shape[-1])
-    if uses_row_kernels(x, kernel):
+    if uses_row_kernels(x, kernel, bias):
         # In the kernel's dtype (float32) also under mixed precision: a cast of the weights inside the loop
         # would be hoisted out of it together with the transpose, and the fused form lost.
-        rows = _ROW_KERNELS[0][id(kernel)]  # (units, input_dim + 1), the bias last
+        rows = _ROW_KERNELS[0][id(kernel)][0]  # (units, input_dim + 1), the bias last
         rows = rows[start:stop] if part else rows
         row = ops.cast(x, rows.dtype)  # (B, 1, input_dim)
         if bias is None:
@@ -124,7 +129,7 @@ def dense(x, kernel, bias=None, start=0, stop=None):
 
 def apply_dense(layer, x):
     """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `row_kernels`) for one token."""
-    if not uses_row_kernels(x, layer.kernel):
+    if getattr(layer, "quantization_mode", None) is not None or not uses_row_kernels(x, layer.kernel, layer.bias):
         return layer(x)
     return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 

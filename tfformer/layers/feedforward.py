@@ -73,7 +73,7 @@ class FeedForward(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         # A batch-1 decode step under XLA takes apply_dense's one-row form instead (attention.row_kernels).
-        one_row = uses_row_kernels(inputs, self.intermediate_dense.kernel)
+        one_row = uses_row_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         if not training and self.activation in ("gelu", "relu") and not one_row:
             return self.output_dense(self._fused_intermediate(inputs))
         x = apply_dense(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
