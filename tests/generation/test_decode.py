@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.harness import spread as _spread
-from tests.harness import transposed_matmuls
+from tests.harness import matmuls_fed_by
 from tfformer import generation, models
 from tfformer.generation.decode import END_ID
 
@@ -132,10 +132,11 @@ def test_exhaustive_search_equals_wide_beam():
     assert tuple(_trim(beam)[0]) == best
 
 
-@pytest.mark.parametrize("batch", [1, 2])  # a batch of one has its own function (one-row matmuls)
+@pytest.mark.parametrize("batch", [1, 2])  # a batch of one has its own function (kernel layout "rows")
 def test_generate_does_not_retrace(seq2seq, batch):
     generation.generate_ids(seq2seq, SOURCE[:batch], 5)
-    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID, batch == 1)]
+    layout = "rows" if batch == 1 else "halves"
+    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID, layout)]
     before = fn.experimental_get_tracing_count()
     for length in (3, 7, 9):
         generation.generate_ids(seq2seq, np.ones((batch, length), "int32") * 5, 5)
@@ -243,52 +244,58 @@ def _one_row_model(options, policy="float32"):
         keras.config.set_dtype_policy(previous)
 
 
-def _xla_step(model, one_row):
-    """One decode step of one token under XLA at position 3 of a batch-1 cache, with or without row kernels.
-
-    Returns the logits and the number of matmuls of the step with a transposed operand."""
+def _xla_step(model, layout):
+    """One decode step of one token under XLA at position 3 of a cache, batch 1 (rows) or 2, `decode_kernels` of
+    `layout` (None: off). Returns the first row's logits and the matmuls with a prepared-kernel operand."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import in_place_cache_writes, row_kernels, transposed_kernels
+    from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels
 
-    tokens = np.array([[7]], "int32")
+    batch = 1 if layout in (None, "rows") else 2
+    tokens = np.array([[7], [9]][:batch], "int32")
 
     @tf.function(jit_compile=True)
     def step(tokens):
-        with in_place_cache_writes(), row_kernels(transposed_kernels(model) if one_row else None):
-            cache = tuple(tf.unstack(model.empty_cache(1, 8)))
+        with in_place_cache_writes(), decode_kernels(prepared_kernels(model, layout) if layout else None):
+            cache = tuple(tf.unstack(model.empty_cache(batch, 8)))
             if model.config.architecture == "seq2seq":
-                encoder_outputs, mask = model.encode(tf.constant(SOURCE[:1]))
+                encoder_outputs, mask = model.encode(tf.constant(SOURCE[:batch]))
                 cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))
                 return model.decode_step(tokens, cache, 3, cross, mask)[0]
             return model.decode_step(tokens, cache, 3)[0]
 
-    return np.asarray(step(tokens)), transposed_matmuls(step, tokens)
+    fed = matmuls_fed_by("Identity" if layout == "halves" else "Transpose", step, tokens)
+    return np.asarray(step(tokens))[:1], fed
 
 
+@pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
-def test_one_row_decode_step_equals_the_plain_step(name):
-    """Batch-1 XLA decoding multiplies transposed kernels back ([W^T | b], row_kernels): same logits, biases included."""
+def test_decode_step_on_prepared_kernels_equals_the_plain_step(name, layout):
+    """XLA decoding on kernels laid out before the loop (decode_kernels: [W^T | b] transposed back for a batch of
+    one, column halves for more): same logits as the plain step, biases included."""
     model = _one_row_model(ONE_ROW_MODELS[name])
-    plain, plain_transposed = _xla_step(model, one_row=False)
-    rows, row_transposed = _xla_step(model, one_row=True)
-    # Every decode-step matmul of a decoder layer (self-attention qkv/output, FFN in/out, for seq2seq also
-    # cross-attention query/output) and an untied output projection take the one-row form.
-    per_layer = 6 if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else 4
+    plain, plain_fed = _xla_step(model, None)
+    prepared, fed = _xla_step(model, layout)
+    # Every decode-step matmul of a decoder layer (self-attention qkv/output, FFN in/out, for seq2seq also the
+    # cross-attention output, and its query in "rows": "halves" leaves a column slice plain) and an untied
+    # output projection use the prepared kernels (two matmuls each for "halves").
+    seq2seq = ONE_ROW_MODELS[name]["architecture"] == "seq2seq"
+    per_layer = (6 if layout == "rows" else 5) if seq2seq else 4
     untied = 0 if ONE_ROW_MODELS[name]["tie_embeddings"] else 1
-    assert row_transposed - plain_transposed >= per_layer * CFG["num_decoder_layers"] + untied
+    assert fed - (plain_fed if layout == "rows" else 0) >= (per_layer * CFG["num_decoder_layers"] + untied) * (
+        1 if layout == "rows" else 2)
     assert np.abs(plain).max() > 1.0  # logits of some size, so that the tolerance below means something
-    np.testing.assert_allclose(rows, plain, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(prepared, plain, rtol=1e-5, atol=1e-4)
 
 
 def test_one_row_decode_step_under_mixed_bfloat16():
     """Under mixed_bfloat16 the one-row matmuls run in float32 (a cast of the weights would be hoisted out of
     the loop with the transpose): same logits as the bfloat16 step, to bfloat16 precision."""
     options = ONE_ROW_MODELS["causal untied swiglu"]
-    reference, _ = _xla_step(_one_row_model(options), one_row=False)
+    reference, _ = _xla_step(_one_row_model(options), None)
     model = _one_row_model(options, "mixed_bfloat16")
-    plain, _ = _xla_step(model, one_row=False)
-    rows, transposed = _xla_step(model, one_row=True)
+    plain, _ = _xla_step(model, None)
+    rows, transposed = _xla_step(model, "rows")
     assert transposed >= 4 * CFG["num_decoder_layers"] + 1
     assert rows.dtype == plain.dtype == np.float32
     scale = np.abs(reference).max()
@@ -302,7 +309,7 @@ def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
     model = _one_row_model(ONE_ROW_MODELS[name])
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
     rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0] for i in range(len(inputs))]
-    assert [key[-1] for key in model._tfformer_generate_fns] == [True]  # only the one-row function so far
+    assert [key[-1] for key in model._tfformer_generate_fns] == ["rows"]  # only the one-row function so far
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from tests.harness import check_layer, transposed_matmuls
+from tests.harness import check_layer, matmuls_fed_by
 from tfformer.layers import MultiHeadAttention
 
 B, T, S, D, N, H = 2, 5, 7, 16, 4, 4
@@ -243,34 +243,40 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim
     np.testing.assert_allclose(got_cross, cross, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("use_bias, start, stop", [(True, 0, 10), (True, 3, 7), (False, 0, 10), (False, 2, 9)])
-def test_dense_in_one_row_form_equals_the_matmul(rng, use_bias, start, stop):
-    """`dense` under `row_kernels` ([W^T | b] transposed back, XLA) == x @ W[:, start:stop] + b[start:stop]."""
+def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop, layout):
+    """`dense` under `decode_kernels` (XLA) == x @ W[:, start:stop] + b[start:stop]; column slices stay plain in
+    the "halves" layout."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import dense, row_kernels, transposed_kernels
+    from tfformer.layers.attention import decode_kernels, dense, prepared_kernels
 
     layer = keras.layers.Dense(10, use_bias=use_bias)
     layer.build((None, 6))
     layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.get_weights()])
-    x = rng.normal(size=(1, 1, 6)).astype("float32")
+    x = rng.normal(size=(1 if layout == "rows" else 3, 1, 6)).astype("float32")
     bias = layer.bias if use_bias else None
 
     @tf.function(jit_compile=True)
-    def rows(x):
-        with row_kernels(transposed_kernels(layer)):
+    def fn(x):
+        with decode_kernels(prepared_kernels(layer, layout)):
             return dense(x, layer.kernel, bias, start, stop)
 
     expected = x @ layer.kernel.numpy()[:, start:stop] + (layer.bias.numpy()[start:stop] if use_bias else 0)
-    np.testing.assert_allclose(rows(x).numpy(), expected, rtol=1e-5, atol=1e-5)
-    assert transposed_matmuls(rows, x) == 1  # the one-row form ran
+    np.testing.assert_allclose(fn(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    if layout == "rows":
+        assert matmuls_fed_by("Transpose", fn, x) == 1  # the one-row form ran
+    else:
+        assert matmuls_fed_by("Identity", fn, x) == (2 if (start, stop) == (0, 10) else 0)
 
 
-def test_dense_with_another_bias_keeps_the_plain_form(rng):
-    """The [W^T | b] of `row_kernels` holds the kernel's own bias: a different bias takes the plain matmul."""
+@pytest.mark.parametrize("layout", ["rows", "halves"])
+def test_dense_with_another_bias_keeps_the_plain_form(rng, layout):
+    """Prepared kernels belong with their own bias: `dense` with a different bias takes the plain matmul."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import dense, row_kernels, transposed_kernels
+    from tfformer.layers.attention import decode_kernels, dense, prepared_kernels
 
     layer = keras.layers.Dense(4)
     layer.build((None, 3))
@@ -279,8 +285,15 @@ def test_dense_with_another_bias_keeps_the_plain_form(rng):
 
     @tf.function(jit_compile=True)
     def fn(x):
-        with row_kernels(transposed_kernels(layer)):
+        with decode_kernels(prepared_kernels(layer, layout)):
             return dense(x, layer.kernel, other)
 
     np.testing.assert_allclose(fn(x).numpy(), x @ layer.kernel.numpy() + np.arange(4), rtol=1e-5, atol=1e-5)
-    assert transposed_matmuls(fn, x) == 0
+    assert matmuls_fed_by("Transpose", fn, x) == matmuls_fed_by("Identity", fn, x) == 0
+
+
+def test_prepared_kernels_rejects_an_unknown_layout():
+    from tfformer.layers.attention import prepared_kernels
+
+    with pytest.raises(ValueError, match="layout"):
+        prepared_kernels(keras.layers.Dense(2), "columns")

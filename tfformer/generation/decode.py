@@ -11,7 +11,7 @@ import warnings
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
-from tfformer.layers.attention import in_place_cache_writes, row_kernels, transposed_kernels
+from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
 # The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
@@ -64,13 +64,13 @@ def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
     return loop_vars
 
 
-def _one_row(fn, model, one_row):
-    """`fn` with its matmuls of one token in `row_kernels` form: kernels transposed once, before the loop."""
-    if not one_row:
+def _with_kernels(fn, model, kernel_layout):
+    """`fn` with its one-token matmuls on kernels laid out once, before the loop (`layers.attention.decode_kernels`)."""
+    if kernel_layout is None:
         return fn
 
     def run(token_ids):
-        with row_kernels(transposed_kernels(model)):
+        with decode_kernels(prepared_kernels(model, kernel_layout)):
             return fn(token_ids)
 
     return run
@@ -140,15 +140,16 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
     return run
 
 
-def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID, one_row=False):
+def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID,
+              kernel_layout=None):
     """The (untraced) decoding function `ids (B, L) int32 -> new ids (B, max_new_tokens)` of `model`.
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
-    `one_row=True` is for a batch of one compiled with XLA (greedy or sampling; beam
-    search ignores it): the decode steps' matmuls then take the `row_kernels` form,
-    in float32 also under mixed precision (benchmarks/RESULTS.md: batch-1 decoding
-    ~1.5x faster end to end on these CPUs).
+    `kernel_layout` ("rows" for a batch of one, "halves" for more; greedy or sampling,
+    beam search ignores it) is for code compiled with XLA: the decode steps' matmuls
+    then use kernels laid out once before the loop (`layers.attention.decode_kernels`;
+    benchmarks/RESULTS.md: batch-1 decoding ~1.5x, batch 8 ~1.2x faster on these CPUs).
     """
     from tfformer.generation import beam
 
@@ -157,11 +158,11 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     if architecture == "seq2seq":
         if beam_size:
             return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _one_row(_seq2seq_fn(model, max_new_tokens, sampler, end_id), model, one_row)
+        return _with_kernels(_seq2seq_fn(model, max_new_tokens, sampler, end_id), model, kernel_layout)
     if architecture == "causal_lm":
         if beam_size:
             return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _one_row(_causal_fn(model, max_new_tokens, sampler, end_id), model, one_row)
+        return _with_kernels(_causal_fn(model, max_new_tokens, sampler, end_id), model, kernel_layout)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
@@ -176,7 +177,7 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     XLA is on by default: on this CPU it makes batch-1 decoding about 4x faster (benchmarks/generation.py).
     Inputs are right-padded to a multiple of 16 tokens so that XLA compiles a handful of shapes, not one per
     length. A batch of one under XLA compiles its own function whose matmuls run in float32 also under a
-    mixed policy (`decode_fn`'s `one_row`): a bfloat16 model can then decode a prompt alone slightly
+    mixed policy (`decode_fn`'s `kernel_layout`): a bfloat16 model can then decode a prompt alone slightly
     differently from the same prompt in a batch.
     """
     _check_max_new_tokens(max_new_tokens)
@@ -206,13 +207,15 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         if architecture == "causal_lm":
             bucket = min(bucket, limit - max_new_tokens)
         token_ids = tf.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
-    # A batch of one under XLA gets its own compiled function, with one-row matmuls (decode_fn's one_row).
-    one_row = bool(jit_compile and not beam_size and token_ids.shape[0] == 1)
+    # Under XLA, kernels laid out for the decode loop; a batch of one gets its own compiled function.
+    kernel_layout = None
+    if jit_compile and not beam_size:
+        kernel_layout = "rows" if token_ids.shape[0] == 1 else "halves"
     key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
-           end_id, one_row)
+           end_id, kernel_layout)
 
     def make():
-        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, one_row=one_row)
+        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, kernel_layout=kernel_layout)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
     if not jit_compile:

@@ -46,74 +46,85 @@ def in_place_cache_writes():
         _IN_PLACE_CACHE_WRITES[0] = previous
 
 
-_ROW_KERNELS = [None]
+_DECODE_KERNELS = [None]  # (layout, {id(kernel): (parts, id(bias) or None)}) while tracing an XLA decode loop
+KERNEL_LAYOUTS = ("rows", "halves")
 
 
 @contextlib.contextmanager
-def row_kernels(kernels):
-    """While tracing inside this context, one-token matmuls read transposed kernels.
+def decode_kernels(kernels):
+    """While tracing inside this context, one-token matmuls use kernels laid out for an XLA decode loop.
 
-    `kernels` is `transposed_kernels(model)`, computed before the decode loop. For
-    a batch-1 decode loop compiled with XLA: there, `[x, 1] @ transpose([W^T | b])`
-    of one row is a fused loop that reads each output's weights contiguously and
-    runs on both threads, while `x @ W + b` is a single-threaded matrix-vector call
-    (per step, all matmuls: ~2.4x slower in benchmarks/RESULTS.md's loop). XLA does
-    not hoist a lone transpose out of a loop, so computing `[W^T | b]` outside and
-    transposing it back inside keeps the fused form; the bias rides along as a last
-    column because a separate add would take the dot into an output fusion instead.
+    `kernels` is `prepared_kernels(model, layout)`, computed before the loop (XLA
+    does not hoist a lone transpose or slice out of a loop, so these stay fused):
+    - `"rows"`, for a batch of one: `[x, 1] @ transpose([W^T | b])`. XLA's CPU
+      backend fuses a vector times a transposed matrix into one loop that reads each
+      output's weights contiguously and runs on both threads, while `x @ W + b` is
+      a single-threaded matrix-vector call (~2x slower per step, benchmarks/
+      RESULTS.md). The bias rides along as a last column: a separate add would
+      take the dot into an output fusion instead. float32 also under mixed
+      precision: a cast of the weights inside the loop is hoisted out of it
+      together with the transpose, and the fused form lost.
+    - `"halves"`, for larger batches: `concat([x @ W[:, :u/2], x @ W[:, u/2:]]) + b`,
+      two independent dots that XLA's executor runs on both threads (one small
+      dot runs on one; ~1.2x faster per step).
     `None` turns it off.
     """
-    previous = _ROW_KERNELS[0]
-    _ROW_KERNELS[0] = kernels
+    previous = _DECODE_KERNELS[0]
+    _DECODE_KERNELS[0] = kernels
     try:
         yield
     finally:
-        _ROW_KERNELS[0] = previous
+        _DECODE_KERNELS[0] = previous
 
 
-def transposed_kernels(model):
-    """`{id(kernel): ([kernel^T | bias] (units, input_dim + 1), id(bias) or None)}` for `row_kernels`.
+def prepared_kernels(model, layout):
+    """`(layout, {id(kernel): (parts, id(bias) or None)})` for `decode_kernels`; `layout` in `KERNEL_LAYOUTS`.
 
     Every float 2-D weight of `model` named `*kernel`; its bias is the weight of the same layer named
-    with `bias` for `kernel` (zeros if there is none). Quantized (integer) kernels are left out.
+    with `bias` for `kernel`. "rows": parts = `[kernel^T | bias]` `(units, input_dim + 1)` (zeros for a
+    missing bias); "halves": parts = `(kernel[:, :units // 2], kernel[:, units // 2:])`. Quantized
+    (integer) kernels are left out.
     """
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"`layout` must be one of {KERNEL_LAYOUTS}. Received: layout={layout!r}")
     by_path = {w.path: w for w in model.weights}
     kernels = {}
     for w in model.weights:
         if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
             continue
         bias = by_path.get(w.path[: -len("kernel")] + "bias")
-        column = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
-        rows = ops.concatenate([ops.transpose(w), column[:, None]], axis=1)  # (units, input_dim + 1)
-        kernels[id(w)] = rows, None if bias is None else id(bias)
-    return kernels
+        if layout == "rows":
+            column = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
+            parts = ops.concatenate([ops.transpose(w), column[:, None]], axis=1)  # (units, input_dim + 1)
+        else:
+            half = w.shape[1] // 2
+            parts = (tf.identity(w[:, :half]), tf.identity(w[:, half:]))  # (input_dim, units/2), (input_dim, rest)
+        kernels[id(w)] = parts, None if bias is None else id(bias)
+    return layout, kernels
 
 
 def one_row_step(x):
-    """Whether `x` `(B, T, D)` is one token while `row_kernels` is active (a batch-1 decode under XLA sets it)."""
-    return _ROW_KERNELS[0] is not None and x.shape[1] == 1
+    """Whether `x` `(B, T, D)` is one token under `decode_kernels` of layout "rows" (a batch-1 decode under XLA)."""
+    return _DECODE_KERNELS[0] is not None and _DECODE_KERNELS[0][0] == "rows" and x.shape[1] == 1
 
 
-def uses_row_kernels(x, kernel, bias=None):
-    """Whether `dense(x, kernel, bias)` takes the `row_kernels` form: one token, `kernel` among them, its own bias."""
-    if not one_row_step(x) or id(kernel) not in _ROW_KERNELS[0]:
+def uses_decode_kernels(x, kernel, bias=None):
+    """Whether `dense(x, kernel, bias)` uses `decode_kernels`: one token, `kernel` among them, with its own bias."""
+    if _DECODE_KERNELS[0] is None or x.shape[1] != 1 or id(kernel) not in _DECODE_KERNELS[0][1]:
         return False
-    bias_id = _ROW_KERNELS[0][id(kernel)][1]
-    return bias is None or bias_id == id(bias)
+    return bias is None or _DECODE_KERNELS[0][1][id(kernel)][1] == id(bias)
 
 
 def dense(x, kernel, bias=None, start=0, stop=None):
     """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype, `x` `(B, T, input_dim)`.
 
-    A one-token `x` (T == 1) under `row_kernels` multiplies the transposed kernel
-    back, which XLA fuses into one loop (see `row_kernels`).
+    A one-token `x` (T == 1) under `decode_kernels` uses the kernel's prepared layout.
     """
     stop = kernel.shape[-1] if stop is None else stop
     part = (start, stop) != (0, kernel.shape[-1])
-    if uses_row_kernels(x, kernel, bias):
-        # In the kernel's dtype (float32) also under mixed precision: a cast of the weights inside the loop
-        # would be hoisted out of it together with the transpose, and the fused form lost.
-        rows = _ROW_KERNELS[0][id(kernel)][0]  # (units, input_dim + 1), the bias last
+    layout = uses_decode_kernels(x, kernel, bias) and _DECODE_KERNELS[0][0]
+    if layout == "rows":
+        rows = _DECODE_KERNELS[0][1][id(kernel)][0]  # (units, input_dim + 1), the bias last; float32
         rows = rows[start:stop] if part else rows
         row = ops.cast(x, rows.dtype)  # (B, 1, input_dim)
         if bias is None:
@@ -121,15 +132,19 @@ def dense(x, kernel, bias=None, start=0, stop=None):
         else:
             row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
         return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
-    y = ops.matmul(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype))  # (B, T, units)
+    if layout == "halves" and not part:
+        halves = _DECODE_KERNELS[0][1][id(kernel)][0]
+        y = ops.concatenate([ops.matmul(x, ops.cast(h, x.dtype)) for h in halves], axis=-1)  # (B, 1, units)
+    else:
+        y = ops.matmul(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype))  # (B, T, units)
     if bias is None:
         return y
     return y + ops.cast(bias[start:stop] if part else bias, x.dtype)
 
 
 def apply_dense(layer, x):
-    """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `row_kernels`) for one token."""
-    if getattr(layer, "quantization_mode", None) is not None or not uses_row_kernels(x, layer.kernel, layer.bias):
+    """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `decode_kernels`) for one token."""
+    if getattr(layer, "quantization_mode", None) is not None or not uses_decode_kernels(x, layer.kernel, layer.bias):
         return layer(x)
     return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 

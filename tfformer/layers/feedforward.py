@@ -2,7 +2,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.attention import _check_positive_int, apply_dense, check_dropout, uses_row_kernels
+from tfformer.layers.attention import _check_positive_int, apply_dense, check_dropout, uses_decode_kernels
 from tfformer.layers.dropout import Dropout
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -72,9 +72,9 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        # A batch-1 decode step under XLA takes apply_dense's one-row form instead (attention.row_kernels).
-        one_row = uses_row_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
-        if not training and self.activation in ("gelu", "relu") and not one_row:
+        # A decode step under XLA takes apply_dense's prepared kernels instead (attention.decode_kernels).
+        prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
+        if not training and self.activation in ("gelu", "relu") and not prepared:
             return self.output_dense(self._fused_intermediate(inputs))
         x = apply_dense(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
