@@ -2,8 +2,9 @@
 
 Each step feeds one token and attends over the cache, so a new token costs
 O(current length) instead of a full re-run. Compiled functions are cached per
-model, sampler and length (and, under XLA, batch of one or not), and take dynamic
-batch/length shapes, so repeated calls do not retrace.
+model, sampler, length and (under XLA) kernel layout: one for a batch of one, one
+for larger batches; they take dynamic batch/length shapes, so repeated calls do not
+retrace.
 """
 
 import warnings

@@ -89,8 +89,8 @@ class TokenEmbedding(keras.layers.Layer):
     def attend(self, inputs):
         """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32."""
         if one_row_step(inputs):
-            # A batch-1 decode step under XLA (attention.decode_kernels, "rows"): float32 also under mixed precision, so
-            # that XLA fuses the transposed table into one loop; a cast of the table would be hoisted with it.
+            # A batch-1 decode step under XLA (attention.decode_kernels, "rows"): float32 also under mixed
+            # precision, so that XLA fuses the transposed table into one loop (a cast would be hoisted with it).
             return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(self.embeddings))  # (B, 1, V)
         kernel = ops.cast(self.embeddings, inputs.dtype)
         return ops.cast(ops.matmul(inputs, ops.transpose(kernel)), "float32")

@@ -80,7 +80,7 @@ class CausalLM(base.TransformerModel):
         if self.output_projection is None:
             logits = self.token_embedding(x, reverse=True)
         else:
-            logits = layers.attention.apply_dense(self.output_projection, x)  # Dense, one-row form in decode loops
+            logits = layers.attention.apply_dense(self.output_projection, x)  # prepared kernels in XLA decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 

@@ -116,7 +116,7 @@ class Seq2SeqTransformer(base.TransformerModel):
         if self.output_projection is None:
             logits = self.token_embedding(y, reverse=True)
         else:
-            logits = layers.attention.apply_dense(self.output_projection, y)  # Dense, one-row form in decode loops
+            logits = layers.attention.apply_dense(self.output_projection, y)  # prepared kernels in XLA decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 
