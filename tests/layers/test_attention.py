@@ -297,3 +297,42 @@ def test_prepared_kernels_rejects_an_unknown_layout():
 
     with pytest.raises(ValueError, match="layout"):
         prepared_kernels(keras.layers.Dense(2), "columns")
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 6), (2, 3, 6), (2, 3, 1, 6)])
+@pytest.mark.parametrize("use_bias, start, stop", [(True, 0, 10), (True, 3, 7), (False, 2, 9)])
+def test_dense_is_a_2d_matmul_and_a_bias_add(rng, shape, use_bias, start, stop):
+    """Outside decode loops `dense` is x @ W[:, start:stop] + b[start:stop] as one rank-2 MatMul and one BiasAdd
+    (the pair grappler fuses into one oneDNN kernel), for inputs of any rank; the static shape is kept."""
+    import tensorflow as tf
+
+    from tfformer.layers.attention import dense
+
+    kernel = keras.Variable(rng.normal(size=(6, 10)).astype("float32"))
+    bias = keras.Variable(rng.normal(size=(10,)).astype("float32")) if use_bias else None
+    x = rng.normal(size=shape).astype("float32")
+    fn = tf.function(lambda x: dense(x, kernel, bias, start, stop))
+    expected = x @ kernel.numpy()[:, start:stop] + (bias.numpy()[start:stop] if use_bias else 0)
+    np.testing.assert_allclose(fn(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    graph = fn.get_concrete_function(tf.TensorSpec((None,) * (len(shape) - 1) + (6,), tf.float32)).graph
+    kinds = [n.op for n in graph.as_graph_def().node]
+    assert kinds.count("MatMul") == 1 and "BatchMatMulV2" not in kinds
+    assert kinds.count("BiasAdd") == int(use_bias) and "AddV2" not in kinds
+    assert graph.outputs[0].shape.as_list() == [None] * (len(shape) - 1) + [stop - start]
+
+
+@pytest.mark.parametrize("case, transposes", [("self", 2), ("cross", 3)])
+def test_fused_projection_splits_heads_with_one_transpose(rng, case, transposes):
+    """q, k, v (self-attention) or k, v (cross-attention) of the fused kernel come out of one reshape + transpose and
+    a split of the leading axis: no split of the last axis, one Transpose each plus the one merging the heads.
+    (The values are checked against keras.layers.MultiHeadAttention above.)"""
+    import tensorflow as tf
+
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    value = query if case == "self" else rng.normal(size=(B, S, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    layer(query, value)
+    fn = tf.function(lambda q, v: layer(q, q) if case == "self" else layer(q, v))
+    kinds = [n.op for n in fn.get_concrete_function(query, value).graph.as_graph_def().node]
+    assert kinds.count("Transpose") == transposes
+    assert "SplitV" not in kinds and "Split" not in kinds

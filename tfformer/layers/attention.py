@@ -132,19 +132,40 @@ def dense(x, kernel, bias=None, start=0, stop=None):
         else:
             row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
         return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
+    bias = None if bias is None else ops.cast(bias[start:stop] if part else bias, x.dtype)
     if layout == "halves" and not part:
         halves = _DECODE_KERNELS[0][1][id(kernel)][0]
         y = ops.concatenate([ops.matmul(x, ops.cast(h, x.dtype)) for h in halves], axis=-1)  # (B, 1, units)
-    else:
-        y = ops.matmul(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype))  # (B, T, units)
-    if bias is None:
+        return y if bias is None else y + bias
+    return _matmul_bias(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype), bias)
+
+
+def _matmul_bias(x, kernel, bias):
+    """`x (..., D) @ kernel (D, U) + bias` as a 2-D MatMul and a BiasAdd.
+
+    On CPU grappler rewrites that pair (not a 3-D matmul and an add) into one
+    oneDNN kernel with the bias as a post-op in inference graphs, and the
+    bias gradient is one BiasAddGrad instead of a reduction over the
+    broadcast (benchmarks/RESULTS.md, "Encoder").
+    """
+    x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+    flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]])  # (B*T, D)
+    y = tf.matmul(flat, kernel)  # (B*T, U)
+    if bias is not None:
+        y = tf.nn.bias_add(y, bias)
+    if x.shape.rank == 2:
         return y
-    return y + ops.cast(bias[start:stop] if part else bias, x.dtype)
+    out = tf.reshape(y, tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[-1:]], axis=0))  # (B, T, U)
+    out.set_shape(x.shape[:-1].concatenate(kernel.shape[-1:]))
+    return out
 
 
 def apply_dense(layer, x):
-    """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `decode_kernels`) for one token."""
-    if getattr(layer, "quantization_mode", None) is not None or not uses_decode_kernels(x, layer.kernel, layer.bias):
+    """`layer(x)` for a `keras.layers.Dense`, through `dense` (a fused bias, and `decode_kernels` for one token).
+
+    Quantized layers and inputs of rank < 2 go through `layer(x)`.
+    """
+    if getattr(layer, "quantization_mode", None) is not None or len(x.shape) < 2:
         return layer(x)
     return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 
@@ -318,6 +339,17 @@ class MultiHeadAttention(keras.layers.Layer):
         x = ops.reshape(x, (b, t, self.num_heads, head_dim))  # (B, T, N, H)
         return ops.transpose(x, (0, 2, 1, 3))  # (B, N, T, H)
 
+    def _split_stacked_heads(self, x, parts):
+        """`(B, T, parts * N * H)` -> `parts` tensors `(B, N, T, H)` with one transpose.
+
+        The split along the leading axis shares the transposed buffer (no copy), where a
+        split of the last axis copies every part before its own transpose.
+        """
+        b, t = ops.shape(x)[0], ops.shape(x)[1]
+        x = ops.reshape(x, (b, t, parts, self.num_heads, self.key_dim))  # (B, T, P, N, H)
+        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (P, B, N, T, H)
+        return tf.unstack(x, num=parts, axis=0)  # P x (B, N, T, H)
+
     def _project_query(self, query):
         if self._fused:
             return dense(query, self.qkv_kernel, self.qkv_bias, 0, self._q_units)
@@ -328,12 +360,17 @@ class MultiHeadAttention(keras.layers.Layer):
         qu, ku, vu = self._q_units, self._k_units, self._v_units
         if self._fused and value is query and (key is None or key is query):
             qkv = dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*(2H+Hv))
+            if vu == qu:
+                return tuple(self._split_stacked_heads(qkv, 3))
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
             q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
         elif self._fused:
             q = self._project_query(query)
             if key is None or key is value:
                 kv = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
+                if vu == ku:
+                    k, v = self._split_stacked_heads(kv, 2)
+                    return self._split_heads(q, self.key_dim), k, v
                 k, v = ops.split(kv, [ku], axis=-1)
             else:
                 k = dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)

@@ -75,7 +75,7 @@ class FeedForward(keras.layers.Layer):
         # A decode step under XLA takes apply_dense's prepared kernels instead (attention.decode_kernels).
         prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         if not training and self.activation in ("gelu", "relu") and not prepared:
-            return self.output_dense(self._fused_intermediate(inputs))
+            return apply_dense(self.output_dense, self._fused_intermediate(inputs))
         x = apply_dense(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
