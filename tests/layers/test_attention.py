@@ -319,6 +319,12 @@ def test_dense_is_a_2d_matmul_and_a_bias_add(rng, shape, use_bias, start, stop):
     assert kinds.count("MatMul") == 1 and "BatchMatMulV2" not in kinds
     assert kinds.count("BiasAdd") == int(use_bias) and "AddV2" not in kinds
     assert graph.outputs[0].shape.as_list() == [None] * (len(shape) - 1) + [stop - start]
+    # One unknown leading dimension (a decode step's batch): the shapes are constants, no shape arithmetic.
+    if len(shape) == 3:
+        step_fn = tf.function(lambda x: dense(x, kernel, bias, start, stop))  # a fresh trace, not the general one
+        step = step_fn.get_concrete_function(tf.TensorSpec((None, 1, 6), tf.float32)).graph
+        assert not {"Shape", "ConcatV2"} & {n.op for n in step.as_graph_def().node}
+        assert step.outputs[0].shape.as_list() == [None, 1, stop - start]
 
 
 @pytest.mark.parametrize("case, transposes", [("self", 2), ("cross", 3)])
@@ -336,3 +342,23 @@ def test_fused_projection_splits_heads_with_one_transpose(rng, case, transposes)
     kinds = [n.op for n in fn.get_concrete_function(query, value).graph.as_graph_def().node]
     assert kinds.count("Transpose") == transposes
     assert "SplitV" not in kinds and "Split" not in kinds
+
+
+@pytest.mark.parametrize("case", ["self", "cross"])
+@pytest.mark.parametrize("num_heads, key_dim, value_dim", [(2, 3, None), (3, 2, 5)])
+def test_matches_keras_with_unequal_heads_and_head_sizes(rng, case, num_heads, key_dim, value_dim):
+    """Head splitting keeps heads and head sizes apart (N != H), for the one-transpose split of the fused kernel
+    (value_dim == key_dim) and for the split of the last axis (value_dim != key_dim); keras' layer as reference."""
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    value = query if case == "self" else rng.normal(size=(B, S, D)).astype("float32")
+    ref = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
+    ref(query, value)
+    ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
+    ours = MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
+    ours(query, value)
+    _copy_from_keras(ours, ref)
+    kwargs = {"use_causal_mask": True} if case == "self" else {}
+    ours_out, ours_w = ours(query, value, return_attention_scores=True, **kwargs)
+    ref_out, ref_w = ref(query, value, return_attention_scores=True, **kwargs)
+    np.testing.assert_allclose(ours_out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(ours_w, ref_w, atol=1e-5)

@@ -149,23 +149,23 @@ def _matmul_bias(x, kernel, bias):
     broadcast (benchmarks/RESULTS.md, "Encoder").
     """
     x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
-    flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]])  # (B*T, D)
+    flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, kernel.shape[0]])  # (B*T, D)
     y = tf.matmul(flat, kernel)  # (B*T, U)
     if bias is not None:
         y = tf.nn.bias_add(y, bias)
     if x.shape.rank == 2:
         return y
-    out = tf.reshape(y, tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[-1:]], axis=0))  # (B, T, U)
-    out.set_shape(x.shape[:-1].concatenate(kernel.shape[-1:]))
-    return out
+    lead = x.shape[:-1]
+    if lead.rank is not None and sum(d is None for d in lead) <= 1:
+        shape = [-1 if d is None else d for d in lead] + [kernel.shape[1]]  # a constant: no shape ops in the graph
+    else:
+        shape = tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[1:]], axis=0)
+    return tf.reshape(y, shape)  # (B, T, U)
 
 
 def apply_dense(layer, x):
-    """`layer(x)` for a `keras.layers.Dense`, through `dense` (a fused bias, and `decode_kernels` for one token).
-
-    Quantized layers and inputs of rank < 2 go through `layer(x)`.
-    """
-    if getattr(layer, "quantization_mode", None) is not None or len(x.shape) < 2:
+    """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `decode_kernels`) for one token."""
+    if getattr(layer, "quantization_mode", None) is not None or not uses_decode_kernels(x, layer.kernel, layer.bias):
         return layer(x)
     return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 
@@ -342,13 +342,14 @@ class MultiHeadAttention(keras.layers.Layer):
     def _split_stacked_heads(self, x, parts):
         """`(B, T, parts * N * H)` -> `parts` tensors `(B, N, T, H)` with one transpose.
 
-        The split along the leading axis shares the transposed buffer (no copy), where a
-        split of the last axis copies every part before its own transpose.
+        A split of the last axis copies every part before its own transpose; TF's Unpack along
+        the leading axis shares the transposed buffer when each part's byte size is a multiple
+        of 64 (else it copies once).
         """
         b, t = ops.shape(x)[0], ops.shape(x)[1]
-        x = ops.reshape(x, (b, t, parts, self.num_heads, self.key_dim))  # (B, T, P, N, H)
-        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (P, B, N, T, H)
-        return tf.unstack(x, num=parts, axis=0)  # P x (B, N, T, H)
+        x = ops.reshape(x, (b, t, parts, self.num_heads, self.key_dim))  # (B, T, parts, N, H)
+        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, B, N, T, H)
+        return tf.unstack(x, num=parts, axis=0)  # parts x (B, N, T, H)
 
     def _project_query(self, query):
         if self._fused:
