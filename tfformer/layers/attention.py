@@ -140,19 +140,21 @@ def dense(x, kernel, bias=None, start=0, stop=None):
     return _matmul_bias(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype), bias)
 
 
-def _matmul_bias(x, kernel, bias):
-    """`x (..., D) @ kernel (D, U) + bias` as a 2-D MatMul and a BiasAdd.
+def _matmul_bias(x, kernel, bias, activation=None):
+    """`activation(x (..., D) @ kernel (D, U) + bias)` as a 2-D MatMul, a BiasAdd and the activation.
 
-    On CPU grappler rewrites that pair (not a 3-D matmul and an add) into one
-    oneDNN kernel with the bias as a post-op in inference graphs, and the
-    bias gradient is one BiasAddGrad instead of a reduction over the
-    broadcast (benchmarks/RESULTS.md, "Encoder").
+    On CPU grappler rewrites that chain (not a 3-D matmul and an add) into one
+    oneDNN kernel with the bias and a relu/gelu as post-ops in inference
+    graphs, and the bias gradient is one BiasAddGrad instead of a reduction
+    over the broadcast (benchmarks/RESULTS.md, "Encoder").
     """
     x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
     flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, kernel.shape[0]])  # (B*T, D)
     y = tf.matmul(flat, kernel)  # (B*T, U)
     if bias is not None:
         y = tf.nn.bias_add(y, bias)
+    if activation is not None:
+        y = activation(y)
     if x.shape.rank == 2:
         return y
     lead = x.shape[:-1]
