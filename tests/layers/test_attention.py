@@ -327,6 +327,40 @@ def test_dense_is_a_2d_matmul_and_a_bias_add(rng, shape, use_bias, start, stop):
         assert step.outputs[0].shape.as_list() == [None, 1, stop - start]
 
 
+@pytest.mark.parametrize("shape", [(2, 6), (2, 3, 6), (2, 3, 1, 6)])
+@pytest.mark.parametrize("start, stop", [(0, 10), (3, 7)])
+def test_dense_gradients_under_a_tape(rng, shape, start, stop):
+    """Under a gradient tape `dense` takes `_matmul_bias_add`, whose bias gradient is a (1, rows) @ (rows, U) matmul
+    (no BiasAddGrad in the step's graph): input, kernel and bias gradients against numpy, also for column slices."""
+    import tensorflow as tf
+
+    from tfformer.layers.attention import dense
+
+    kernel = keras.Variable(rng.normal(size=(6, 10)).astype("float32"))
+    bias = keras.Variable(rng.normal(size=(10,)).astype("float32"))
+    x = rng.normal(size=shape).astype("float32")
+    dy = rng.normal(size=shape[:-1] + (stop - start,)).astype("float32")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = dense(x, kernel, bias, start, stop)
+        return [y] + tape.gradient(y, [x, kernel.value, bias.value], output_gradients=dy)
+
+    y, dx, dkernel, dbias = (t.numpy() for t in step(x))
+    w = kernel.numpy()[:, start:stop]
+    x2, dy2 = x.reshape(-1, 6), dy.reshape(-1, stop - start)
+    np.testing.assert_allclose(y, x @ w + bias.numpy()[start:stop], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dy @ w.T, rtol=1e-5, atol=1e-5)
+    expected_dkernel, expected_dbias = np.zeros((6, 10), "float32"), np.zeros(10, "float32")
+    expected_dkernel[:, start:stop], expected_dbias[start:stop] = x2.T @ dy2, dy2.sum(0)
+    np.testing.assert_allclose(dkernel, expected_dkernel, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dbias, expected_dbias, rtol=1e-5, atol=1e-5)
+    kinds = [n.op for n in step.get_concrete_function(x).graph.as_graph_def().node]
+    assert "BiasAddGrad" not in kinds and "IdentityN" in kinds
+
+
 @pytest.mark.parametrize("case, transposes", [("self", 2), ("cross", 3)])
 def test_fused_projection_splits_heads_with_one_transpose(rng, case, transposes):
     """q, k, v (self-attention) or k, v (cross-attention) of the fused kernel come out of one reshape + transpose and

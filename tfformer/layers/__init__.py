@@ -6,6 +6,7 @@ from tfformer.layers.decoder_block import DecoderBlock
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.encoder_block import EncoderBlock
 from tfformer.layers.feedforward import FeedForward
+from tfformer.layers.layer_norm import LayerNorm
 from tfformer.layers.position_embedding import PositionEmbedding
 from tfformer.layers.rotary_embedding import RotaryEmbedding
 from tfformer.layers.sinusoidal_position_encoding import SinusoidalPositionEncoding
@@ -18,6 +19,7 @@ __all__ = [
     "Dropout",
     "EncoderBlock",
     "FeedForward",
+    "LayerNorm",
     "PositionEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionEncoding",

@@ -4,6 +4,7 @@ import math
 import keras
 import tensorflow as tf
 from keras import ops
+from tensorflow.python.eager import record as _record  # could_possibly_record(): no public equivalent
 
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
@@ -145,14 +146,17 @@ def _matmul_bias(x, kernel, bias, activation=None):
 
     On CPU grappler rewrites that chain (not a 3-D matmul and an add) into one
     oneDNN kernel with the bias and a relu/gelu as post-ops in inference
-    graphs, and the bias gradient is one BiasAddGrad instead of a reduction
-    over the broadcast (benchmarks/RESULTS.md, "Encoder").
+    graphs (benchmarks/RESULTS.md, "Encoder"). Under a gradient tape the pair
+    is `_matmul_bias_add`, whose bias gradient is a matmul.
     """
     x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
     flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, kernel.shape[0]])  # (B*T, D)
-    y = tf.matmul(flat, kernel)  # (B*T, U)
-    if bias is not None:
-        y = tf.nn.bias_add(y, bias)
+    if bias is not None and gradient_recording():
+        y = _matmul_bias_add(flat, kernel, tf.convert_to_tensor(bias))  # (B*T, U)
+    else:
+        y = tf.matmul(flat, kernel)  # (B*T, U)
+        if bias is not None:
+            y = tf.nn.bias_add(y, bias)
     if activation is not None:
         y = activation(y)
     if x.shape.rank == 2:
@@ -163,6 +167,33 @@ def _matmul_bias(x, kernel, bias, activation=None):
     else:
         shape = tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[1:]], axis=0)
     return tf.reshape(y, shape)  # (B, T, U)
+
+
+def gradient_recording():
+    """Whether a `tf.GradientTape` could record the ops built now (a training step, not inference or export).
+
+    Hand-written gradients (`tf.custom_gradient`) are used only then: in inference graphs their
+    IdentityN ops would sit between ops that grappler fuses (MatMul, BiasAdd, activation).
+    """
+    return bool(getattr(_record, "could_possibly_record", lambda: False)())
+
+
+@tf.custom_gradient
+def _matmul_bias_add(x, kernel, bias):
+    """`x (M, D) @ kernel (D, U) + bias (U,)` whose bias gradient is a `(1, M) @ (M, U)` matmul.
+
+    TF's BiasAddGrad (a column reduction) takes 2-3x as long as that matmul on a 2-core CPU, in
+    float32 and bfloat16 (benchmarks/RESULTS.md, "Training: where the time goes").
+    """
+    y = tf.nn.bias_add(tf.matmul(x, kernel), bias)  # (M, U)
+
+    def grad(dy):
+        dx = tf.matmul(dy, kernel, transpose_b=True)  # (M, D)
+        dkernel = tf.matmul(x, dy, transpose_a=True)  # (D, U)
+        dbias = tf.matmul(tf.ones([1, tf.shape(dy)[0]], dy.dtype), dy)  # (1, U)
+        return dx, dkernel, tf.reshape(dbias, [-1])
+
+    return y, grad
 
 
 def apply_dense(layer, x):

@@ -4,6 +4,7 @@ from tfformer.layers import masks as masks_lib
 from tfformer.layers.attention import MultiHeadAttention, _check_positive_int, check_dropout
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.feedforward import FeedForward
+from tfformer.layers.layer_norm import LayerNorm
 
 
 def check_heads(hidden_dim, num_heads):
@@ -98,7 +99,7 @@ class EncoderBlock(keras.layers.Layer):
         return layer
 
     def _norm(self, name):
-        return keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
+        return LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
 
     def _build_common(self, inputs_shape):
         hidden_dim = inputs_shape[-1]

@@ -55,7 +55,7 @@ def final_norm(config, name):
     """Pre-LN stacks end with a LayerNorm (GPT-2); post-LN ones are already normalised."""
     if not config.norm_first:
         return None
-    return keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, name=name)
+    return layers.LayerNorm(epsilon=config.layer_norm_epsilon, name=name)
 
 
 def embed_tokens(embedding, position, token_ids, start_index=0):

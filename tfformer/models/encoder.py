@@ -31,7 +31,7 @@ class TransformerEncoder(base.TransformerModel):
             segment_embedding = keras.layers.Embedding(
                 config.num_segments, config.hidden_dim, embeddings_initializer=init, name="segment_embedding"
             )
-        embedding_norm = keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, name="embedding_norm")
+        embedding_norm = layers.LayerNorm(epsilon=config.layer_norm_epsilon, name="embedding_norm")
         dropout = layers.Dropout(config.dropout, name="embedding_dropout")
         blocks = [
             layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
