@@ -59,3 +59,19 @@ def test_gradient_is_the_mask_times_scale(rng):
 def test_harness(rng):
     check_layer(Dropout, dict(rate=0.2, seed=4), {"inputs": rng.normal(size=(2, 3, 8)).astype("float32")},
                 expected_output_shape=(2, 3, 8), fit=False)
+
+
+def test_gradient_is_the_same_mask_and_scale(rng):
+    """d(output)/d(input) is the forward's multiplier: 0 where dropped, 1 / (1 - rate) where kept."""
+    import tensorflow as tf
+
+    x = tf.constant(rng.normal(size=(4, 8, 16)).astype("float32"))
+    dy = rng.normal(size=(4, 8, 16)).astype("float32")
+    layer = Dropout(0.25, seed=2)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+    dx = tape.gradient(y, x, output_gradients=dy).numpy()
+    multiplier = y.numpy() / x.numpy()
+    np.testing.assert_allclose(dx, dy * multiplier, rtol=1e-6, atol=1e-6)
+    assert 0 < np.mean(multiplier == 0) < 0.5

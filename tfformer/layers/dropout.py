@@ -48,5 +48,6 @@ class Dropout(keras.layers.Dropout):
         words = tf.random.stateless_uniform([(size + 1) // 2], seed, minval=None, maxval=None, dtype=tf.uint32)
         bits = tf.reshape(tf.bitcast(words, tf.uint16), [-1])[:size]  # (2 * ceil(size / 2),) -> (size,)
         keep = tf.reshape(bits >= tf.constant(threshold, tf.uint16), tf.shape(inputs))
-        scale = tf.cast(_LEVELS / (_LEVELS - threshold), inputs.dtype)
-        return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
+        scale = tf.constant(_LEVELS / (_LEVELS - threshold), inputs.dtype)
+        # One (..., D) multiplier, 0 or the scale: the gradient is one multiply by it, no select and scale.
+        return inputs * tf.where(keep, scale, tf.zeros([], inputs.dtype))

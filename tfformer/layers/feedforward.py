@@ -5,7 +5,6 @@ from keras import ops
 from tfformer.layers.attention import (
     _check_positive_int,
     _matmul_bias,
-    apply_dense,
     check_dropout,
     dense,
     uses_decode_kernels,
@@ -79,11 +78,11 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        # A decode step under XLA takes apply_dense's prepared kernels instead (attention.decode_kernels).
+        # A decode step under XLA takes `dense`'s prepared kernels instead (attention.decode_kernels).
         prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         if not training and self.activation in ("gelu", "relu") and not prepared:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
-        x = apply_dense(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
+        x = self._project(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
             x = _in_float32(ops.silu, gate) * x
@@ -92,7 +91,14 @@ class FeedForward(keras.layers.Layer):
         else:
             x = ops.relu(x)
         x = self._dropout_layer(x, training=training)
-        return apply_dense(self.output_dense, x)
+        return self._project(self.output_dense, x)
+
+    def _project(self, layer, x):
+        # `dense` on the layer's weights: a 2-D MatMul + BiasAdd (a matmul for the bias gradient under a tape), or a
+        # decode step's prepared kernels. Quantized layers run their own call.
+        if getattr(layer, "quantization_mode", None) is not None:
+            return layer(x)
+        return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias)
 
     def _fused_intermediate(self, inputs):
         # Inference: a 2-D matmul -> bias_add -> relu/gelu chain, the pattern grappler rewrites into one
