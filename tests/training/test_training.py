@@ -62,6 +62,20 @@ def test_masked_loss_gradient_matches_numpy(rng, smoothing):
     expected = (p - target) * (labels != 0)[..., None] / labels.size  # d(sum over real tokens / (B*T))
     np.testing.assert_allclose(grad, expected, atol=1e-6)
 
+def test_masked_loss_rejects_out_of_range_labels(rng):
+    """The fused (XLA) loss would clamp a bad id silently: the explicit check raises, naming `y_true`."""
+    import tensorflow as tf
+
+    logits = rng.normal(size=(2, 3, 5)).astype("float32")
+    loss = training.MaskedSparseCrossEntropy(0.1)
+    for bad in (5, -1):
+        labels = np.array([[1, 2, bad], [0, 0, 0]])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="y_true"):
+            loss(labels, logits)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="y_true"):
+            tf.function(loss)(labels, logits)
+
+
 def test_masked_metrics(rng):
     logits = rng.normal(size=(2, 4, 6)).astype("float32")
     labels = np.argmax(logits, -1)

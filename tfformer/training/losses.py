@@ -43,31 +43,55 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
 def _smoothed_cross_entropy(logits, labels, smoothing):
     """Per-token `-sum_v q_v log softmax(logits)_v` with `q = (1 - smoothing) onehot + smoothing / V`.
 
-    Written with its own gradient `(softmax - q) * upstream`: one log-softmax pass
-    forward, and backward one pass over the logits plus a scatter of B*T values
-    at the labels. About 40% less time than TF's fused sparse softmax-cross-entropy
-    kernel at (4096, 8192) on a 2-core CPU, and far less than autodiff through a
-    gather (whose gradient scatters into a dense B*T*V zero tensor).
+    `logsumexp(logits) - (1 - smoothing) logits[label] - smoothing mean(logits)`, with its own gradient
+    `(softmax - q) * upstream`, each as one XLA computation (`_forward`, `_backward`): XLA fuses the
+    exponentials, reductions and the one-hot into one pass over the `(B*T, V)` logits each way and keeps only
+    the `(B*T,)` log-sum-exp for the backward pass, not a `(B*T, V)` log-softmax. About 40% less time than
+    TF's separate log-softmax, exp, scatter and multiply at (4096, 8192) on a 2-core CPU
+    (benchmarks/RESULTS.md, "Training: where the time goes"), and far less than autodiff through a gather.
+    XLA compiles once per distinct `(B*T, V)`: bucket sequence lengths (as `data.pipelines` does).
     """
     vocabulary_size = tf.shape(logits)[-1]
     flat_logits = tf.reshape(logits, [-1, vocabulary_size])  # (B*T, V)
     flat_labels = tf.reshape(labels, [-1])  # (B*T,)
+    # XLA would clamp an out-of-range label silently; TF's gather used to raise. Check it here.
+    checks = [
+        tf.debugging.assert_non_negative(flat_labels, message="`y_true` (token ids) must be >= 0"),
+        tf.debugging.assert_less(flat_labels, vocabulary_size, message="`y_true` (token ids) must be < the "
+                                 "number of logits (the vocabulary size, the last axis of `y_pred`)"),
+    ]
+    smoothing = tf.constant(smoothing, tf.float32)
 
     @tf.custom_gradient
     def forward(flat_logits):
-        log_probs = tf.nn.log_softmax(flat_logits)  # (B*T, V)
-        loss = -(1.0 - smoothing) * tf.gather(log_probs, flat_labels, batch_dims=1)  # (B*T,)
-        if smoothing:
-            loss -= smoothing * tf.reduce_mean(log_probs, axis=-1)
+        with tf.control_dependencies(checks):
+            loss, log_sum_exp = _forward(flat_logits, flat_labels, smoothing)  # (B*T,), (B*T,)
 
         def grad(upstream):  # upstream (B*T,)
-            probs = tf.exp(log_probs)
-            if smoothing:
-                probs -= smoothing / tf.cast(vocabulary_size, tf.float32)
-            rows = tf.range(tf.shape(flat_labels)[0])
-            indices = tf.stack([rows, flat_labels], axis=1)  # (B*T, 2)
-            return tf.tensor_scatter_nd_sub(probs * upstream[:, None], indices, (1.0 - smoothing) * upstream)
+            return _backward(flat_logits, flat_labels, smoothing, log_sum_exp, upstream)
 
         return loss, grad
 
     return tf.reshape(forward(flat_logits), tf.shape(labels))
+
+
+def _one_hot(labels, like):
+    """`(B*T, V)` booleans, True at each row's label; fuses into the surrounding XLA pass."""
+    return tf.equal(tf.range(tf.shape(like)[-1])[None, :], labels[:, None])
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _forward(flat_logits, flat_labels, smoothing):
+    peak = tf.stop_gradient(tf.reduce_max(flat_logits, axis=-1, keepdims=True))  # (B*T, 1)
+    log_sum_exp = peak[:, 0] + tf.math.log(tf.reduce_sum(tf.exp(flat_logits - peak), axis=-1))  # (B*T,)
+    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
+    mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
+    return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean, log_sum_exp
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _backward(flat_logits, flat_labels, smoothing, log_sum_exp, upstream):
+    vocabulary_size = tf.cast(tf.shape(flat_logits)[-1], tf.float32)
+    probs = tf.exp(flat_logits - log_sum_exp[:, None])  # (B*T, V)
+    target = tf.where(_one_hot(flat_labels, flat_logits), 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+    return (probs - target) * upstream[:, None]  # (B*T, V)
