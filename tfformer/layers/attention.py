@@ -182,8 +182,8 @@ def gradient_recording():
 def _matmul_bias_add(x, kernel, bias):
     """`x (M, D) @ kernel (D, U) + bias (U,)` whose bias gradient is a `(1, M) @ (M, U)` matmul.
 
-    TF's BiasAddGrad (a column reduction) takes 2-3x as long as that matmul on a 2-core CPU, in
-    float32 and bfloat16 (benchmarks/RESULTS.md, "Training: where the time goes").
+    TF's BiasAddGrad (a column reduction) takes up to 3x as long as that matmul in bfloat16 and up to
+    2x in float32 on a 2-core CPU (benchmarks/RESULTS.md, "Training: where the time goes").
     """
     y = tf.nn.bias_add(tf.matmul(x, kernel), bias)  # (M, U)
 

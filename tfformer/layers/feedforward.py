@@ -26,7 +26,7 @@ def _in_float32(fn, x):
 @tf.custom_gradient
 def _gelu_with_gradient(x):
     """Exact (erf) GELU in float32, and its gradient, each one XLA computation: TF runs the erf, the products and
-    autodiff's gradient of them as about ten full-size passes; XLA fuses each direction into one. About 2.5x faster
+    autodiff's gradient of them as about ten full-size passes; XLA fuses each direction into one. About 3x faster
     forward and backward at (4096, 1024) on a 2-core CPU (benchmarks/RESULTS.md, "Training: where the time goes")."""
     return _gelu_forward(x), lambda dy: _gelu_backward(x, dy)
 

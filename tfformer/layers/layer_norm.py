@@ -24,9 +24,9 @@ class LayerNorm(keras.layers.LayerNormalization):
     Keras' version builds the `(rows, D)` product `rsqrt(var) * gamma` and two
     more full-size tensors from it, and its autodiff gradient runs through
     `moments` (tiles, broadcasts and reductions). On a 2-core CPU this layer
-    takes about 20% less time forward and about a quarter less forward and
-    backward together; it is what tfformer's blocks and models use (numbers in
-    benchmarks/RESULTS.md, "Training: where the time goes"). Other axes,
+    takes 15-20% less time forward, and inside a training step about half the
+    op time of Keras' forward and backward; it is what tfformer's blocks and
+    models use (benchmarks/RESULTS.md, "Training: where the time goes"). Other axes,
     `center=False`, `scale=False` or `rms_scaling=True` use Keras' code.
 
     Args:
