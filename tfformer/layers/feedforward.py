@@ -52,7 +52,9 @@ class FeedForward(keras.layers.Layer):
     The paper's FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 with `activation="relu"`;
     `"gelu"` as in BERT/GPT; `"swiglu"` (Shazeer, 2020) computes
     `W_2 (silu(x W_g) * x W_1)` with `W_g` and `W_1` in one fused kernel.
-    Masks pass through unchanged.
+    Masks pass through unchanged. Under a gradient tape (training) the exact
+    GELU and its gradient are XLA computations, compiled once per input shape
+    (about 0.1-0.2 s each on a 2-core CPU).
 
     Args:
         hidden_dim: int. Output width (`d_model`).

@@ -17,6 +17,11 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
     (batches are padded before they are split), so the update of N replicas
     equals the update of one replica on the global batch.
 
+    The loss and its gradient run as XLA computations (also inside a graph that
+    is not XLA-compiled), compiled once per distinct `(B*T, V)`: about 0.2-0.4 s
+    each on a 2-core CPU. Bucket sequence lengths (`data.pipelines` does) rather
+    than feeding every length. Labels outside `[0, V)` raise.
+
     Args:
         label_smoothing: float in [0, 1). Defaults to `0.1`.
         padding_id: int. Label id that is ignored. Defaults to `0`.
