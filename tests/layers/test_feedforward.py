@@ -64,6 +64,24 @@ def test_training_gradients_match_keras_dense(rng, activation):
     assert "BiasAddGrad" not in kinds and kinds.count("BiasAdd") == 2
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_quantized_dense_layers_run_their_own_call(rng, activation):
+    """After `quantize("int8")` the kernels are int8 with separate scales: inference must not read them as weights
+    (the fused fast path did, with errors of ~1e5); it matches the quantized layers' own chain, as training does."""
+    import keras
+
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    layer = FeedForward(hidden_dim=8, intermediate_dim=16, activation=activation)
+    layer(x)
+    layer.intermediate_dense.quantize("int8")
+    layer.output_dense.quantize("int8")
+    hidden = layer.intermediate_dense(x)
+    hidden = keras.ops.relu(hidden) if activation == "relu" else keras.ops.gelu(hidden, approximate=False)
+    expected = np.asarray(layer.output_dense(hidden))
+    np.testing.assert_allclose(np.asarray(layer(x)), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(layer(x, training=True)), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_harness(rng):
     check_layer(FeedForward, dict(hidden_dim=8, intermediate_dim=16, activation="swiglu", dropout=0.1),
                 {"inputs": rng.normal(size=(2, 3, 8)).astype("float32")}, expected_output_shape=(2, 3, 8))

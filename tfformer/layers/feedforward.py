@@ -23,6 +23,11 @@ def _in_float32(fn, x):
     return ops.cast(fn(ops.cast(x, "float32")), x.dtype)
 
 
+def _quantized(layer):
+    """A Dense quantized by `keras.Layer.quantize` (int8/float8 kernels with scales): only its own call is right."""
+    return getattr(layer, "quantization_mode", None) is not None
+
+
 @tf.custom_gradient
 def _gelu_with_gradient(x):
     """Exact (erf) GELU in float32, and its gradient, each one XLA computation: TF runs the erf, the products and
@@ -107,7 +112,8 @@ class FeedForward(keras.layers.Layer):
     def call(self, inputs, training=None):
         # A decode step under XLA takes `dense`'s prepared kernels instead (attention.decode_kernels).
         prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
-        if not training and self.activation in ("gelu", "relu") and not prepared:
+        quantized = any(_quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
+        if not training and self.activation in ("gelu", "relu") and not prepared and not quantized:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
         x = self._project(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
@@ -125,7 +131,7 @@ class FeedForward(keras.layers.Layer):
     def _project(self, layer, x):
         # `dense` on the layer's weights: a 2-D MatMul + BiasAdd (a matmul for the bias gradient under a tape), or a
         # decode step's prepared kernels. Quantized layers run their own call.
-        if getattr(layer, "quantization_mode", None) is not None:
+        if _quantized(layer):
             return layer(x)
         return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias)
 
