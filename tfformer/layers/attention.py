@@ -196,9 +196,14 @@ def _matmul_bias_add(x, kernel, bias):
     return y, grad
 
 
+def quantized(layer):
+    """A Dense quantized by `keras.Layer.quantize` (int8/float8 kernels with scales): only its own call is right."""
+    return getattr(layer, "quantization_mode", None) is not None
+
+
 def apply_dense(layer, x):
     """`layer(x)` for a `keras.layers.Dense`, through `dense` (and so `decode_kernels`) for one token."""
-    if getattr(layer, "quantization_mode", None) is not None or not uses_decode_kernels(x, layer.kernel, layer.bias):
+    if quantized(layer) or not uses_decode_kernels(x, layer.kernel, layer.bias):
         return layer(x)
     return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 

@@ -10,6 +10,7 @@ from tfformer.layers.attention import (
     check_dropout,
     dense,
     gradient_recording,
+    quantized,
     uses_decode_kernels,
 )
 from tfformer.layers.dropout import Dropout
@@ -21,11 +22,6 @@ def _in_float32(fn, x):
     # erf/exp/sigmoid on bfloat16 tensors run element by element through float conversions on CPU:
     # casting around them is about 2x faster (and more precise) than computing in bfloat16.
     return ops.cast(fn(ops.cast(x, "float32")), x.dtype)
-
-
-def _quantized(layer):
-    """A Dense quantized by `keras.Layer.quantize` (int8/float8 kernels with scales): only its own call is right."""
-    return getattr(layer, "quantization_mode", None) is not None
 
 
 @tf.custom_gradient
@@ -112,8 +108,8 @@ class FeedForward(keras.layers.Layer):
     def call(self, inputs, training=None):
         # A decode step under XLA takes `dense`'s prepared kernels instead (attention.decode_kernels).
         prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
-        quantized = any(_quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
-        if not training and self.activation in ("gelu", "relu") and not prepared and not quantized:
+        own_calls = any(quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
+        if not training and self.activation in ("gelu", "relu") and not prepared and not own_calls:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
         x = self._project(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
@@ -131,7 +127,7 @@ class FeedForward(keras.layers.Layer):
     def _project(self, layer, x):
         # `dense` on the layer's weights: a 2-D MatMul + BiasAdd (a matmul for the bias gradient under a tape), or a
         # decode step's prepared kernels. Quantized layers run their own call.
-        if _quantized(layer):
+        if quantized(layer):
             return layer(x)
         return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias)
 
