@@ -2,6 +2,7 @@ import itertools
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.harness import spread as _spread
 from tests.harness import matmuls_fed_by
@@ -173,26 +174,31 @@ def test_segment_sizes():
     assert segment_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("beam_size", [None, 2])
+@pytest.mark.parametrize("beam_size, kernel_layout", [(None, None), (None, "rows"), (2, None)])
 @pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
-def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, monkeypatch):
-    """A step attends over a cache sized to what is filled (prompt + 1, 2, 4, 7 slots), not the full buffer."""
+def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, kernel_layout, monkeypatch):
+    """A step attends over a cache sized to what is filled (prompt + 1, 2, 4, 7 slots), not the full buffer;
+    stacked caches, or split ones in the one-row ("rows", a batch of one) loop."""
     from tfformer.generation import decode
 
     monkeypatch.setattr(decode, "MIN_SEGMENT", 1)  # tiny models: segment from one slot up
     model = request.getfixturevalue(fixture)
     inputs, new_tokens = (SOURCE, 7) if fixture == "seq2seq" else (PROMPTS, 7)
+    inputs = inputs[:1] if kernel_layout == "rows" else inputs
     prefix = 0 if fixture == "seq2seq" else PROMPTS.shape[1]
     seen = []  # (first position written, cache slots) per decode_step call
     step = model.decode_step
 
     def spy(token_ids, cache, cache_index, *args, **kwargs):
-        seen.append((int(cache_index), int(cache[0].shape[3])))
-        assert int(cache_index) + token_ids.shape[1] <= cache[0].shape[3]  # every write lands inside the cache
+        # Split caches, 2 x (B*N, S, H) per layer, in the one-row loop; else stacked ones, (B, 2, N, S, H).
+        assert isinstance(cache[0], tuple) == (kernel_layout == "rows")
+        slots = int(tf.nest.flatten(cache[0])[0].shape[-2])
+        seen.append((int(cache_index), slots))
+        assert int(cache_index) + token_ids.shape[1] <= slots  # every write lands inside the cache
         return step(token_ids, cache, cache_index, *args, **kwargs)
 
     monkeypatch.setattr(model, "decode_step", spy)
-    eager = decode.decode_fn(model, new_tokens, beam_size=beam_size)(inputs)  # tf.while_loop runs eagerly
+    eager = decode.decode_fn(model, new_tokens, beam_size=beam_size, kernel_layout=kernel_layout)(inputs)  # eager loop
     monkeypatch.undo()
     slots = [s for _, s in seen]
     assert slots == sorted(slots) and slots[-1] == prefix + new_tokens

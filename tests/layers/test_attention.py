@@ -243,6 +243,49 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim
     np.testing.assert_allclose(got_cross, cross, atol=1e-5)
 
 
+@pytest.mark.parametrize("xla", [False, True])
+@pytest.mark.parametrize("score", ["scaled_dot", "general", "additive"])
+def test_split_cache_decoding_equals_full_and_the_stacked_cache(rng, score, xla):
+    """A split cache `(keys, values)` `(B*N, S, H)`: outputs == the full causal pass, and after every step its
+    contents == the stacked cache's (written the same way), with and without XLA's in-place writes."""
+    import contextlib
+
+    import tensorflow as tf
+
+    from tfformer.layers.attention import in_place_cache_writes, split_cache
+
+    x = rng.normal(size=(B, T, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, score=score)
+    full = np.asarray(layer(x, x, use_causal_mask=True))
+    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=xla)
+    with in_place_cache_writes() if xla else contextlib.nullcontext():
+        stacked = tf.zeros((B, 2, N, T + 2, H))  # two unfilled slots at the end
+        split = split_cache(stacked)
+        outs = []
+        for start, stop in [(0, 2)] + [(t, t + 1) for t in range(2, T)]:  # a two-token prefill, then one at a time
+            out, split = step(x[:, start:stop], split, tf.constant(start))
+            _, stacked = step(x[:, start:stop], stacked, tf.constant(start))
+            outs.append(out.numpy())
+            assert isinstance(split, tuple) and len(split) == 2
+            for half, expected in zip(split, split_cache(stacked)):
+                assert tuple(half.shape) == (B * N, T + 2, H)
+                np.testing.assert_allclose(half.numpy(), expected.numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
+    np.testing.assert_array_equal(split[0].numpy()[:, T:], 0)  # the unfilled slots stay empty
+
+
+def test_split_cache_needs_a_pair_and_cache_index(rng):
+    from tfformer.layers.attention import split_cache
+
+    x = rng.normal(size=(B, 1, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    keys, values = split_cache(np.zeros((B, 2, N, 4, H), "float32"))
+    with pytest.raises(ValueError, match="needs `cache_index`"):
+        layer(x, x, cache=(keys, values))
+    with pytest.raises(ValueError, match="pair"):
+        layer(x, x, cache=(keys, values, values), cache_index=0)
+
+
 @pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("use_bias, start, stop", [(True, 0, 10), (True, 3, 7), (False, 0, 10), (False, 2, 9)])
 def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop, layout):

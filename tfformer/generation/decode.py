@@ -9,10 +9,11 @@ retrace.
 
 import warnings
 
+import keras
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
-from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels
+from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels, split_cache
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
 # The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
@@ -46,8 +47,11 @@ def segment_sizes(max_new_tokens):
 
 
 def _grown(cache, size):
-    """Per-layer caches `(B, 2, N, S, H)` zero-padded along S to `size` slots."""
-    return tuple(tf.pad(c, [[0, 0], [0, 0], [0, 0], [0, size - tf.shape(c)[3]], [0, 0]]) for c in cache)
+    """Per-layer caches (split, `(B*N, S, H)` pairs, or stacked) zero-padded along S to `size` slots."""
+    def pad(c):  # S is the second-to-last axis in both forms
+        return tf.pad(c, [[0, 0]] * (len(c.shape) - 2) + [[0, size - tf.shape(c)[-2]], [0, 0]])
+
+    return tf.nest.map_structure(pad, cache)
 
 
 def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
@@ -77,13 +81,19 @@ def _with_kernels(fn, model, kernel_layout):
     return run
 
 
-def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
+def _layer_caches(model, batch, slots, split, dtype="float32"):
+    """Per-layer empty caches (no re-stacking each step): split (`split_cache`) or stacked `(B, 2, N, S, H)`."""
+    caches = tf.unstack(model.empty_cache(batch, slots, dtype=dtype))
+    return tuple(split_cache(c) for c in caches) if split else tuple(caches)
+
+
+def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
     def run(encoder_token_ids):
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
         first = segment_sizes(max_new_tokens)[0]
-        cache = tuple(tf.unstack(model.empty_cache(batch, first, dtype=cross.dtype)))  # per layer; grows
+        cache = _layer_caches(model, batch, first, split, dtype=cross.dtype)  # grows in the loop
         cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
@@ -108,14 +118,14 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID):
     return run
 
 
-def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID):
+def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
     def run(prompt_ids):
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
-        # Per layer (no re-stacking each step), prompt + the first segment's slots; grows in the loop.
-        cache = tuple(tf.unstack(model.empty_cache(batch, prompt_length + segment_sizes(max_new_tokens)[0])))
+        # Prompt + the first segment's slots; grows in the loop.
+        cache = _layer_caches(model, batch, prompt_length + segment_sizes(max_new_tokens)[0], split)
         # Prefill the part every prompt shares, in one pass.
         logits, cache = model.decode_step(tokens[:, :start], cache, 0, last_only=True)
         next_ids = sampler(logits[:, -1, :], start)
@@ -151,19 +161,25 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     beam search ignores it) is for code compiled with XLA: the decode steps' matmuls
     then use kernels laid out once before the loop (`layers.attention.decode_kernels`;
     benchmarks/RESULTS.md: batch-1 decoding ~1.5x, batch 8 ~1.2x faster on these CPUs).
+    "rows" also carries split caches (`layers.attention.split_cache`) for a float32
+    model: the attention reads keys and values with batched matmuls (per-token time at
+    position 500 ~7% lower). At batch 8, and for the bfloat16 caches of a mixed-precision
+    model (Keras casts them to the compute dtype; a matmul would need a float32 copy
+    each step), the stacked cache's fused form is 8-18% faster (benchmarks/RESULTS.md).
     """
     from tfformer.generation import beam
 
     sampler = as_sampler(sampler)
     architecture = model.config.architecture
+    split = kernel_layout == "rows" and keras.backend.standardize_dtype(model.compute_dtype) == "float32"
     if architecture == "seq2seq":
         if beam_size:
             return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _with_kernels(_seq2seq_fn(model, max_new_tokens, sampler, end_id), model, kernel_layout)
+        return _with_kernels(_seq2seq_fn(model, max_new_tokens, sampler, end_id, split), model, kernel_layout)
     if architecture == "causal_lm":
         if beam_size:
             return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _with_kernels(_causal_fn(model, max_new_tokens, sampler, end_id), model, kernel_layout)
+        return _with_kernels(_causal_fn(model, max_new_tokens, sampler, end_id, split), model, kernel_layout)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 

@@ -209,22 +209,37 @@ def apply_dense(layer, x):
 
 
 def _write_cache(cache, new, index):
-    """`cache` (B, 2, N, S, H) with `new` (B, 2, N, T, H) written at positions `index .. index+T-1`.
+    """`cache` with `new` written at positions `index .. index+T-1` along its slot axis (the second to last).
 
-    By default a gather + select with static shapes, instead of `ops.slice_update`:
-    on TensorFlow that is XlaDynamicUpdateSlice, which needs XLA at run time (not
-    in every TF Serving build) and has no TFLite builtin, while a dynamic pad
-    would break XLA compilation. This form runs in all three; under
+    `cache` is a stacked `(B, 2, N, S, H)` cache with `new` `(B, 2, N, T, H)`, or one half
+    `(B*N, S, H)` of a split cache with `new` `(B*N, T, H)`. By default a gather + select with
+    static shapes, instead of `ops.slice_update`: on TensorFlow that is XlaDynamicUpdateSlice,
+    which needs XLA at run time (not in every TF Serving build) and has no TFLite builtin, while a
+    dynamic pad would break XLA compilation. This form runs in all three; under
     `in_place_cache_writes()` (XLA only) the slice update is used.
     """
+    axis = len(cache.shape) - 2
     if _IN_PLACE_CACHE_WRITES[0]:
         zero = ops.zeros((), "int32")
-        return ops.slice_update(cache, [zero, zero, zero, ops.cast(index, "int32"), zero], new)
-    size, length = ops.shape(cache)[3], ops.shape(new)[3]
+        start = [zero] * len(cache.shape)
+        start[axis] = ops.cast(index, "int32")
+        return ops.slice_update(cache, start, new)
+    size, length = ops.shape(cache)[axis], ops.shape(new)[axis]
     offset = ops.arange(size) - index  # slot s takes new[s - index]
     written = ops.logical_and(offset >= 0, offset < length)
-    spread = ops.take(new, ops.clip(offset, 0, length - 1), axis=3)  # (B, 2, N, S, H)
-    return ops.where(written[None, None, None, :, None], spread, cache)
+    spread = ops.take(new, ops.clip(offset, 0, length - 1), axis=axis)  # the shape of `cache`
+    return ops.where(ops.reshape(written, (size, 1)), spread, cache)
+
+
+def split_cache(cache):
+    """A stacked cache `(B, 2, N, S, H)` as a split cache: `(keys, values)`, each `(B*N, S, H)`.
+
+    Same contents, for decode loops: the attention then reads each half as a buffer of its own
+    with a batched matmul. A half sliced from the stacked buffer is not one, and XLA copies
+    every cached key and value before each step's matmul (benchmarks/RESULTS.md).
+    """
+    b, _, n, s, h = ops.shape(cache)
+    return tuple(ops.reshape(cache[:, i], (b * n, s, h)) for i in range(2))  # 2 x (B*N, S, H)
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -280,7 +295,10 @@ class MultiHeadAttention(keras.layers.Layer):
             `cache_index` the cache is read as precomputed keys/values (e.g.
             cross-attention over a fixed encoder output) and `value` is ignored.
             Implicit `value_mask`/`key_mask` are ignored when a cache is used;
-            pass padding through `attention_mask`.
+            pass padding through `attention_mask`. With `cache_index`, the
+            cache may also be split (`split_cache`): a pair `(keys, values)`,
+            each `(B*N, S_max, H)`, returned in the same form (faster in XLA
+            decode loops).
         cache_index: int scalar, where the `T` new positions start.
         training: bool, enables dropout.
 
@@ -437,7 +455,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     # === Scores ===
     def _scores(self, q, k, one_query=False):
-        # q (B, N, T, H), k (B, N, S, H) -> (B, N, T, S)
+        # q (B, N, T, H), k (B, N, S, H) or, from a split cache, (B*N, S, H) -> (B, N, T, S)
+        if len(k.shape) == 3 and self.score == "additive":
+            k = ops.reshape(ops.cast(k, q.dtype), (ops.shape(q)[0], self.num_heads, ops.shape(k)[1], self.key_dim))  # (B*N, S, H) -> (B, N, S, H)
         if self.score == "additive":
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
             hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
@@ -446,6 +466,11 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.score == "general":
             q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
         head_dim = q.shape[-1]
+        if len(k.shape) == 3:
+            # A split cache: one batched matmul reading the key buffer in place, also under XLA.
+            b, t, s = ops.shape(q)[0], ops.shape(q)[2], ops.shape(k)[1]
+            q3 = ops.reshape(ops.cast(q, k.dtype), (b * self.num_heads, t, head_dim))  # (B, N, T, H) -> (B*N, T, H)
+            return ops.reshape(tf.matmul(q3, k, transpose_b=True), (b, self.num_heads, t, s))  # (B*N, T, S) -> (B, N, T, S)
         if one_query and head_dim is not None and head_dim % 8 == 0:
             # One query against a cache, under XLA: a dot needs the key half of the (B, 2, N, S, H) cache as a
             # buffer of its own, i.e. a copy of all cached keys every step; a multiply + sum fuses and reads the
@@ -475,17 +500,33 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
     ):
         query_length = ops.shape(query)[1]
+        split = isinstance(cache, (tuple, list))
+        if split and (cache_index is None or len(cache) != 2):
+            raise ValueError(
+                "A split cache is a pair (keys, values) and needs `cache_index`. "
+                f"Received: {len(cache)} tensors, cache_index={cache_index!r}"
+            )
         if cache is not None and cache_index is None:
             # Read-only cache: precomputed keys/values of a fixed memory.
             q = self._split_heads(self._project_query(query), self.key_dim)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         else:
             q, k, v = self._project(query, value, key)
-        if cache is not None and cache_index is not None:
+        if split:
+            self._check_cacheable()
+            b, t = ops.shape(k)[0], ops.shape(k)[2]
+            cache = tuple(
+                _write_cache(half, ops.cast(ops.reshape(new, (b * self.num_heads, t, -1)), half.dtype), cache_index)
+                for half, new in zip(cache, (k, v))  # (B, N, T, H) -> (B*N, T, H) into (B*N, S_max, H)
+            )
+            # float32 scores and mixing also under mixed precision, as in the stacked one-step form below (XLA's
+            # CPU dots on bfloat16 convert their operands first anyway).
+            k, v = (ops.cast(half, "float32") for half in cache)  # (B*N, S_max, H), (B*N, S_max, Hv)
+        elif cache is not None and cache_index is not None:
             self._check_cacheable()
             cache = _write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index)  # (B, 2, N, S_max, H)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
-        key_length = ops.shape(k)[2]
+        key_length = ops.shape(k)[-2]
         offset = 0 if cache_index is None else cache_index
 
         mask = masks_lib.merge_masks(
@@ -502,7 +543,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         mask = None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
         # One query against a cache, under XLA (a decode step): see _scores and the value mixing below.
-        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and query.shape[1] == 1
+        one_step = _IN_PLACE_CACHE_WRITES[0] and cache is not None and not split and query.shape[1] == 1
         scores = self._scores(q, k, one_query=one_step)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
@@ -518,6 +559,11 @@ class MultiHeadAttention(keras.layers.Layer):
         # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass.
         if one_step:
             x = ops.sum(ops.cast(dropped, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
+        elif split:
+            b = ops.shape(dropped)[0]
+            x = ops.reshape(ops.cast(dropped, v.dtype), (b * self.num_heads, query_length, key_length))  # (B*N, T, S)
+            x = ops.reshape(ops.matmul(x, v), (b, self.num_heads, query_length, -1))  # (B*N, T, Hv) -> (B, N, T, Hv)
+            x = ops.cast(x, q.dtype)
         else:
             x = ops.matmul(ops.cast(dropped, v.dtype), v)  # (B, N, T, Hv)
         if mask is not None:
