@@ -39,7 +39,8 @@ class DecoderBlock(EncoderBlock):
         encoder_padding_mask: optional bool `(B, S)`.
         attention_mask: optional bool `(B, T, T)` for the self-attention.
         use_causal_mask: bool. Defaults to `True`.
-        cache: optional self-attention cache `(B, 2, N, S_max, H)`.
+        cache: optional self-attention cache `(B, 2, N, S_max, H)`, or split
+            (`layers.attention.split_cache`: `(keys, values)`, each `(B*N, S_max, H)`).
         cache_index: int scalar, position of the first of the `T` inputs.
         cross_attention_cache: optional `(B, 2, N, S, H)`.
         training: bool.

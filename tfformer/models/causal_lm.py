@@ -68,7 +68,8 @@ class CausalLM(base.TransformerModel):
         """
         x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
         caches = []
-        # A stacked (L, ...) cache, or a tuple of per-layer caches (cheaper inside decode loops: no re-stacking).
+        # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
+        # decode loops: no re-stacking).
         per_layer = isinstance(cache, (list, tuple))
         for i, block in enumerate(self.decoder_blocks):
             x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)

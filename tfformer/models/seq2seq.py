@@ -100,7 +100,8 @@ class Seq2SeqTransformer(base.TransformerModel):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
         y = base.embed_tokens(self.decoder_token_embedding, self.decoder_position, token_ids, start_index=cache_index)
         caches = []
-        # A stacked (L, ...) cache, or a tuple of per-layer caches (cheaper inside decode loops: no re-stacking).
+        # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
+        # decode loops: no re-stacking).
         per_layer = isinstance(cache, (list, tuple))
         for i, block in enumerate(self.decoder_blocks):
             y, layer_cache = block(
