@@ -165,7 +165,8 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     model: the attention reads keys and values with batched matmuls (per-token time at
     position 500 ~7% lower). At batch 8, and for the bfloat16 caches of a mixed-precision
     model (Keras casts them to the compute dtype; a matmul would need a float32 copy
-    each step), the stacked cache's fused form is 8-18% faster (benchmarks/RESULTS.md).
+    each step), the split form measured 0.92-0.96x and 0.82-0.88x of the stacked
+    cache's fused form, which they keep (benchmarks/RESULTS.md).
     """
     from tfformer.generation import beam
 
