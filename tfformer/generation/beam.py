@@ -7,7 +7,7 @@ Beam size 1 is exactly greedy decoding.
 
 import tensorflow as tf
 
-from tfformer.generation.decode import END_ID, PAD_ID, START_ID, segment_sizes, segmented_loop
+from tfformer.generation.decode import END_ID, PAD_ID, START_ID, layer_caches, segment_sizes, segmented_loop
 
 NEG = -1e9
 
@@ -51,7 +51,7 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         encoder_outputs, encoder_mask = _repeat(encoder_outputs, beam), _repeat(encoder_mask, beam)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = tuple(tf.unstack(model.empty_cache(batch * beam, segment_sizes(max_new_tokens)[0], dtype=cross.dtype)))
+        cache = layer_caches(model, batch * beam, segment_sizes(max_new_tokens)[0], dtype=cross.dtype)
         cross = tuple(tf.unstack(cross))
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
         output = tf.zeros([batch, beam, max_new_tokens], tf.int32)
@@ -94,7 +94,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, P + N)
         start = tf.reduce_min(prompt_lengths)
-        cache = tuple(tf.unstack(model.empty_cache(batch * beam, prompt_length + segment_sizes(max_new_tokens)[0])))
+        cache = layer_caches(model, batch * beam, prompt_length + segment_sizes(max_new_tokens)[0])
         logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0, last_only=True)
         logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])

@@ -81,7 +81,7 @@ def _with_kernels(fn, model, kernel_layout):
     return run
 
 
-def _layer_caches(model, batch, slots, split, dtype="float32"):
+def layer_caches(model, batch, slots, split=False, dtype="float32"):
     """Per-layer empty caches (no re-stacking each step): split (`split_cache`) or stacked `(B, 2, N, S, H)`."""
     caches = tf.unstack(model.empty_cache(batch, slots, dtype=dtype))
     return tuple(split_cache(c) for c in caches) if split else tuple(caches)
@@ -93,7 +93,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
         first = segment_sizes(max_new_tokens)[0]
-        cache = _layer_caches(model, batch, first, split, dtype=cross.dtype)  # grows in the loop
+        cache = layer_caches(model, batch, first, split, dtype=cross.dtype)  # grows in the loop
         cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
@@ -125,7 +125,7 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
         # Prompt + the first segment's slots; grows in the loop.
-        cache = _layer_caches(model, batch, prompt_length + segment_sizes(max_new_tokens)[0], split)
+        cache = layer_caches(model, batch, prompt_length + segment_sizes(max_new_tokens)[0], split)
         # Prefill the part every prompt shares, in one pass.
         logits, cache = model.decode_step(tokens[:, :start], cache, 0, last_only=True)
         next_ids = sampler(logits[:, -1, :], start)

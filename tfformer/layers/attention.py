@@ -512,8 +512,9 @@ class MultiHeadAttention(keras.layers.Layer):
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         else:
             q, k, v = self._project(query, value, key)
-        if split:
+        if cache is not None and cache_index is not None:
             self._check_cacheable()
+        if split:
             b, t = ops.shape(k)[0], ops.shape(k)[2]
             cache = tuple(
                 _write_cache(half, ops.cast(ops.reshape(new, (b * self.num_heads, t, -1)), half.dtype), cache_index)
@@ -523,7 +524,6 @@ class MultiHeadAttention(keras.layers.Layer):
             # CPU dots on bfloat16 convert their operands first anyway).
             k, v = (ops.cast(half, "float32") for half in cache)  # (B*N, S_max, H), (B*N, S_max, Hv)
         elif cache is not None and cache_index is not None:
-            self._check_cacheable()
             cache = _write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index)  # (B, 2, N, S_max, H)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         key_length = ops.shape(k)[-2]
