@@ -10,6 +10,11 @@ FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted to
 attention sub-layer; achieved GFLOP/s is reported against the float32 and bfloat16 matmul limits measured in
 the same run.
 
+Also timed, interleaved with the systems: the matmul floor of each workload, in float32 and bfloat16
+(`matmul_floor`): every matmul of one training step, forward and both gradients, at its shape and nothing
+else, in one tf.function. Its `ratio_vs_keras_hub` is a ceiling: the most any system could reach in that run
+if everything but its matmuls (norms, dropout, softmax, loss, optimizer, casts) were free.
+
     python -m benchmarks.training [--smoke] [--workload seq2seq|lm]
 """
 
@@ -18,6 +23,7 @@ import argparse
 import keras
 import keras_hub
 import numpy as np
+import tensorflow as tf
 
 from benchmarks import common
 from tfformer import models, training
@@ -89,6 +95,49 @@ def _dense_params(model, vocab):
                if "embedding" not in w.path and vocab not in w.shape)
 
 
+def step_matmuls(s, workload):
+    """`(batch, M, K, N)` of every forward matmul in one training step of `workload`; batch None for a 2-D one.
+
+    Dense layers `(B*T, in) x (in, out)` (fused q/k/v; cross-attention: q, fused k/v, output); per attention
+    sub-layer the scores `(B*N, T, H) x (B*N, H, T)` and the mixing `(B*N, T, T) x (B*N, T, H)`; the vocabulary
+    projection `(B*T, d) x (d, V)`. Each has two gradient matmuls of the same FLOPs (dx = dy w^T, dw = x^T dy),
+    so `6 * sum(M * K * N * batch)` is `_flops` without the bias and LayerNorm parameters.
+    """
+    rows, d, i, t = s["batch"] * s["length"], s["hidden"], s["intermediate"], s["length"]
+    heads, head_dim = s["batch"] * s["heads"], s["hidden"] // s["heads"]
+    attention = [(heads, t, head_dim, t), (heads, t, t, head_dim)]
+    self_attention = [(None, rows, d, 3 * d)] + attention + [(None, rows, d, d)]
+    cross_attention = [(None, rows, d, d), (None, rows, d, 2 * d)] + attention + [(None, rows, d, d)]
+    feedforward = [(None, rows, d, i), (None, rows, i, d)]
+    if workload == "lm":
+        blocks = (self_attention + feedforward) * s["layers"]
+    else:
+        blocks = (self_attention + feedforward) * s["layers"] + (self_attention + cross_attention + feedforward) * s["layers"]
+    return blocks + [(None, rows, d, s["vocab"])]
+
+
+def matmul_floor(shapes, dtype):
+    """A tf.function running every matmul of `shapes` (`step_matmuls`) forward and both gradients, nothing else.
+
+    Operands are random and made once; the matmuls are independent, so TF may run two at a time as it does
+    in a training step. Its time is a step's lower bound at this machine's matmul speed for these shapes.
+    """
+    rng = tf.random.Generator.from_seed(0)
+    operands = []
+    for batch, m, k, n in shapes:
+        lead = () if batch is None else (batch,)
+        x, w, dy = (tf.cast(rng.normal(lead + shape), dtype) for shape in ((m, k), (k, n), (m, n)))
+        operands.append((x, w, dy))
+
+    @tf.function
+    def run():
+        # y = x w, dx = dy w^T, dw = x^T dy
+        return [(tf.matmul(x, w), tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True))
+                for x, w, dy in operands]
+
+    return run
+
+
 def run(workload, smoke=False, repeats=5, steps=3):
     rng = np.random.default_rng(0)
     if workload == "seq2seq":
@@ -122,14 +171,19 @@ def run(workload, smoke=False, repeats=5, steps=3):
         model, inputs = built[name]
         return lambda: [model.train_on_batch(inputs, y) for _ in range(steps)]
 
-    times = common.interleaved({name: step(name) for name in built}, repeats=1 if smoke else repeats, warmup=1)
+    callables = {name: step(name) for name in built}
+    for dtype in ("float32", "bfloat16"):
+        floor = matmul_floor(step_matmuls(s, workload), dtype)
+        callables[f"matmul floor {dtype}"] = lambda floor=floor: [floor() for _ in range(steps)]
+    times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1)
     limit32 = common.matmul_limit(256 if smoke else 2048)
     limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
     rows = []
     base = common.median(times["keras-hub float32"]) / steps
     for name, values in times.items():
         seconds = common.median(values) / steps
-        flops = _flops(s, attention_layers, _dense_params(built[name][0], s["vocab"]), predicted, tokens)
+        model = built[name if name in built else "tfformer float32"][0]  # a floor row: the same FLOPs
+        flops = _flops(s, attention_layers, _dense_params(model, s["vocab"]), predicted, tokens)
         per_round = common.paired_ratio(values, times["keras-hub float32"])
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
@@ -154,6 +208,8 @@ def main(argv=None):
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
     print(common.table(table_rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
                                     "ratio_vs_keras_hub", "per_round"]))
+    print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
+          "everything but its matmuls were free.")
 
 
 if __name__ == "__main__":
