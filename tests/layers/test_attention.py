@@ -439,3 +439,42 @@ def test_matches_keras_with_unequal_heads_and_head_sizes(rng, case, num_heads, k
     ref_out, ref_w = ref(query, value, return_attention_scores=True, **kwargs)
     np.testing.assert_allclose(ours_out, ref_out, atol=1e-5)
     np.testing.assert_allclose(ours_w, ref_w, atol=1e-5)
+
+
+@pytest.mark.parametrize("value_dim", [None, 6])
+def test_cross_attention_gradients_match_keras(rng, value_dim):
+    """Under a gradient tape cross-attention splits the fused kernel once into its q and k/v columns (the
+    gradient is one concat, no zero-filled StridedSliceGrad per slice): outputs and the gradients of the inputs,
+    the fused kernel and its bias against keras.layers.MultiHeadAttention with the same weights."""
+    import tensorflow as tf
+
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    value = rng.normal(size=(B, S, D)).astype("float32")
+    ref = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H, value_dim=value_dim)
+    ref(query, value)
+    ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
+    ours = MultiHeadAttention(num_heads=N, key_dim=H, value_dim=value_dim)
+    ours(query, value)
+    _copy_from_keras(ours, ref)
+    dy = rng.normal(size=(B, T, D)).astype("float32")
+    projections = [ref._query_dense, ref._key_dense, ref._value_dense]
+
+    @tf.function
+    def grads(query, value):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([query, value])
+            ours_out, ref_out = ours(query, value), ref(query, value)
+        ours_grads = tape.gradient(ours_out, [query, value, ours.qkv_kernel.value, ours.qkv_bias.value], output_gradients=dy)
+        ref_grads = tape.gradient(ref_out, [query, value] + [p.kernel.value for p in projections]
+                                  + [p.bias.value for p in projections], output_gradients=dy)
+        return ours_out, ref_out, ours_grads, ref_grads
+
+    ours_out, ref_out, ours_grads, ref_grads = grads(query, value)
+    np.testing.assert_allclose(ours_out, ref_out, atol=1e-5)
+    for ours_g, ref_g in zip(ours_grads[:2], ref_grads[:2]):  # d query, d value
+        np.testing.assert_allclose(ours_g, ref_g, atol=1e-4)
+    flat = lambda g: g.numpy().reshape(g.shape[0], -1) if len(g.shape) == 3 else g.numpy().reshape(-1)  # noqa: E731
+    np.testing.assert_allclose(ours_grads[2], np.concatenate([flat(g) for g in ref_grads[2:5]], axis=1), atol=1e-4)
+    np.testing.assert_allclose(ours_grads[3], np.concatenate([flat(g) for g in ref_grads[5:8]]), atol=1e-4)
+    kinds = [n.op for n in grads.get_concrete_function(query, value).graph.as_graph_def().node]
+    assert "StridedSliceGrad" not in kinds

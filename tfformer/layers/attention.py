@@ -421,17 +421,24 @@ class MultiHeadAttention(keras.layers.Layer):
                 return tuple(self._split_stacked_heads(qkv, 3))
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
             q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
+        elif self._fused and (key is None or key is value):
+            if gradient_recording():
+                # Training: the fused kernel split once into its q and k/v columns. The gradient of a split is
+                # one concat; that of two slices is a zero-filled StridedSliceGrad each and their sum.
+                kernel_q, kernel_kv = tf.split(self.qkv_kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, N*(H+Hv))
+                bias_q, bias_kv = (None, None) if self.qkv_bias is None else tf.split(self.qkv_bias, [qu, ku + vu])
+                q, kv = dense(query, kernel_q, bias_q), dense(value, kernel_kv, bias_kv)  # (B, T, N*H), (B, S, N*(H+Hv))
+            else:
+                q = self._project_query(query)
+                kv = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
+            if vu == ku:
+                k, v = self._split_stacked_heads(kv, 2)
+                return self._split_heads(q, self.key_dim), k, v
+            k, v = ops.split(kv, [ku], axis=-1)
         elif self._fused:
             q = self._project_query(query)
-            if key is None or key is value:
-                kv = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
-                if vu == ku:
-                    k, v = self._split_stacked_heads(kv, 2)
-                    return self._split_heads(q, self.key_dim), k, v
-                k, v = ops.split(kv, [ku], axis=-1)
-            else:
-                k = dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
-                v = dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)
+            k = dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku)
+            v = dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu)
         else:
             q = self._project_query(query)
             k = dense(value if key is None else key, self.key_kernel, self.key_bias, 0, ku)
