@@ -27,6 +27,7 @@ def test_runner_smoke():
     for bench in ("train_seq2seq", "train_lm"):
         rows = {r["system"]: r for r in records if r["bench"] == bench}
         assert {"matmul floor float32", "matmul floor bfloat16"} <= set(rows)
+        assert all(0 < r["peak_rss_mb"] <= r["peak_rss_mb_with_floors"] for r in rows.values())
         base = rows["keras-hub float32"]["tokens_per_s"]
         for r in rows.values():
             assert r["ratio_vs_keras_hub"] == pytest.approx(r["tokens_per_s"] / base, abs=0.011)
