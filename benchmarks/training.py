@@ -118,24 +118,35 @@ def step_matmuls(s, workload):
     return blocks + [(None, rows, d, s["vocab"])]
 
 
+def floor_operands(shapes, dtype, seed=0):
+    """`(x, w, dy)` for each `(batch, M, K, N)` of `shapes`: `(M, K)`, `(K, N)`, `(M, N)` random, with the batch in front."""
+    rng = tf.random.Generator.from_seed(seed)
+    operands = []
+    for batch, m, k, n in shapes:
+        lead = () if batch is None else (batch,)
+        operands.append(tuple(tf.cast(rng.normal(lead + shape), dtype) for shape in ((m, k), (k, n), (m, n))))
+    return operands
+
+
+def floor_matmuls(x, w, dy):
+    """A matmul and its two gradients: `y = x w`, `dx = dy w^T`, `dw = x^T dy`."""
+    return tf.matmul(x, w), tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+
+
 def matmul_floor(shapes, dtype):
     """A tf.function running every matmul of `shapes` (`step_matmuls`) forward and both gradients, nothing else.
 
     Operands are random and made once; the matmuls are independent, so TF may run two at a time as it does
-    in a training step. Its time is a step's lower bound at this machine's matmul speed for these shapes.
+    in a training step. It returns the sum of each product's first element, so that every product is computed
+    but none outlives its step (a step's activations do not either). Its time is a step's lower bound at this
+    machine's matmul speed for these shapes.
     """
-    rng = tf.random.Generator.from_seed(0)
-    operands = []
-    for batch, m, k, n in shapes:
-        lead = () if batch is None else (batch,)
-        x, w, dy = (tf.cast(rng.normal(lead + shape), dtype) for shape in ((m, k), (k, n), (m, n)))
-        operands.append((x, w, dy))
+    operands = floor_operands(shapes, dtype)
 
     @tf.function
     def run():
-        # y = x w, dx = dy w^T, dw = x^T dy
-        return [(tf.matmul(x, w), tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True))
-                for x, w, dy in operands]
+        products = [p for x, w, dy in operands for p in floor_matmuls(x, w, dy)]
+        return tf.add_n([tf.reshape(p, [-1])[0] for p in products])
 
     return run
 
@@ -177,7 +188,7 @@ def run(workload, smoke=False, repeats=5, steps=3):
     callables = {name: step(name) for name in built}
     for dtype in ("float32", "bfloat16"):
         floor = matmul_floor(step_matmuls(s, workload), dtype)
-        callables[f"matmul floor {dtype}"] = lambda floor=floor: [floor() for _ in range(steps)]
+        callables[f"matmul floor {dtype}"] = lambda floor=floor: [floor().numpy() for _ in range(steps)]
     times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1)
     limit32 = common.matmul_limit(256 if smoke else 2048)
     limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from benchmarks import training
 
@@ -22,12 +21,15 @@ def test_floor_matmuls_have_the_flops_of_the_formula(workload):
 
 def test_floor_computes_each_matmul_and_both_gradients():
     shapes = [(None, 6, 4, 5), (3, 2, 4, 2)]
-    outputs = training.matmul_floor(shapes, "float32")()
-    rng = tf.random.Generator.from_seed(0)  # the floor's operands, drawn in the same order
-    for (batch, m, k, n), (y, dx, dw) in zip(shapes, outputs):
-        lead = () if batch is None else (batch,)
-        x, w, dy = (rng.normal(lead + shape).numpy() for shape in ((m, k), (k, n), (m, n)))
+    operands = training.floor_operands(shapes, "float32")
+    expected_first = 0.0
+    for (batch, m, k, n), (x, w, dy) in zip(shapes, operands):
+        x, w, dy = x.numpy(), w.numpy(), dy.numpy()
+        assert x.shape == ((batch,) if batch else ()) + (m, k) and w.shape[-2:] == (k, n) and dy.shape[-2:] == (m, n)
+        y, dx, dw = (t.numpy() for t in training.floor_matmuls(x, w, dy))
         np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, dy @ np.swapaxes(w, -1, -2), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dw, np.swapaxes(x, -1, -2) @ dy, rtol=1e-5, atol=1e-5)
-    assert outputs[1][0].shape == (3, 2, 2) and outputs[1][2].shape == (3, 4, 2)
+        expected_first += sum(t.reshape(-1)[0] for t in (x @ w, dy @ np.swapaxes(w, -1, -2), np.swapaxes(x, -1, -2) @ dy))
+    # The floor runs all of them: its result is the sum of every product's first element.
+    np.testing.assert_allclose(float(training.matmul_floor(shapes, "float32")()), expected_first, rtol=1e-5, atol=1e-5)
