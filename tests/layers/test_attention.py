@@ -25,11 +25,12 @@ def _copy_from_keras(ours, ref):
     ours.output_bias.assign(o.bias.numpy())
 
 
-def _pair(rng, query, value):
-    ref = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H)
+def _pair(rng, query, value, num_heads=N, key_dim=H, value_dim=None):
+    """Our layer and keras' with the same random weights, both built on `query`, `value`."""
+    ref = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
     ref(query, value)
     ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
-    ours = MultiHeadAttention(num_heads=N, key_dim=H)
+    ours = MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
     ours(query, value)
     _copy_from_keras(ours, ref)
     return ours, ref
@@ -428,12 +429,7 @@ def test_matches_keras_with_unequal_heads_and_head_sizes(rng, case, num_heads, k
     (value_dim == key_dim) and for the split of the last axis (value_dim != key_dim); keras' layer as reference."""
     query = rng.normal(size=(B, T, D)).astype("float32")
     value = query if case == "self" else rng.normal(size=(B, S, D)).astype("float32")
-    ref = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
-    ref(query, value)
-    ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
-    ours = MultiHeadAttention(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
-    ours(query, value)
-    _copy_from_keras(ours, ref)
+    ours, ref = _pair(rng, query, value, num_heads, key_dim, value_dim)
     kwargs = {"use_causal_mask": True} if case == "self" else {}
     ours_out, ours_w = ours(query, value, return_attention_scores=True, **kwargs)
     ref_out, ref_w = ref(query, value, return_attention_scores=True, **kwargs)
@@ -450,12 +446,7 @@ def test_cross_attention_gradients_match_keras(rng, value_dim):
 
     query = rng.normal(size=(B, T, D)).astype("float32")
     value = rng.normal(size=(B, S, D)).astype("float32")
-    ref = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H, value_dim=value_dim)
-    ref(query, value)
-    ref.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3 for w in ref.get_weights()])
-    ours = MultiHeadAttention(num_heads=N, key_dim=H, value_dim=value_dim)
-    ours(query, value)
-    _copy_from_keras(ours, ref)
+    ours, ref = _pair(rng, query, value, value_dim=value_dim)
     dy = rng.normal(size=(B, T, D)).astype("float32")
     projections = [ref._query_dense, ref._key_dense, ref._value_dense]
 
