@@ -114,12 +114,13 @@ def step_matmuls(s, workload):
     if workload == "lm":
         blocks = (self_attention + feedforward) * s["layers"]
     else:
-        blocks = (self_attention + feedforward) * s["layers"] + (self_attention + cross_attention + feedforward) * s["layers"]
+        encoder_blocks = (self_attention + feedforward) * s["layers"]
+        blocks = encoder_blocks + (self_attention + cross_attention + feedforward) * s["layers"]
     return blocks + [(None, rows, d, s["vocab"])]
 
 
 def floor_operands(shapes, dtype, seed=0):
-    """`(x, w, dy)` for each `(batch, M, K, N)` of `shapes`: `(M, K)`, `(K, N)`, `(M, N)` random, with the batch in front."""
+    """`(x, w, dy)` for each `(batch, M, K, N)` of `shapes`: random `(M, K)`, `(K, N)`, `(M, N)`, the batch in front."""
     rng = tf.random.Generator.from_seed(seed)
     operands = []
     for batch, m, k, n in shapes:

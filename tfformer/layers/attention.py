@@ -427,7 +427,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 # one concat; that of two slices is a zero-filled StridedSliceGrad each and their sum.
                 kernel_q, kernel_kv = tf.split(self.qkv_kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, N*(H+Hv))
                 bias_q, bias_kv = (None, None) if self.qkv_bias is None else tf.split(self.qkv_bias, [qu, ku + vu])
-                q, kv = dense(query, kernel_q, bias_q), dense(value, kernel_kv, bias_kv)  # (B, T, N*H), (B, S, N*(H+Hv))
+                q = dense(query, kernel_q, bias_q)  # (B, T, N*H)
+                kv = dense(value, kernel_kv, bias_kv)  # (B, S, N*(H+Hv))
             else:
                 q = self._project_query(query)
                 kv = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, N*(H+Hv))
