@@ -4,6 +4,9 @@ Workloads (the issue's):
 - seq2seq: vocab 8192, hidden 256, 4 heads, intermediate 1024, 3+3 layers, length 64, batch 64 (target tokens/s)
 - lm: GPT-2-shaped, vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024, length 128, batch 32
 
+Every system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
+systems with its `training.FusedAdam` (the same update as one kernel per variable, what its recipes use),
+keras-hub's with `keras.optimizers.Adam`.
 Steps are timed one `train_on_batch` at a time (not whole `fit()` calls; see the pitfalls note on tf.data).
 FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted tokens for the output projection)
 + 12 * layers * T^2 * d * batch for attention scores and mixing (forward 2x, backward 4x), counted for every
@@ -43,8 +46,8 @@ def _lm_shape(smoke):
     return dict(vocab=8192, hidden=256, heads=4, intermediate=1024, layers=4, length=128, batch=32)
 
 
-def _compile(model):
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=training.MaskedSparseCrossEntropy(0.0), jit_compile=False)
+def _compile(model, optimizer):
+    model.compile(optimizer=optimizer, loss=training.MaskedSparseCrossEntropy(0.0), jit_compile=False)
     return model
 
 
@@ -52,7 +55,7 @@ def tfformer_seq2seq(s):
     config = models.TransformerConfig(vocabulary_size=s["vocab"], hidden_dim=s["hidden"], num_heads=s["heads"],
                                       intermediate_dim=s["intermediate"], num_encoder_layers=s["layers"],
                                       num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"])
-    return _compile(models.build_seq2seq(config))
+    return _compile(models.build_seq2seq(config), training.FusedAdam(1e-4))
 
 
 def keras_hub_seq2seq(s):
@@ -65,7 +68,8 @@ def keras_hub_seq2seq(s):
     for _ in range(s["layers"]):
         y = keras_hub.layers.TransformerDecoder(s["intermediate"], s["heads"], dropout=0.1)(y, x)
     logits = keras.layers.Dense(s["vocab"], dtype="float32")(y)
-    return _compile(keras.Model({"encoder_token_ids": enc_in, "decoder_token_ids": dec_in}, logits))
+    model = keras.Model({"encoder_token_ids": enc_in, "decoder_token_ids": dec_in}, logits)
+    return _compile(model, keras.optimizers.Adam(1e-4))
 
 
 def tfformer_lm(s):
@@ -73,7 +77,7 @@ def tfformer_lm(s):
                                       num_heads=s["heads"], intermediate_dim=s["intermediate"], num_encoder_layers=0,
                                       num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"],
                                       activation="gelu", norm_first=True, position="learned", scale_embeddings=False)
-    return _compile(models.build_causal_lm(config))
+    return _compile(models.build_causal_lm(config), training.FusedAdam(1e-4))
 
 
 def keras_hub_lm(s):
@@ -83,7 +87,8 @@ def keras_hub_lm(s):
     inputs = dict(backbone.input)  # {"token_ids": ..., "padding_mask": ...}; the list order is not the names'
     hidden = backbone(inputs)
     logits = backbone.token_embedding(hidden, reverse=True)
-    return _compile(keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits)))
+    model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits))
+    return _compile(model, keras.optimizers.Adam(1e-4))
 
 
 def _flops(s, attention_layers, dense_params, predicted_tokens, tokens):

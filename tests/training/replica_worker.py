@@ -1,10 +1,14 @@
-"""Run in a subprocess: 3 SGD steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights."""
+"""Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights.
+
+    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam]   (SGD by default)
+"""
 
 import sys
 
 import numpy as np
 
 replicas, weights_in, weights_out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
 
 from tfformer.training import get_strategy  # noqa: E402
 
@@ -14,7 +18,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfformer import models  # noqa: E402
-from tfformer.training import MaskedSparseCrossEntropy  # noqa: E402
+from tfformer.training import FusedAdam, MaskedSparseCrossEntropy  # noqa: E402
 
 assert strategy.num_replicas_in_sync == replicas, strategy.num_replicas_in_sync
 config = models.TransformerConfig(vocabulary_size=30, hidden_dim=16, num_heads=2, intermediate_dim=32,
@@ -32,7 +36,9 @@ dataset = dataset.repeat().batch(8)  # the global batch
 with strategy.scope():
     model = models.build_seq2seq(config)
     model.load_weights(weights_in) if weights_in != "-" else None
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=MaskedSparseCrossEntropy(0.1), jit_compile=False)
+    make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.01),
+            "fused_adam": lambda: FusedAdam(0.01)}[optimizer]
+    model.compile(optimizer=make(), loss=MaskedSparseCrossEntropy(0.1), jit_compile=False)
 if weights_in == "-":
     model.save_weights(weights_out)
     sys.exit(0)

@@ -34,3 +34,16 @@ def test_two_replicas_equal_one_replica(tmp_path):
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
     for a, b in zip(w1, w2):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(tmp_path):
+    """FusedAdam's ResourceApplyAdam on mirrored variables and slots: 3 steps on 2 replicas == Keras' Adam on 1."""
+    init = tmp_path / "init.weights.h5"
+    _run(1, "-", init)
+    ours, theirs = tmp_path / "fused.weights.h5", tmp_path / "keras.weights.h5"
+    _run(2, init, ours, "fused_adam")
+    _run(1, init, theirs, "adam")
+    start, w1, w2 = _weights(init), _weights(ours), _weights(theirs)
+    assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(a, b, atol=1e-5)

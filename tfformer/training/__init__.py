@@ -4,6 +4,7 @@ from tfformer.training.callbacks import AtomicBackupAndRestore, EvaluateEvery, T
 from tfformer.training.fit import default_callbacks, distributed_loop, fit
 from tfformer.training.losses import MaskedSparseCrossEntropy
 from tfformer.training.metrics import MaskedAccuracy, Perplexity, corpus_bleu
+from tfformer.training.optimizers import FusedAdam, FusedAdamW
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
 from tfformer.training.strategy import get_strategy, mixed_precision_policy
 
@@ -14,6 +15,8 @@ __all__ = [
     "default_callbacks",
     "distributed_loop",
     "fit",
+    "FusedAdam",
+    "FusedAdamW",
     "parse_duration",
     "MaskedAccuracy",
     "MaskedSparseCrossEntropy",

@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from tfformer.training.optimizers import FusedAdamW
+
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -63,8 +65,9 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def transformer_optimizer(hidden_dim, warmup_steps=4000, weight_decay=0.0, clipnorm=None, learning_rate=None):
-    """AdamW with the paper's beta_1=0.9, beta_2=0.98, epsilon=1e-9 and (by default) its warm-up schedule."""
-    return keras.optimizers.AdamW(
+    """AdamW (`FusedAdamW`) with the paper's beta_1=0.9, beta_2=0.98, epsilon=1e-9 and (by default) its warm-up
+    schedule."""
+    return FusedAdamW(
         learning_rate=learning_rate or TransformerSchedule(hidden_dim, warmup_steps),
         beta_1=0.9,
         beta_2=0.98,
