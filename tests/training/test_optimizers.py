@@ -58,8 +58,10 @@ def test_fused_adam_trains_like_keras_adam(make_keras, make_fused):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("make", [lambda: training.FusedAdam(0.1), lambda: training.FusedAdamW(0.1, weight_decay=0.0)])
-def test_sparse_gradient_with_repeated_rows_is_summed_first(make):
+@pytest.mark.parametrize("make,amsgrad", [(lambda: training.FusedAdam(0.1), False),
+                                          (lambda: training.FusedAdamW(0.1, weight_decay=0.0), False),
+                                          (lambda: training.FusedAdam(0.1, amsgrad=True), True)])
+def test_sparse_gradient_with_repeated_rows_is_summed_first(make, amsgrad):
     """An embedding lookup's gradient (IndexedSlices) repeats a row per occurrence of its id. Adam is not linear
     in the gradient: the update must be that of the summed (dense) gradient. Keras' own Adam squares each repeat
     before adding them (its second moment of row 0 here is (1 + 4 and 1 + 9) instead of 9 and 4), so it is only
@@ -67,7 +69,7 @@ def test_sparse_gradient_with_repeated_rows_is_summed_first(make):
     sparse = tf.IndexedSlices(tf.constant([[1.0, 1.0], [2.0, -3.0]]), tf.constant([0, 0]), tf.constant([4, 2]))
     dense = tf.convert_to_tensor(sparse)  # row 0: (3, -2)
     results = []
-    for optimizer, gradient in ((make(), sparse), (keras.optimizers.Adam(0.1), dense)):
+    for optimizer, gradient in ((make(), sparse), (keras.optimizers.Adam(0.1, amsgrad=amsgrad), dense)):
         variable = keras.Variable(np.ones((4, 2), "float32"))
         optimizer.build([variable])
         step = tf.function(lambda: optimizer.apply_gradients([(gradient, variable)]))

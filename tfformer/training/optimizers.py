@@ -9,16 +9,21 @@ class _FusedAdamUpdate:
 
     Keras' Adam updates a variable with about ten separate ops (two moment
     updates, a square, a square root, a division and their assignments), each a
-    pass over the variable: about 16 ms per step for the ~5M parameters of the
-    GPT-shaped benchmark model on a 2-core CPU, against about 7 ms as one kernel
-    per variable (benchmarks/RESULTS.md). The math is the same:
+    pass over the variable: 15-16 ms per step for the ~5M parameters of the
+    GPT-shaped benchmark model on a 2-core CPU, against 6-7 ms as one kernel per
+    variable (benchmarks/RESULTS.md). The math is the same,
     `m += (g - m)(1 - beta_1)`, `v += (g^2 - v)(1 - beta_2)`,
     `variable -= lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)`,
-    with the same slot variables, so checkpoints of Keras' Adam load into it and
-    back. `amsgrad=True` takes Keras' own update.
+    on the same slot variables (names and order) as Keras' Adam. A gradient of
+    IndexedSlices (an embedding lookup) is summed into a dense gradient first, so
+    a row looked up several times in a batch is updated with the sum of its
+    gradients; Keras' own update squares each repeat before adding them into `v`.
+    `amsgrad=True` takes Keras' own update (on the summed gradient).
     """
 
     def update_step(self, gradient, variable, learning_rate):
+        # An embedding lookup's gradient is IndexedSlices, with a row per lookup: summed here (see above).
+        gradient = tf.convert_to_tensor(gradient)
         if self.amsgrad:
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
@@ -26,8 +31,7 @@ class _FusedAdamUpdate:
         m, v = self._momentums[index], self._velocities[index]
         step = tf.cast(self.iterations + 1, dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
-        # An embedding lookup's gradient is IndexedSlices; Keras' update densifies it too.
-        gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)
+        gradient = tf.cast(gradient, dtype)
         tf.raw_ops.ResourceApplyAdam(
             var=variable.handle,
             m=m.value.handle,
