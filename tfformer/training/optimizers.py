@@ -5,24 +5,10 @@ import tensorflow as tf
 
 
 class _FusedAdamUpdate:
-    """`update_step` of Keras' Adam as one `ResourceApplyAdam` per variable.
-
-    Keras' Adam updates a variable with about ten separate ops (two moment
-    updates, a square, a square root, a division and their assignments), each a
-    pass over the variable: 15-16 ms per step for the ~5M parameters of the
-    GPT-shaped benchmark model on a 2-core CPU, against 6-7 ms as one kernel per
-    variable (benchmarks/RESULTS.md). The math is the same,
-    `m += (g - m)(1 - beta_1)`, `v += (g^2 - v)(1 - beta_2)`,
-    `variable -= lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)`,
-    on the same slot variables (names and order) as Keras' Adam. A gradient of
-    IndexedSlices (an embedding lookup) is summed into a dense gradient first, so
-    a row looked up several times in a batch is updated with the sum of its
-    gradients; Keras' own update squares each repeat before adding them into `v`.
-    `amsgrad=True` takes Keras' own update (on the summed gradient).
-    """
+    """`update_step` of Keras' Adam as one `ResourceApplyAdam` per variable (see `FusedAdam`)."""
 
     def update_step(self, gradient, variable, learning_rate):
-        # An embedding lookup's gradient is IndexedSlices, with a row per lookup: summed here (see above).
+        # An embedding lookup's gradient is IndexedSlices with a row per lookup: summed into a dense gradient.
         gradient = tf.convert_to_tensor(gradient)
         if self.amsgrad:
             return super().update_step(gradient, variable, learning_rate)
@@ -50,8 +36,19 @@ class _FusedAdamUpdate:
 class FusedAdam(_FusedAdamUpdate, keras.optimizers.Adam):
     """`keras.optimizers.Adam` with one fused kernel per variable update.
 
-    Same arguments, config, slot variables and results (to float32 rounding)
-    as `keras.optimizers.Adam`; see `_FusedAdamUpdate` for what is fused.
+    Keras' Adam updates a variable with about ten separate ops (two moment
+    updates, a square, a square root, a division and their assignments), each a
+    pass over the variable: 15-16 ms per step for the ~5M parameters of the
+    GPT-shaped benchmark model on a 2-core CPU, against 6-7 ms as one
+    `ResourceApplyAdam` kernel per variable (benchmarks/RESULTS.md). The math is
+    the same, `m += (g - m)(1 - beta_1)`, `v += (g^2 - v)(1 - beta_2)`,
+    `variable -= lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)`,
+    with the same arguments, config and slot variables (names and order), and the
+    same results to float32 rounding, with one exception: a gradient of
+    IndexedSlices (an untied embedding lookup) is summed into a dense gradient
+    first, so a row looked up several times in a batch is updated with the sum
+    of its gradients. Keras' own update squares each repeat before adding them
+    into `v`. `amsgrad=True` takes Keras' update, on the summed gradient.
 
     Example:
     ```python
@@ -64,11 +61,11 @@ class FusedAdam(_FusedAdamUpdate, keras.optimizers.Adam):
 class FusedAdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
     """`keras.optimizers.AdamW` with one fused kernel per variable update.
 
-    Same arguments, config, slot variables and results (to float32 rounding)
-    as `keras.optimizers.AdamW`. The decoupled weight decay stays Keras' own
-    (`variable -= variable * weight_decay * lr`, before the Adam update); with
-    `weight_decay=0` it is skipped instead of multiplying every variable by
-    zero.
+    Its Adam update is `FusedAdam`'s, with the same arguments, config and slot
+    variables as `keras.optimizers.AdamW`. The decoupled weight decay stays
+    Keras' own (`variable -= variable * weight_decay * lr`, before the Adam
+    update); with `weight_decay=0` it is skipped instead of multiplying every
+    variable by zero.
     """
 
     def _apply_weight_decay(self, variables):
