@@ -45,5 +45,14 @@ def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(tmp_path):
     _run(1, init, theirs, "adam")
     start, w1, w2 = _weights(init), _weights(ours), _weights(theirs)
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
-    for a, b in zip(w1, w2):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    config = models.TransformerConfig(vocabulary_size=30, hidden_dim=16, num_heads=2, intermediate_dim=32,
+                                      num_encoder_layers=1, num_decoder_layers=1, dropout=0.0)
+    paths = [w.path for w in models.build_seq2seq(config).weights]
+    for path, a, b in zip(paths, w1, w2):
+        if path.endswith("qkv_bias"):
+            # The key bias's gradient is zero up to rounding (softmax ignores it), and Adam scales that noise to
+            # steps of up to lr (0.01) whose sign depends on summation order (here: over two replicas or one).
+            k = np.s_[16:32]  # [q | k | v], hidden_dim 16
+            np.testing.assert_array_less(np.abs(a[k] - b[k]), 3 * 0.01)
+            a, b = np.delete(a, k), np.delete(b, k)
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=path)
