@@ -75,3 +75,89 @@ def test_gradient_is_the_same_mask_and_scale(rng):
     multiplier = y.numpy() / x.numpy()
     np.testing.assert_allclose(dx, dy * multiplier, rtol=1e-6, atol=1e-6)
     assert 0 < np.mean(multiplier == 0) < 0.5
+
+
+def _lowbias32(x):
+    """numpy transcription of the hash, in uint64 arithmetic reduced mod 2^32 (independent of TF's uint32 ops)."""
+    m = np.uint64(0xFFFFFFFF)
+    x = x.astype(np.uint64)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & m
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & m
+    x ^= x >> np.uint64(16)
+    return x
+
+
+def _numpy_bits(size, seed):
+    k0, k1 = (np.uint64(int(s) & 0xFFFFFFFF) for s in seed)
+    first = _lowbias32(np.arange(size, dtype=np.uint64) ^ k0)
+    return _lowbias32((first + k1 * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF))
+
+
+def test_mask_is_the_documented_hash_of_index_and_seed(rng):
+    """The layer's mask equals numpy's `top 16 bits of mix(mix(i ^ k0) + k1 * golden) >= round(rate * 65536)`,
+    for the seed pair the layer's SeedGenerator hands out (a second layer with the same seed reproduces it)."""
+    x = rng.normal(size=(3, 7, 129)).astype("float32") + 10  # no zeros in x
+    layer, twin = Dropout(0.3, seed=11), Dropout(0.3, seed=11)
+    seeds = [keras.ops.convert_to_numpy(twin.seed_generator.next()) for _ in range(2)]
+    for seed in seeds:
+        y = np.asarray(layer(x, training=True))
+        expected_keep = (_numpy_bits(x.size, seed) >> np.uint64(16)) >= round(0.3 * 65536)
+        np.testing.assert_array_equal((y != 0).reshape(-1), expected_keep)
+
+
+def test_masks_are_uncorrelated_across_elements_calls_and_layers():
+    """Pearson correlation of keep indicators, at index strides that line up with (B, N, T, S) axes and between
+    consecutive calls (also shifted) and between layers: each within 5 standard errors (1 / sqrt(n)) of zero. Drop rates per
+    position of the first and last axes are within 5 binomial standard deviations of the rate."""
+    shape, rate = (32, 4, 64, 64), 0.5
+    x = np.ones(shape, "float32")
+    layer = Dropout(rate, seed=7)
+    first, second = (np.asarray(layer(x, training=True)).reshape(-1) != 0 for _ in range(2))
+    other = np.asarray(Dropout(rate, seed=8)(x, training=True)).reshape(-1) != 0
+
+    def corr(a, b):
+        return np.corrcoef(a.astype("float64"), b.astype("float64"))[0, 1]
+
+    n = first.size
+    for stride in (1, 2, 3, 8, 64, 4096, 16384):
+        assert abs(corr(first[:-stride], first[stride:])) < 5 / np.sqrt(n - stride), stride
+    for shift in (0, 1, 2, 64):  # the next call's mask is not this one's, shifted
+        assert abs(corr(first[shift:], second[:n - shift])) < 5 / np.sqrt(n - shift), shift
+        assert abs(corr(second[shift:], first[:n - shift])) < 5 / np.sqrt(n - shift), shift
+    assert abs(corr(first, other)) < 5 / np.sqrt(n)
+    keep = first.reshape(shape)
+    for axis in (0, 3):
+        per_position = 1 - keep.mean(axis=tuple(a for a in range(4) if a != axis))
+        count = n // shape[axis]
+        assert np.abs(per_position - rate).max() < 5 * np.sqrt(rate * (1 - rate) / count), axis
+
+
+def test_compiled_mixed_precision_gradient_uses_the_forward_mask(rng):
+    """In a tf.function under mixed_bfloat16 the gradient (which recomputes the mask from the seed) is zero exactly
+    where the forward dropped, and dy * scale elsewhere; no random-number op is in the graph."""
+    import tensorflow as tf
+
+    x = tf.constant(rng.normal(size=(4, 32, 48)).astype("float32") + 10)
+    dy = tf.constant(rng.normal(size=(4, 32, 48)).astype("float32"))
+    layer = Dropout(0.2, seed=9, dtype="mixed_bfloat16")
+
+    @tf.function
+    def step(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return y, tape.gradient(y, x, output_gradients=tf.cast(dy, y.dtype))
+
+    y, dx = (t.numpy().astype("float32") for t in step(x, dy))
+    assert y.dtype == np.float32 and layer.compute_dtype == "bfloat16"
+    scale = 65536 / (65536 - round(0.2 * 65536))
+    np.testing.assert_array_equal(dx == 0, y == 0)
+    def to_bf16(a):
+        return np.asarray(keras.ops.cast(keras.ops.cast(a, "bfloat16"), "float32"))
+
+    bf16 = to_bf16(to_bf16(dy.numpy()) * scale)  # dy arrives in bfloat16; the product is rounded once
+    np.testing.assert_array_equal(dx[y != 0], bf16[y != 0])
+    ops = {op.type for op in step.get_concrete_function(x, dy).graph.get_operations()}
+    assert not any("Random" in t for t in ops), ops

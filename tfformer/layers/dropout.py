@@ -1,23 +1,63 @@
-"""Dropout that draws 16 random bits per element instead of a float."""
+"""Dropout whose mask is a keyed hash of each element's index, computed (forward and gradient) by XLA."""
 
 import keras
 import tensorflow as tf
 
-_LEVELS = 65536  # 16 bits per element
+_LEVELS = 65536  # the drop probability is a multiple of 1 / 65536
+
+
+def _mix(x):
+    """`lowbias32` (C. Wellons' hash prospector): a bijection of uint32 with low avalanche bias."""
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+    x = x * tf.constant(0x7FEB352D, tf.uint32)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(15, tf.uint32)))
+    x = x * tf.constant(0x846CA68B, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def random_bits(shape, seed):
+    """32 random bits per element of `shape`, a function of `seed` (int32 (2,)) and the element's flat index.
+
+    `mix(mix(index ^ seed[0]) + seed[1] * 0x9E3779B9)`: the first round scrambles the index under the layer's key,
+    the second under the call's counter. Plain TF ops, so it runs anywhere; inside `_apply` XLA fuses it with the
+    multiply into one pass. `tests/layers/test_dropout.py` checks it against a numpy transcription.
+    """
+    key = tf.bitcast(seed, tf.uint32)
+    index = tf.reshape(tf.bitcast(tf.range(tf.reduce_prod(shape), dtype=tf.int32), tf.uint32), shape)
+    return _mix(_mix(tf.bitwise.bitwise_xor(index, key[0])) + key[1] * tf.constant(0x9E3779B9, tf.uint32))
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _apply(x, seed, threshold, scale):
+    """`x * (scale where the element's bits >= threshold, else 0)`, in float32, as one XLA pass."""
+    keep = random_bits(tf.shape(x), seed) >= threshold
+    return tf.cast(tf.where(keep, tf.cast(x, tf.float32) * scale, 0.0), x.dtype)
+
+
+@tf.custom_gradient
+def _dropout(x, seed, threshold, scale):
+    # The gradient recomputes the mask from the seed (one more hash pass) instead of keeping it.
+    return _apply(x, seed, threshold, scale), lambda dy: (_apply(dy, seed, threshold, scale), None, None, None)
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class Dropout(keras.layers.Dropout):
-    """`keras.layers.Dropout` with half the random numbers.
+    """`keras.layers.Dropout` without a random-number generator in the loop.
 
-    On a CPU the random-number generator (Philox) is most of dropout's cost: a
+    On a CPU, Philox (TF's stateless generator) is most of dropout's cost: a
     Transformer block drops out attention weights, sub-layer outputs and the
     embeddings, tens of millions of elements per training step. This layer
-    draws one 32-bit random integer for every two elements and compares each
-    16-bit half against `round(rate * 65536)`, instead of drawing one float per
-    element. The drop probability is therefore `rate` rounded to a multiple of
-    1/65536 (0.1 becomes 0.100006) and kept elements are scaled by exactly
-    `1 / (1 - that)`, so the expected output still equals the input.
+    takes one seed pair per call from its `SeedGenerator` (as Keras' layer
+    does) and derives each element's 32 random bits from a keyed integer hash
+    of the element's index (`random_bits`). Forward and gradient are each one
+    XLA pass that computes the mask and multiplies; the gradient recomputes
+    the mask instead of storing it. Both are compiled once per input shape.
+
+    An element is dropped when its top 16 bits are below `round(rate * 65536)`,
+    so the drop probability is `rate` rounded to a multiple of 1/65536 (0.1
+    becomes 0.100006); kept elements are scaled by exactly `1 / (1 - that)`,
+    so the expected output equals the input. The product is computed in
+    float32 and rounded once to the input's dtype.
 
     Same arguments, config and inference behaviour (identity) as
     `keras.layers.Dropout`; with `noise_shape` it falls back to Keras' dropout.
@@ -38,16 +78,12 @@ class Dropout(keras.layers.Dropout):
     def call(self, inputs, training=False):
         if not training or self.rate == 0 or self.noise_shape is not None:
             return super().call(inputs, training=training)
-        threshold = round(self.rate * _LEVELS)  # rate is in [0, 1]
-        if threshold == _LEVELS:
+        dropped = round(self.rate * _LEVELS)  # rate is in [0, 1]
+        if dropped == _LEVELS:
             return tf.zeros_like(inputs)
         seed = self.seed_generator.next()
-        if seed.dtype != tf.int32:  # stateless ops (and XLA) take int32 seeds
+        if seed.dtype != tf.int32:  # the hash takes 32-bit keys
             seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
-        size = tf.size(inputs)
-        words = tf.random.stateless_uniform([(size + 1) // 2], seed, minval=None, maxval=None, dtype=tf.uint32)
-        bits = tf.reshape(tf.bitcast(words, tf.uint16), [-1])[:size]  # (2 * ceil(size / 2),) -> (size,)
-        keep = tf.reshape(bits >= tf.constant(threshold, tf.uint16), tf.shape(inputs))
-        scale = tf.constant(_LEVELS / (_LEVELS - threshold), inputs.dtype)
-        # One (..., D) multiplier, 0 or the scale: the gradient is one multiply by it, no select and scale.
-        return inputs * tf.where(keep, scale, tf.zeros([], inputs.dtype))
+        threshold = tf.constant(dropped * _LEVELS, tf.uint32)  # bits >= dropped * 2^16  <=>  top 16 bits >= dropped
+        scale = tf.constant(_LEVELS / (_LEVELS - dropped), tf.float32)
+        return _dropout(tf.convert_to_tensor(inputs), seed, threshold, scale)
