@@ -108,9 +108,9 @@ def test_mask_is_the_documented_hash_of_index_and_seed(rng):
 
 
 def test_masks_are_uncorrelated_across_elements_calls_and_layers():
-    """Pearson correlation of keep indicators, at index strides that line up with (B, N, T, S) axes and between
-    consecutive calls (also shifted) and between layers: each within 5 standard errors (1 / sqrt(n)) of zero. Drop rates per
-    position of the first and last axes are within 5 binomial standard deviations of the rate."""
+    """Pearson correlation of keep indicators, at index strides that line up with (B, N, T, S) axes, between
+    consecutive calls (also shifted) and between layers: each within 5 standard errors (1 / sqrt(n)) of zero.
+    Drop rates per position of the first and last axes are within 5 binomial standard deviations of the rate."""
     shape, rate = (32, 4, 64, 64), 0.5
     x = np.ones(shape, "float32")
     layer = Dropout(rate, seed=7)
