@@ -154,6 +154,7 @@ def test_compiled_mixed_precision_gradient_uses_the_forward_mask(rng):
     assert y.dtype == np.float32 and layer.compute_dtype == "bfloat16"
     scale = 65536 / (65536 - round(0.2 * 65536))
     np.testing.assert_array_equal(dx == 0, y == 0)
+
     def to_bf16(a):
         return np.asarray(keras.ops.cast(keras.ops.cast(a, "bfloat16"), "float32"))
 
