@@ -162,3 +162,26 @@ def test_compiled_mixed_precision_gradient_uses_the_forward_mask(rng):
     np.testing.assert_array_equal(dx[y != 0], bf16[y != 0])
     ops = {op.type for op in step.get_concrete_function(x, dy).graph.get_operations()}
     assert not any("Random" in t for t in ops), ops
+
+
+def test_replicas_draw_different_masks(tmp_path):
+    """Under MirroredStrategy with 2 replicas each replica's mask is the hash under seed[0] + replica_id * key, so
+    replica 0 keeps the single-device mask and replica 1 draws an independent one (Keras' Dropout repeats it)."""
+    import os
+    import subprocess
+    import sys
+
+    from tfformer.layers.dropout import _REPLICA_KEY
+
+    worker = os.path.join(os.path.dirname(__file__), "dropout_replicas_worker.py")
+    out = tmp_path / "masks.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, worker, str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = np.load(out)
+    seed, masks = result["seed"].astype("int64"), result["masks"].reshape(2, -1)
+    assert not np.array_equal(masks[0], masks[1])
+    for replica in range(2):
+        key = (int(seed[0]) + replica * _REPLICA_KEY) & 0xFFFFFFFF
+        expected = (_numpy_bits(masks.shape[1], (key, seed[1])) >> np.uint64(16)) >= 32768
+        np.testing.assert_array_equal(masks[replica], expected)

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 _LEVELS = 65536  # the drop probability is a multiple of 1 / 65536
+_REPLICA_KEY = 0x2545F491  # added to seed[0] per replica id under a tf.distribute strategy
 
 
 def _mix(x):
@@ -59,6 +60,11 @@ class Dropout(keras.layers.Dropout):
     so the expected output equals the input. The product is computed in
     float32 and rounded once to the input's dtype.
 
+    Under a `tf.distribute` strategy with several replicas, each replica adds
+    its id times a constant to the layer's key, so replicas draw different
+    masks (Keras' `Dropout` draws the same mask on every replica: the seed
+    generator's state is mirrored).
+
     Same arguments, config and inference behaviour (identity) as
     `keras.layers.Dropout`; with `noise_shape` it falls back to Keras' dropout.
 
@@ -84,6 +90,12 @@ class Dropout(keras.layers.Dropout):
         seed = self.seed_generator.next()
         if seed.dtype != tf.int32:  # the hash takes 32-bit keys
             seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # The seed generator's state is mirrored, so every replica draws the same seed (and, in Keras' own
+            # Dropout, the same mask). Key each replica apart, as one device's masks over the global batch would be.
+            replica_id = tf.cast(replica.replica_id_in_sync_group, tf.int32)
+            seed = seed + tf.stack([replica_id * _REPLICA_KEY, tf.constant(0, tf.int32)])  # wraps mod 2^32
         threshold = tf.constant(dropped * _LEVELS, tf.uint32)  # bits >= dropped * 2^16  <=>  top 16 bits >= dropped
         scale = tf.constant(_LEVELS / (_LEVELS - dropped), tf.float32)
         return _dropout(tf.convert_to_tensor(inputs), seed, threshold, scale)
