@@ -6,6 +6,9 @@ import sys
 
 import numpy as np
 
+from tests.layers.test_dropout import _numpy_bits
+from tfformer.layers.dropout import _REPLICA_KEY
+
 WORKER = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
 
 
@@ -19,8 +22,10 @@ def _free_ports(n):
     return ports
 
 
-def test_two_workers_on_loopback_end_with_identical_weights(tmp_path):
-    """MultiWorkerMirroredStrategy, two processes on 127.0.0.1: Keras' fit can't, our loop trains one epoch."""
+def test_two_workers_end_with_identical_weights_and_draw_different_dropout_masks(tmp_path):
+    """MultiWorkerMirroredStrategy, two processes on 127.0.0.1: Keras' fit can't, our loop trains one epoch (dropout
+    0.1) and both workers end with the same weights. Each worker's Dropout mask is the hash under seed[0] +
+    worker index * key (one replica per worker): the workers' examples get different masks."""
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
@@ -37,6 +42,14 @@ def test_two_workers_on_loopback_end_with_identical_weights(tmp_path):
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     w0, w1 = np.load(tmp_path / "w0.npz"), np.load(tmp_path / "w1.npz")
-    assert len(w0.files) == len(w1.files) > 0
-    for key in w0.files:
+    weights = [key for key in w0.files if key.startswith("arr_")]
+    assert len(weights) == len([key for key in w1.files if key.startswith("arr_")]) > 0
+    for key in weights:
         np.testing.assert_array_equal(w0[key], w1[key])
+    np.testing.assert_array_equal(w0["seed"], w1["seed"])
+    assert not np.array_equal(w0["mask"], w1["mask"])
+    seed = w0["seed"].astype("int64")
+    for index, result in enumerate((w0, w1)):
+        key = (int(seed[0]) + index * _REPLICA_KEY) & 0xFFFFFFFF
+        expected = (_numpy_bits(result["mask"].size, (key, seed[1])) >> np.uint64(16)) >= 32768
+        np.testing.assert_array_equal(result["mask"].reshape(-1), expected)
