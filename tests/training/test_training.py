@@ -112,3 +112,22 @@ def test_loss_and_metrics_serialize():
     for obj in (training.MaskedSparseCrossEntropy(0.2), training.MaskedAccuracy(), training.Perplexity()):
         clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(obj))
         assert type(clone) is type(obj)
+
+
+def test_fit_on_a_dataset_trains_without_keras_shuffle_warning(rng):
+    """`training.fit` on a tf.data.Dataset: Keras' fit warns "`shuffle=True` was passed, but will be ignored" on every
+    call with its default arguments; ours passes shuffle=False for datasets (the pipeline shuffles) and still trains."""
+    import warnings
+
+    import tensorflow as tf
+
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0], "float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y[:, None])).batch(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = training.fit(model, dataset, epochs=3, verbose=0)
+    assert not [w for w in caught if "shuffle" in str(w.message)], [str(w.message) for w in caught]
+    assert history["loss"][-1] < 0.5 * history["loss"][0], history["loss"]

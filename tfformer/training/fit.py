@@ -54,7 +54,9 @@ def fit(model, train_data, validation_data=None, epochs=1, steps_per_epoch=None,
     chief = not _is_multi_worker(strategy) or strategy.cluster_resolver.task_id == 0
     all_callbacks = list(callbacks) + default_callbacks(chief=chief, **callback_kwargs)
     if not _is_multi_worker(strategy):
-        history = model.fit(train_data, validation_data=validation_data, epochs=epochs,
+        # Keras can't shuffle a tf.data.Dataset (the pipeline does) and warns on every fit if asked to, as by default.
+        shuffle = not isinstance(train_data, tf.data.Dataset)
+        history = model.fit(train_data, validation_data=validation_data, epochs=epochs, shuffle=shuffle,
                             steps_per_epoch=steps_per_epoch, callbacks=all_callbacks, verbose=verbose)
         return history.history
     return distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch, all_callbacks, strategy)
