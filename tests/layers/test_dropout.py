@@ -37,10 +37,34 @@ def test_rate_edges_and_noise_shape(rng):
     x = rng.normal(size=(3, 5, 7)).astype("float32")
     np.testing.assert_array_equal(np.asarray(Dropout(0.0)(x, training=True)), x)
     np.testing.assert_array_equal(np.asarray(Dropout(1.0)(x, training=True)), np.zeros_like(x))
-    y = np.asarray(Dropout(0.5, noise_shape=(3, 1, 7), seed=0)(x, training=True))  # Keras' path
-    assert ((y == 0).all(axis=1) | (y != 0).all(axis=1)).all()
     with pytest.raises(ValueError, match="rate"):
         Dropout(1.5)
+
+
+def test_noise_shape_broadcasts_one_hashed_mask(rng):
+    """With `noise_shape` (None or missing trailing entries = the input's size) the mask is the hash over the noise
+    shape, broadcast as in Keras; kept elements are `x * scale` rounded once, also in bfloat16."""
+    x = rng.normal(size=(3, 5, 7)).astype("float32") + 10  # no zeros in x
+    for noise_shape in ((3, 1, 7), (None, 1, None), (1, 5, 1), (1, 1)):
+        layer, twin = Dropout(0.3, noise_shape=noise_shape, seed=2), Dropout(0.3, seed=2)
+        seed = keras.ops.convert_to_numpy(twin.seed_generator.next())
+        y = np.asarray(layer(x, training=True))
+        padded = noise_shape + (None,) * (x.ndim - len(noise_shape))
+        mask_shape = [x.shape[i] if d is None else d for i, d in enumerate(padded)]
+        keep = (_numpy_bits(int(np.prod(mask_shape)), seed) >> np.uint64(16)) >= round(0.3 * 65536)
+        keep = np.broadcast_to(keep.reshape(mask_shape), x.shape)
+        assert 0 < keep.mean() < 1
+        np.testing.assert_array_equal(y != 0, keep)
+        np.testing.assert_allclose(y[keep], x[keep] * (65536 / (65536 - round(0.3 * 65536))), rtol=1e-6)
+    with pytest.raises(ValueError, match="noise_shape"):
+        Dropout(0.3, noise_shape=(3, 1, 7, 1))(x, training=True)
+    layer = Dropout(0.3, noise_shape=(3, 1, 7), seed=4, dtype="mixed_bfloat16")  # computes in bfloat16
+    yb = keras.ops.convert_to_numpy(keras.ops.cast(layer(x, training=True), "float32"))
+    xb = keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32"))
+    scale = np.float32(65536 / (65536 - round(0.3 * 65536)))
+    expected = keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.cast(xb * scale, "bfloat16"), "float32"))
+    np.testing.assert_array_equal(yb[yb != 0], expected[yb != 0])
+    assert ((yb == 0).all(axis=1) | (yb != 0).all(axis=1)).all()
 
 
 def test_gradient_is_the_mask_times_scale(rng):

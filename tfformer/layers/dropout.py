@@ -66,7 +66,8 @@ class Dropout(keras.layers.Dropout):
     generator's state is mirrored).
 
     Same arguments, config and inference behaviour (identity) as
-    `keras.layers.Dropout`; with `noise_shape` it falls back to Keras' dropout.
+    `keras.layers.Dropout`. With `noise_shape` the mask is drawn over that
+    shape (`None` entries take the input's size) and broadcast, as in Keras.
 
     Args:
         rate: float in [0, 1]. Fraction of the inputs to drop.
@@ -82,7 +83,7 @@ class Dropout(keras.layers.Dropout):
     """
 
     def call(self, inputs, training=False):
-        if not training or self.rate == 0 or self.noise_shape is not None:
+        if not training or self.rate == 0:
             return super().call(inputs, training=training)
         dropped = round(self.rate * _LEVELS)  # rate is in [0, 1]
         if dropped == _LEVELS:
@@ -98,4 +99,16 @@ class Dropout(keras.layers.Dropout):
             seed = seed + tf.stack([replica_id * _REPLICA_KEY, tf.constant(0, tf.int32)])  # wraps mod 2^32
         threshold = tf.constant(dropped * _LEVELS, tf.uint32)  # bits >= dropped * 2^16  <=>  top 16 bits >= dropped
         scale = tf.constant(_LEVELS / (_LEVELS - dropped), tf.float32)
-        return _dropout(tf.convert_to_tensor(inputs), seed, threshold, scale)
+        inputs = tf.convert_to_tensor(inputs)
+        if self.noise_shape is None:
+            return _dropout(inputs, seed, threshold, scale)
+        # One mask over the noise shape (None or missing trailing entries: the input's size, as in Keras), broadcast
+        # over the input; product in float32.
+        rank, noise_shape = inputs.shape.rank, tuple(self.noise_shape)
+        if len(noise_shape) > rank:
+            raise ValueError(f"`noise_shape` must have at most the input's rank ({rank} for input shape "
+                             f"{inputs.shape}). Received: noise_shape={noise_shape}")
+        noise_shape += (None,) * (rank - len(noise_shape))
+        shape = [tf.shape(inputs)[i] if d is None else d for i, d in enumerate(noise_shape)]
+        factor = _apply(tf.ones(shape, tf.float32), seed, threshold, scale)  # (noise_shape) scale or 0
+        return tf.cast(tf.cast(inputs, tf.float32) * factor, inputs.dtype)
