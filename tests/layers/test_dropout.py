@@ -33,7 +33,7 @@ def test_identity_at_inference_and_new_masks_each_call(rng):
     np.testing.assert_allclose(a[kept], x[kept] * 2, rtol=1e-6)
 
 
-def test_rate_edges_and_noise_shape(rng):
+def test_rate_edges(rng):
     x = rng.normal(size=(3, 5, 7)).astype("float32")
     np.testing.assert_array_equal(np.asarray(Dropout(0.0)(x, training=True)), x)
     np.testing.assert_array_equal(np.asarray(Dropout(1.0)(x, training=True)), np.zeros_like(x))
