@@ -4,6 +4,7 @@ import pytest
 
 from tests.harness import check_layer
 from tfformer.layers import Dropout
+from tfformer.layers.dropout import _REPLICA_KEY
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3])
@@ -51,7 +52,7 @@ def test_noise_shape_broadcasts_one_hashed_mask(rng):
         y = np.asarray(layer(x, training=True))
         padded = noise_shape + (None,) * (x.ndim - len(noise_shape))
         mask_shape = [x.shape[i] if d is None else d for i, d in enumerate(padded)]
-        keep = (_numpy_bits(int(np.prod(mask_shape)), seed) >> np.uint64(16)) >= round(0.3 * 65536)
+        keep = numpy_keep(int(np.prod(mask_shape)), seed, 0.3)
         keep = np.broadcast_to(keep.reshape(mask_shape), x.shape)
         assert 0 < keep.mean() < 1
         np.testing.assert_array_equal(y != 0, keep)
@@ -119,6 +120,13 @@ def _numpy_bits(size, seed):
     return _lowbias32((first + k1 * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF))
 
 
+def numpy_keep(size, seed, rate, replica=0):
+    """The layer's keep indicators for `size` elements: top 16 bits of the hash under (seed[0] + replica * key,
+    seed[1]) >= round(rate * 65536). Replica 0 is also the single-device mask."""
+    key = (int(seed[0]) + replica * _REPLICA_KEY) & 0xFFFFFFFF
+    return (_numpy_bits(size, (key, seed[1])) >> np.uint64(16)) >= round(rate * 65536)
+
+
 def test_mask_is_the_documented_hash_of_index_and_seed(rng):
     """The layer's mask equals numpy's `top 16 bits of mix(mix(i ^ k0) + k1 * golden) >= round(rate * 65536)`,
     for the seed pair the layer's SeedGenerator hands out (a second layer with the same seed reproduces it)."""
@@ -127,7 +135,7 @@ def test_mask_is_the_documented_hash_of_index_and_seed(rng):
     seeds = [keras.ops.convert_to_numpy(twin.seed_generator.next()) for _ in range(2)]
     for seed in seeds:
         y = np.asarray(layer(x, training=True))
-        expected_keep = (_numpy_bits(x.size, seed) >> np.uint64(16)) >= round(0.3 * 65536)
+        expected_keep = numpy_keep(x.size, seed, 0.3)
         np.testing.assert_array_equal((y != 0).reshape(-1), expected_keep)
 
 
@@ -195,8 +203,6 @@ def test_replicas_draw_different_masks(tmp_path):
     import subprocess
     import sys
 
-    from tfformer.layers.dropout import _REPLICA_KEY
-
     worker = os.path.join(os.path.dirname(__file__), "dropout_replicas_worker.py")
     out = tmp_path / "masks.npz"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
@@ -206,6 +212,4 @@ def test_replicas_draw_different_masks(tmp_path):
     seed, masks = result["seed"].astype("int64"), result["masks"].reshape(2, -1)
     assert not np.array_equal(masks[0], masks[1])
     for replica in range(2):
-        key = (int(seed[0]) + replica * _REPLICA_KEY) & 0xFFFFFFFF
-        expected = (_numpy_bits(masks.shape[1], (key, seed[1])) >> np.uint64(16)) >= 32768
-        np.testing.assert_array_equal(masks[replica], expected)
+        np.testing.assert_array_equal(masks[replica], numpy_keep(masks.shape[1], seed, 0.5, replica))

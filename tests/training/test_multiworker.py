@@ -6,8 +6,7 @@ import sys
 
 import numpy as np
 
-from tests.layers.test_dropout import _numpy_bits
-from tfformer.layers.dropout import _REPLICA_KEY
+from tests.layers.test_dropout import numpy_keep
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
 
@@ -48,8 +47,6 @@ def test_two_workers_end_with_identical_weights_and_draw_different_dropout_masks
         np.testing.assert_array_equal(w0[key], w1[key])
     np.testing.assert_array_equal(w0["seed"], w1["seed"])
     assert not np.array_equal(w0["mask"], w1["mask"])
-    seed = w0["seed"].astype("int64")
-    for index, result in enumerate((w0, w1)):
-        key = (int(seed[0]) + index * _REPLICA_KEY) & 0xFFFFFFFF
-        expected = (_numpy_bits(result["mask"].size, (key, seed[1])) >> np.uint64(16)) >= 32768
+    for index, result in enumerate((w0, w1)):  # one replica per worker: replica id = worker index
+        expected = numpy_keep(result["mask"].size, w0["seed"], 0.5, replica=index)
         np.testing.assert_array_equal(result["mask"].reshape(-1), expected)
