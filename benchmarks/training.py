@@ -6,7 +6,9 @@ Workloads (the issue's):
 
 Every system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
 systems with its `training.FusedAdam` (the same update as one kernel per variable, what its recipes use),
-keras-hub's with `keras.optimizers.Adam`.
+keras-hub's with `keras.optimizers.Adam`. tfformer's models compute that loss fused with their tied output
+projection (`models.TransformerModel.train_step`, the loss's default `fuse_projection=True`); keras-hub's
+models, plain `keras.Model`s, compute it on their logits.
 Steps are timed one `train_on_batch` at a time (not whole `fit()` calls; see the pitfalls note on tf.data).
 FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted tokens for the output projection)
 + 12 * layers * T^2 * d * batch for attention scores and mixing (forward 2x, backward 4x), counted for every

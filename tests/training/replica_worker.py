@@ -1,6 +1,7 @@
 """Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights.
 
-    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam]   (SGD by default)
+    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam] [fused|unfused]
+    (SGD by default; the loss's `fuse_projection` on by default)
 """
 
 import sys
@@ -9,6 +10,7 @@ import numpy as np
 
 replicas, weights_in, weights_out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
+fuse_projection = (sys.argv[5] if len(sys.argv) > 5 else "fused") == "fused"
 
 from tfformer.training import get_strategy  # noqa: E402
 
@@ -18,7 +20,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfformer import models  # noqa: E402
-from tfformer.training import FusedAdam, MaskedSparseCrossEntropy  # noqa: E402
+from tfformer.training import FusedAdam, MaskedAccuracy, MaskedSparseCrossEntropy, Perplexity  # noqa: E402
 
 assert strategy.num_replicas_in_sync == replicas, strategy.num_replicas_in_sync
 config = models.TransformerConfig(vocabulary_size=30, hidden_dim=16, num_heads=2, intermediate_dim=32,
@@ -38,7 +40,9 @@ with strategy.scope():
     model.load_weights(weights_in) if weights_in != "-" else None
     make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.01),
             "fused_adam": lambda: FusedAdam(0.01)}[optimizer]
-    model.compile(optimizer=make(), loss=MaskedSparseCrossEntropy(0.1), jit_compile=False)
+    # Metrics: the fused step then also hands logits to them, from each replica's own trace.
+    model.compile(optimizer=make(), loss=MaskedSparseCrossEntropy(0.1, fuse_projection=fuse_projection),
+                  metrics=[MaskedAccuracy(), Perplexity()], jit_compile=False)
 if weights_in == "-":
     model.save_weights(weights_out)
     sys.exit(0)

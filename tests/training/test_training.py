@@ -106,12 +106,17 @@ def test_bad_arguments():
         training.MaskedSparseCrossEntropy(label_smoothing=1.2)
     with pytest.raises(ValueError, match="replicas"):
         training.get_strategy(replicas=0)
+    with pytest.raises(ValueError, match="fuse_projection"):
+        training.MaskedSparseCrossEntropy(fuse_projection="yes")
 
 
 def test_loss_and_metrics_serialize():
     for obj in (training.MaskedSparseCrossEntropy(0.2), training.MaskedAccuracy(), training.Perplexity()):
         clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(obj))
         assert type(clone) is type(obj)
+        assert clone.get_config() == obj.get_config()
+    unfused = training.MaskedSparseCrossEntropy(0.1, fuse_projection=False)
+    assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(unfused)).fuse_projection is False
 
 
 def test_fit_on_a_dataset_trains_without_keras_shuffle_warning(rng):
@@ -131,3 +136,76 @@ def test_fit_on_a_dataset_trains_without_keras_shuffle_warning(rng):
         history = training.fit(model, dataset, epochs=3, verbose=0)
     assert not [w for w in caught if "shuffle" in str(w.message)], [str(w.message) for w in caught]
     assert history["loss"][-1] < 0.5 * history["loss"][0], history["loss"]
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_on_hidden_states_matches_numpy(rng, smoothing):
+    """`call_on_hidden_states` (projection + loss as one op) against numpy: per-token losses, the f32 logits it
+    returns for metrics, and the gradients of their mean with respect to the hidden states and the table."""
+    import tensorflow as tf
+
+    hidden = tf.constant(rng.normal(size=(3, 5, 4)).astype("float32"))
+    table = tf.Variable(rng.normal(size=(7, 4)).astype("float32"))
+    labels = rng.integers(1, 7, size=(3, 5))
+    labels[0, 3:] = 0
+    labels[2, 1:] = 0
+    loss = training.MaskedSparseCrossEntropy(label_smoothing=smoothing)
+    with tf.GradientTape() as tape:
+        tape.watch(hidden)
+        per_token, logits = loss.call_on_hidden_states(labels, hidden, table, return_logits=True)
+        value = tf.reduce_mean(per_token)
+    d_hidden, d_table = tape.gradient(value, [hidden, table])
+    h, e = hidden.numpy(), table.numpy()
+    z = h @ e.T  # (B, T, V)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    target = np.full(z.shape, smoothing / 7)
+    target[np.arange(3)[:, None], np.arange(5)[None, :], labels] += 1 - smoothing
+    real = (labels != 0)
+    np.testing.assert_allclose(logits.numpy(), z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(per_token.numpy(), -(target * np.log(p)).sum(-1) * real, rtol=1e-5, atol=1e-6)
+    d_z = (p - target) * real[..., None] / labels.size  # (B, T, V)
+    np.testing.assert_allclose(d_hidden.numpy(), d_z @ e, atol=1e-6)
+    np.testing.assert_allclose(d_table.numpy(), np.einsum("btv,btd->vd", d_z, h), atol=1e-6)
+
+
+def test_loss_on_bfloat16_hidden_states_matches_the_unfused_loss(rng):
+    """Under mixed precision the fused op takes bfloat16 hidden states and never makes float32 logits: the loss
+    and gradients agree with the unfused path (bfloat16 logits cast to float32, then `call`) to bfloat16 rounding.
+    3 x 7 tokens, so that the upstream 1/21 is not a power of two and the two paths round differently."""
+    import tensorflow as tf
+
+    hidden = tf.constant(rng.normal(size=(3, 7, 16)).astype("float32"))
+    table = tf.Variable(rng.normal(size=(40, 16)).astype("float32") * 0.3)
+    labels = rng.integers(1, 40, size=(3, 7))
+    labels[1, 4:] = 0
+    loss = training.MaskedSparseCrossEntropy(0.1)
+
+    def run(fused):
+        with tf.GradientTape() as tape:
+            tape.watch(hidden)
+            h = tf.cast(hidden, "bfloat16")
+            if fused:
+                per_token = loss.call_on_hidden_states(labels, h, table)
+            else:
+                logits = tf.matmul(h, tf.cast(table, "bfloat16"), transpose_b=True)
+                per_token = loss.call(labels, tf.cast(logits, "float32"))
+            value = tf.reduce_mean(per_token)
+        return [value.numpy()] + [g.numpy() for g in tape.gradient(value, [hidden, table])]
+
+    ours, theirs = run(True), run(False)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6)
+    for a, b in zip(ours[1:], theirs[1:]):
+        assert np.abs(b).max() > 1e-4
+        np.testing.assert_allclose(a, b, atol=np.abs(b).max() * 2**-7)
+
+
+def test_loss_on_hidden_states_rejects_out_of_range_labels(rng):
+    import tensorflow as tf
+
+    hidden = rng.normal(size=(2, 3, 4)).astype("float32")
+    table = rng.normal(size=(5, 4)).astype("float32")
+    loss = training.MaskedSparseCrossEntropy(0.1)
+    for bad in (5, -1):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="y_true"):
+            loss.call_on_hidden_states(np.array([[1, 2, bad], [0, 0, 0]]), hidden, table)

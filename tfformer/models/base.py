@@ -1,6 +1,11 @@
-"""What every tfformer model shares: config handling and the embedding stack."""
+"""What every tfformer model shares: config handling, the embedding stack, and training with the output
+projection fused with the loss."""
+
+import threading
 
 import keras
+import tensorflow as tf
+from keras.src.models import functional as keras_functional  # see TransformerModel.call
 
 from tfformer import layers
 from tfformer.layers import masks
@@ -64,25 +69,126 @@ def embed_tokens(embedding, position, token_ids, start_index=0):
     return x + position(x, start_index=start_index)
 
 
+_TRACING = threading.local()  # per thread: {id(model): _FusedStep}; a strategy traces each replica in a thread
+
+
+class _FusedStep:
+    """What one traced training step with the fused projection passes from `call` to `compute_loss` and
+    `compute_metrics`."""
+
+    def __init__(self, loss, return_logits):
+        self.loss, self.return_logits, self.logits = loss, return_logits, None
+
+
 class TransformerModel(keras.Model):
     """A functional `keras.Model` built from a `TransformerConfig`.
 
     Subclasses implement `_build(config)` returning `(inputs, outputs,
     sublayers)`; `sublayers` (a dict) become attributes once the graph exists. `get_config()` is `{"config": ...}`
-    so `.keras` files reload with `safe_mode=True`.
+    so `.keras` files reload with `safe_mode=True`. A sublayer entry `projection_inputs` (a symbolic tensor) names
+    the inputs of a tied output projection, `outputs = token_embedding(projection_inputs, reverse=True)`.
+
+    Training with the output projection fused with the loss: when the model was compiled with one loss that
+    offers `call_on_hidden_states` and has `fuse_projection` set (`training.MaskedSparseCrossEntropy`), no
+    `loss_weights`, and `fit` gives no sample weights, `train_step` runs the model up to the projection's
+    inputs and lets the loss compute the projection, the loss and their gradients as one operation (no float32
+    logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step; the
+    logits are computed for compiled metrics only. Evaluation and prediction are unchanged. This relies on
+    private parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with `functional.operation_fn`,
+    and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
     """
 
     def __init__(self, config, **kwargs):
         config = as_config(config)
         inputs, outputs, sublayers = self._build(config)
+        projection_inputs = sublayers.pop("projection_inputs", None)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.config = config
         # Named handles on the layers for incremental decoding and conversion.
         for name, layer in sublayers.items():
             setattr(self, name, layer)
+        self._projection_inputs = projection_inputs  # (B, T, D) symbolic, or None
 
     def _build(self, config):
         raise NotImplementedError
+
+    # === Training: the output projection fused with the loss ===
+    @property
+    def _fused_step(self):
+        """The `_FusedStep` this thread is tracing for this model, or None. Per thread: MirroredStrategy traces
+        its replicas' steps concurrently, one thread each."""
+        return getattr(_TRACING, "steps", {}).get(id(self))
+
+    def _compiled_arguments(self):
+        """The arguments `compile()` got, as given (`get_compile_config()` serializes them, which needs eager
+        execution; a traced step is not)."""
+        compile_config = getattr(self, "_compile_config", None)
+        return dict(getattr(compile_config, "config", None) or {})
+
+    def _fused_loss(self, x, sample_weight):
+        """The compiled loss if this step can fuse the projection with it, else None."""
+        loss = getattr(self, "loss", None)
+        compiled = self._compiled_arguments()
+        fusable = (
+            self._projection_inputs is not None
+            and getattr(loss, "fuse_projection", False) is True
+            and callable(getattr(loss, "call_on_hidden_states", None))
+            and getattr(loss, "reduction", None) in ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
+            and compiled.get("loss_weights") is None
+            and sample_weight is None
+            and not self.losses
+            and isinstance(x, dict)
+            and set(x) == set(self.input)
+        )
+        return loss if fusable else None
+
+    def train_step(self, data):
+        x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss = self._fused_loss(x, sample_weight)
+        if loss is None:
+            return super().train_step(data)
+        compiled = self._compiled_arguments()
+        has_metrics = bool(compiled.get("metrics") or compiled.get("weighted_metrics"))
+        steps = _TRACING.__dict__.setdefault("steps", {})
+        steps[id(self)] = _FusedStep(loss, return_logits=has_metrics)
+        try:
+            return super().train_step(data)  # Keras' step; call, compute_loss and compute_metrics see _fused_step
+        finally:
+            del steps[id(self)]
+
+    def call(self, inputs, training=None, mask=None):
+        if self._fused_step is not None:
+            # The graph up to the projection's inputs, walked as Functional.call walks the whole graph: the
+            # nodes recorded their layers' default `training`, which the walk overrides.
+            hidden = keras.Function(self.input, self._projection_inputs)
+            return hidden._run_through_graph(  # (B, T, D)
+                self._standardize_inputs(inputs),
+                operation_fn=lambda op: keras_functional.operation_fn(op, training=training),
+            )
+        return super().call(inputs, training=training, mask=mask)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        step = self._fused_step
+        if step is None:
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        # y_pred: the projection's inputs (B, T, D), from `call`.
+        values = step.loss.call_on_hidden_states(y, y_pred, self.token_embedding.embeddings,
+                                                 return_logits=step.return_logits)  # (B, T)
+        if step.return_logits:
+            values, step.logits = values
+        # Keras' reduction of unweighted per-token values (keras.losses.Loss.__call__ with `reduction`).
+        total = keras.ops.sum(values)
+        if step.loss.reduction != "sum":
+            total = keras.ops.divide_no_nan(total, keras.ops.cast(keras.ops.size(values), total.dtype))
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            if replicas > 1:  # Keras' scale_loss_for_distribution
+                total = total * (1.0 / replicas)
+        return keras.ops.cast(total, step.loss.dtype)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        if self._fused_step is not None:
+            y_pred = self._fused_step.logits  # float32 logits, or None when no metrics were compiled
+        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
         return {"config": self.config.to_dict(), "name": self.name, "trainable": self.trainable}

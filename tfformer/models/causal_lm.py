@@ -51,6 +51,7 @@ class CausalLM(base.TransformerModel):
             position=position,
             decoder_blocks=blocks,
             final_norm=norm,
+            projection_inputs=x if output_projection is None else None,  # (B, T, D)
         )
         return {"token_ids": token_ids}, logits, sublayers
 

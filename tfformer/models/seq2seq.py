@@ -75,6 +75,7 @@ class Seq2SeqTransformer(base.TransformerModel):
             decoder_blocks=decoder_blocks,
             encoder_norm=encoder_norm,
             decoder_norm=decoder_norm,
+            projection_inputs=y if output_projection is None else None,  # (B, T, D)
         )
         return inputs, logits, sublayers
 

@@ -22,17 +22,29 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
     each on a 2-core CPU. Bucket sequence lengths (`data.pipelines` does) rather
     than feeding every length. Labels outside `[0, V)` raise.
 
+    With `fuse_projection=True` (the default), a tfformer model whose logits
+    come from its tied token embedding (`CausalLM`, `Seq2SeqTransformer`) trains
+    through `call_on_hidden_states` instead: the vocabulary projection and this
+    loss run as one operation, and `fit` gives the same losses and gradients.
+    `False` keeps the two apart (the model's logits, then `call`).
+
     Args:
         label_smoothing: float in [0, 1). Defaults to `0.1`.
         padding_id: int. Label id that is ignored. Defaults to `0`.
+        fuse_projection: bool. Let tfformer models fuse their output projection
+            with this loss in training. Defaults to `True`.
     """
 
-    def __init__(self, label_smoothing=0.1, padding_id=0, name="masked_sparse_cross_entropy", reduction="sum_over_batch_size", dtype=None):
+    def __init__(self, label_smoothing=0.1, padding_id=0, name="masked_sparse_cross_entropy",
+                 reduction="sum_over_batch_size", dtype=None, fuse_projection=True):
         if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing < 1:
             raise ValueError(f"`label_smoothing` must be a float in [0, 1). Received: label_smoothing={label_smoothing!r}")
+        if not isinstance(fuse_projection, bool):
+            raise ValueError(f"`fuse_projection` must be True or False. Received: fuse_projection={fuse_projection!r}")
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self.label_smoothing = label_smoothing
         self.padding_id = padding_id
+        self.fuse_projection = fuse_projection
 
     def call(self, y_true, y_pred):
         logits = ops.cast(y_pred, "float32")  # (B, T, V)
@@ -40,9 +52,35 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
         loss = _smoothed_cross_entropy(logits, labels, float(self.label_smoothing))  # (B, T)
         return ops.where(ops.not_equal(labels, self.padding_id), loss, 0.0)
 
+    def call_on_hidden_states(self, y_true, hidden_states, embeddings, return_logits=False):
+        """`call(y_true, hidden_states @ embeddings^T)` with the projection and the loss as one operation.
+
+        The forward pass computes the logits in `hidden_states`' dtype, and from them in one XLA pass the
+        loss and its gradient `softmax - target` (in that dtype; float32 arithmetic inside). The backward pass is
+        the two matmuls of that gradient, with the upstream per-token factor applied to the `(B*T, D)` side.
+        Neither float32 logits nor their gradient exist under mixed precision, and the logits are not kept for
+        the backward pass.
+
+        Args:
+            y_true: `(B, T)` int labels.
+            hidden_states: `(B, T, D)` inputs of the projection (float32 or the mixed-precision compute dtype).
+            embeddings: `(V, D)` float32 embedding table (a variable or its value); logits are
+                `hidden_states @ embeddings^T`, as `layers.TokenEmbedding(..., reverse=True)` computes them.
+            return_logits: bool. Also return the float32 logits `(B, T, V)` (for metrics).
+
+        Returns:
+            `(B, T)` per-token losses, zero at padding, as `call` returns them; with `return_logits`, a pair
+            `(losses, logits)`.
+        """
+        labels = ops.cast(y_true, "int32")  # (B, T)
+        losses, logits = _projected_cross_entropy(hidden_states, embeddings, labels, float(self.label_smoothing),
+                                                  return_logits)
+        losses = ops.where(ops.not_equal(labels, self.padding_id), losses, 0.0)  # (B, T)
+        return (losses, logits) if return_logits else losses
+
     def get_config(self):
         return {"label_smoothing": self.label_smoothing, "padding_id": self.padding_id, "name": self.name,
-                "reduction": self.reduction}
+                "reduction": self.reduction, "fuse_projection": self.fuse_projection}
 
 
 def _smoothed_cross_entropy(logits, labels, smoothing):
@@ -59,12 +97,7 @@ def _smoothed_cross_entropy(logits, labels, smoothing):
     vocabulary_size = tf.shape(logits)[-1]
     flat_logits = tf.reshape(logits, [-1, vocabulary_size])  # (B*T, V)
     flat_labels = tf.reshape(labels, [-1])  # (B*T,)
-    # XLA would clamp an out-of-range label silently; TF's gather used to raise. Check it here.
-    checks = [
-        tf.debugging.assert_non_negative(flat_labels, message="`y_true` (token ids) must be >= 0"),
-        tf.debugging.assert_less(flat_labels, vocabulary_size, message="`y_true` (token ids) must be < the "
-                                 "number of logits (the vocabulary size, the last axis of `y_pred`)"),
-    ]
+    checks = _label_checks(flat_labels, vocabulary_size)
     smoothing = tf.constant(smoothing, tf.float32)
 
     @tf.custom_gradient
@@ -80,6 +113,49 @@ def _smoothed_cross_entropy(logits, labels, smoothing):
     return tf.reshape(forward(flat_logits), tf.shape(labels))
 
 
+def _label_checks(flat_labels, vocabulary_size):
+    """XLA would clamp an out-of-range label silently; TF's gather used to raise. Check it here."""
+    return [
+        tf.debugging.assert_non_negative(flat_labels, message="`y_true` (token ids) must be >= 0"),
+        tf.debugging.assert_less(flat_labels, vocabulary_size, message="`y_true` (token ids) must be < the "
+                                 "number of logits (the vocabulary size, the last axis of `y_pred`)"),
+    ]
+
+
+def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, return_logits):
+    """Per-token smoothed cross-entropy `(B, T)` of the logits `hidden_states @ embeddings^T`, and the float32
+    logits or None: the projection and the loss as one custom-gradient operation (see `call_on_hidden_states`)."""
+    embeddings = tf.convert_to_tensor(embeddings)  # a variable read the tape sees
+    hidden_dim = tf.shape(hidden_states)[-1]
+    flat_hidden = tf.reshape(hidden_states, [-1, hidden_dim])  # (B*T, D)
+    flat_labels = tf.reshape(labels, [-1])  # (B*T,)
+    checks = _label_checks(flat_labels, tf.shape(embeddings)[0])
+    smoothing = tf.constant(smoothing, tf.float32)
+
+    @tf.custom_gradient
+    def forward(flat_hidden, embeddings):
+        kernel = tf.cast(embeddings, flat_hidden.dtype)  # (V, D)
+        logits = tf.matmul(flat_hidden, kernel, transpose_b=True)  # (B*T, V)
+        with tf.control_dependencies(checks):
+            loss, grad_logits = _forward_with_gradient(logits, flat_labels, smoothing)  # (B*T,), (B*T, V)
+        outputs = (loss, tf.cast(logits, tf.float32)) if return_logits else loss
+
+        def grad(upstream, *unused_logits_upstream):  # upstream (B*T,); the logits only feed metrics
+            scale = tf.cast(upstream, flat_hidden.dtype)[:, None]  # (B*T, 1)
+            d_hidden = tf.matmul(grad_logits, kernel) * scale  # (B*T, D)
+            d_kernel = tf.matmul(grad_logits, flat_hidden * scale, transpose_a=True)  # (V, D)
+            return d_hidden, tf.cast(d_kernel, embeddings.dtype)
+
+        return outputs, grad
+
+    outputs = forward(flat_hidden, embeddings)
+    loss, logits = outputs if return_logits else (outputs, None)
+    loss = tf.reshape(loss, tf.shape(labels))  # (B, T)
+    if logits is not None:
+        logits = tf.reshape(logits, tf.concat([tf.shape(labels), [-1]], 0))  # (B, T, V)
+    return loss, logits
+
+
 def _one_hot(labels, like):
     """`(B*T, V)` booleans, True at each row's label; fuses into the surrounding XLA pass."""
     return tf.equal(tf.range(tf.shape(like)[-1])[None, :], labels[:, None])
@@ -92,6 +168,22 @@ def _forward(flat_logits, flat_labels, smoothing):
     picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
     mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
     return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean, log_sum_exp
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _forward_with_gradient(logits, flat_labels, smoothing):
+    """`_forward`'s loss and `_backward`'s `softmax - target` (for an upstream of 1) in one pass, the gradient in
+    the logits' dtype."""
+    flat_logits = tf.cast(logits, tf.float32)  # (B*T, V)
+    vocabulary_size = tf.cast(tf.shape(flat_logits)[-1], tf.float32)
+    peak = tf.reduce_max(flat_logits, axis=-1, keepdims=True)  # (B*T, 1)
+    shifted = tf.exp(flat_logits - peak)  # (B*T, V)
+    total = tf.reduce_sum(shifted, axis=-1, keepdims=True)  # (B*T, 1)
+    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
+    mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
+    loss = peak[:, 0] + tf.math.log(total[:, 0]) - (1.0 - smoothing) * picked - smoothing * mean
+    target = tf.where(_one_hot(flat_labels, flat_logits), 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+    return loss, tf.cast(shifted / total - target, logits.dtype)
 
 
 @tf.function(jit_compile=True, autograph=False)

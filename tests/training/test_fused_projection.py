@@ -1,0 +1,132 @@
+"""Training with the output projection fused with the loss (`TransformerModel.train_step`) against the unfused step.
+
+The unfused reference is the same model compiled with `MaskedSparseCrossEntropy(fuse_projection=False)`: Keras'
+own train_step on the model's logits. Same initial weights and seeds, dropout on, label smoothing, padding.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from tfformer import models, training
+
+LOSS = training.MaskedSparseCrossEntropy
+
+
+def _config(architecture, **overrides):
+    config = dict(vocabulary_size=40, hidden_dim=16, num_heads=2, intermediate_dim=32, dropout=0.1,
+                  max_sequence_length=16)
+    if architecture == "causal_lm":
+        config.update(architecture="causal_lm", num_encoder_layers=0, num_decoder_layers=2)
+    else:
+        config.update(num_encoder_layers=1, num_decoder_layers=1)
+    config.update(overrides)
+    return models.TransformerConfig(**config)
+
+
+def _batch(architecture, rng):
+    """3 x 7 target tokens (not a power of two: the per-token upstream is rounded) with padding."""
+    ids = rng.integers(1, 40, size=(3, 8)).astype("int32")
+    ids[0, 5:] = 0
+    ids[2, 3:] = 0
+    if architecture == "causal_lm":
+        return {"token_ids": ids[:, :-1]}, ids[:, 1:]
+    source = rng.integers(1, 40, size=(3, 6)).astype("int32")
+    source[1, 4:] = 0
+    return {"encoder_token_ids": source, "decoder_token_ids": ids[:, :-1]}, ids[:, 1:]
+
+
+def _train(config, loss, data, steps=3, metrics=True, jit_compile=False, **fit_kwargs):
+    keras.utils.set_random_seed(7)  # same initial weights and dropout seeds for every model
+    model = models.build_model(config)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=jit_compile,
+                  metrics=[training.MaskedAccuracy(), training.Perplexity()] if metrics else None)
+    logs = [model.train_on_batch(*data, return_dict=True, **fit_kwargs) for _ in range(steps)]
+    return model, logs
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the loss's unfused (`call`) and fused (`call_on_hidden_states`) uses while a step is traced."""
+    counts = {"call": 0, "call_on_hidden_states": 0}
+    for name in counts:
+        original = getattr(LOSS, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LOSS, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("architecture", ["causal_lm", "seq2seq"])
+def test_fused_training_equals_unfused(rng, spy, architecture, policy):
+    keras.config.set_dtype_policy(policy)
+    config, data = _config(architecture), _batch(architecture, rng)
+    # bfloat16: one step (later steps would compare two trajectories that rounding has moved apart).
+    steps = 3 if policy == "float32" else 1
+    fused, fused_logs = _train(config, LOSS(0.1), data, steps=steps)
+    assert spy["call"] == 0 and spy["call_on_hidden_states"] > 0, spy  # fused
+    plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, steps=steps)
+    assert spy["call"] > 0, spy
+    start, _ = _train(config, LOSS(0.1), data, steps=0)
+    moved = [np.abs(a - b).max() for a, b in zip(plain.get_weights(), start.get_weights())]
+    assert np.median(moved) > 1e-3, "SGD steps move the weights"
+    # Plain SGD, so that weight differences are gradient differences (Adam would blow rounding noise in the
+    # key bias, whose true gradient is 0, up to lr-sized steps). float32: the same arithmetic up to summation
+    # order. bfloat16: the two steps round the logits' gradient to bfloat16 at different points (before vs
+    # after the 1/21 upstream factor): within a few bfloat16 ulps (2^-8) of each weight's movement.
+    for a, b, c in zip(fused.get_weights(), plain.get_weights(), start.get_weights()):
+        scale = np.abs(b - c).max()
+        np.testing.assert_allclose(a, b, atol=1e-6 + scale * (1e-5 if policy == "float32" else 2**-5))
+    for ours, theirs in zip(fused_logs, plain_logs):
+        assert ours.keys() == theirs.keys() == {"loss", "masked_accuracy", "perplexity"}
+        for key in ours:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5 if policy == "float32" else 1e-2)
+
+
+def test_fused_training_without_metrics_and_under_xla(rng, spy):
+    """No compiled metrics: the fused step makes no logits at all. jit_compile=True: the same step in XLA."""
+    config, data = _config("causal_lm"), _batch("causal_lm", rng)
+    plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, metrics=False)
+    for jit_compile in (False, True):
+        fused, logs = _train(config, LOSS(0.1), data, metrics=False, jit_compile=jit_compile)
+        for a, b in zip(fused.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, atol=2e-6)
+        np.testing.assert_allclose([x["loss"] for x in logs], [x["loss"] for x in plain_logs], rtol=1e-5)
+    assert spy["call_on_hidden_states"] > 0, spy
+
+
+def test_steps_that_cannot_fuse_train_as_before(rng, spy):
+    """Sample weights, an untied output projection, or loss_weights: Keras' own step on the logits."""
+    data = _batch("causal_lm", rng)
+    weights = np.repeat(np.array([[1.0], [0.5], [2.0]], "float32"), 7, axis=1)  # per token
+    keras.utils.set_random_seed(7)
+    weighted = models.build_model(_config("causal_lm"))
+    weighted.compile(optimizer="sgd", loss=LOSS(0.1), loss_weights=2.0)
+    steps = [
+        lambda: _train(_config("causal_lm"), LOSS(0.1), data, sample_weight=weights),
+        lambda: _train(_config("causal_lm", tie_embeddings=False), LOSS(0.1), data),
+        lambda: weighted.train_on_batch(*data),
+    ]
+    for step in steps:
+        spy.update(call=0, call_on_hidden_states=0)
+        step()
+        assert spy["call"] > 0 and spy["call_on_hidden_states"] == 0, spy
+
+
+def test_fused_model_round_trips_through_keras_file(rng, tmp_path, spy):
+    """A model trained fused saves and loads compiled (safe_mode), evaluates alike, and trains fused again."""
+    config, data = _config("seq2seq"), _batch("seq2seq", rng)
+    model, _ = _train(config, LOSS(0.1), data, steps=1)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert loaded.loss.fuse_projection is True
+    np.testing.assert_allclose(loaded.evaluate(*data, verbose=0, return_dict=True)["loss"],
+                               model.evaluate(*data, verbose=0, return_dict=True)["loss"], rtol=1e-6)
+    spy.update(call=0, call_on_hidden_states=0)
+    loaded.train_on_batch(*data)
+    assert spy["call"] == 0 and spy["call_on_hidden_states"] > 0, spy
