@@ -99,22 +99,54 @@ def test_fused_training_without_metrics_and_under_xla(rng, spy):
     assert spy["call_on_hidden_states"] > 0, spy
 
 
+class _DoubledLoss(LOSS):
+    """A subclass that changes `call` but not `call_on_hidden_states`: fusing would drop its change."""
+
+    def call(self, y_true, y_pred):
+        return 2.0 * super().call(y_true, y_pred)
+
+
+class _CappedLM(models.CausalLM):
+    """A model subclass that post-processes the logits in `call`: fusing would skip it."""
+
+    def call(self, inputs, training=None, mask=None):
+        return 0.5 * super().call(inputs, training=training, mask=mask)
+
+
+def _float16_step(data):
+    keras.config.set_dtype_policy("mixed_float16")  # loss scaling needs the logits' gradient in float32
+    try:
+        _train(_config("causal_lm"), LOSS(0.1), data)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 def test_steps_that_cannot_fuse_train_as_before(rng, spy):
-    """Sample weights, an untied output projection, or loss_weights: Keras' own step on the logits."""
+    """Sample weights, an untied output projection, loss_weights, a loss or model subclass that changed `call`,
+    a float64 loss, or float16: Keras' own step on the logits."""
     data = _batch("causal_lm", rng)
     weights = np.repeat(np.array([[1.0], [0.5], [2.0]], "float32"), 7, axis=1)  # per token
     keras.utils.set_random_seed(7)
     weighted = models.build_model(_config("causal_lm"))
     weighted.compile(optimizer="sgd", loss=LOSS(0.1), loss_weights=2.0)
+    capped = _CappedLM(_config("causal_lm"), name="capped_lm")
+    capped.compile(optimizer="sgd", loss=LOSS(0.1))
     steps = [
         lambda: _train(_config("causal_lm"), LOSS(0.1), data, sample_weight=weights),
         lambda: _train(_config("causal_lm", tie_embeddings=False), LOSS(0.1), data),
         lambda: weighted.train_on_batch(*data),
+        lambda: capped.train_on_batch(*data),
+        lambda: _train(_config("causal_lm"), LOSS(0.1, dtype="float64"), data, metrics=False),
+        lambda: _float16_step(data),
     ]
     for step in steps:
         spy.update(call=0, call_on_hidden_states=0)
         step()
         assert spy["call"] > 0 and spy["call_on_hidden_states"] == 0, spy
+    # The loss subclass reaches `call` through super(); its doubled loss is what fit reports.
+    plain, plain_logs = _train(_config("causal_lm"), LOSS(0.1, fuse_projection=False), data, steps=1, metrics=False)
+    doubled, doubled_logs = _train(_config("causal_lm"), _DoubledLoss(0.1), data, steps=1, metrics=False)
+    np.testing.assert_allclose(doubled_logs[0]["loss"], 2 * plain_logs[0]["loss"], rtol=1e-5)
 
 
 def test_fused_model_round_trips_through_keras_file(rng, tmp_path, spy):

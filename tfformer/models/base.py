@@ -89,8 +89,8 @@ class TransformerModel(keras.Model):
     the inputs of a tied output projection, `outputs = token_embedding(projection_inputs, reverse=True)`.
 
     Training with the output projection fused with the loss: when the model was compiled with one loss that
-    offers `call_on_hidden_states` and has `fuse_projection` set (`training.MaskedSparseCrossEntropy`), no
-    `loss_weights`, and `fit` gives no sample weights, `train_step` runs the model up to the projection's
+    offers `call_on_hidden_states` and `fuses_projection` (`training.MaskedSparseCrossEntropy`), no
+    `loss_weights`, a float32 or mixed_bfloat16 policy, and `fit` gives no sample weights, `train_step` runs the model up to the projection's
     inputs and lets the loss compute the projection, the loss and their gradients as one operation (no float32
     logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step; the
     logits are computed for compiled metrics only. Evaluation and prediction are unchanged. This relies on
@@ -131,12 +131,13 @@ class TransformerModel(keras.Model):
         compiled = self._compiled_arguments()
         fusable = (
             self._projection_inputs is not None
-            and getattr(loss, "fuse_projection", False) is True
+            and type(self).call is TransformerModel.call  # a subclass may post-process the logits
+            and self.dtype_policy.compute_dtype in ("float32", "bfloat16")  # float16: see call_on_hidden_states
+            and getattr(loss, "fuses_projection", False) is True
             and callable(getattr(loss, "call_on_hidden_states", None))
             and getattr(loss, "reduction", None) in ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
             and compiled.get("loss_weights") is None
             and sample_weight is None
-            and not self.losses
             and isinstance(x, dict)
             and set(x) == set(self.input)
         )
@@ -172,6 +173,9 @@ class TransformerModel(keras.Model):
         if step is None:
             return super().compute_loss(x, y, y_pred, sample_weight, training=training)
         # y_pred: the projection's inputs (B, T, D), from `call`.
+        if getattr(y_pred, "_keras_mask", None) is not None:  # Keras would weight the loss by it; ours has none
+            raise ValueError("The fused projection + loss does not take a Keras mask on the hidden states; compile "
+                             "with `MaskedSparseCrossEntropy(..., fuse_projection=False)`.")
         values = step.loss.call_on_hidden_states(y, y_pred, self.token_embedding.embeddings,
                                                  return_logits=step.return_logits)  # (B, T)
         if step.return_logits:
@@ -183,7 +187,8 @@ class TransformerModel(keras.Model):
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
             if replicas > 1:  # Keras' scale_loss_for_distribution
                 total = total * (1.0 / replicas)
-        return keras.ops.cast(total, step.loss.dtype)
+        # Losses the forward pass added (activity regularizers, add_loss), as Keras' compute_loss adds them.
+        return keras.ops.sum([total] + [self._aggregate_additional_loss(extra) for extra in self.losses])
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         if self._fused_step is not None:

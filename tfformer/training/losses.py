@@ -63,7 +63,8 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
 
         Args:
             y_true: `(B, T)` int labels.
-            hidden_states: `(B, T, D)` inputs of the projection (float32 or the mixed-precision compute dtype).
+            hidden_states: `(B, T, D)` inputs of the projection, float32 or bfloat16 (float16's loss scaling needs
+                the gradient in float32 before the scale is known: models do not fuse under float16).
             embeddings: `(V, D)` float32 embedding table (a variable or its value); logits are
                 `hidden_states @ embeddings^T`, as `layers.TokenEmbedding(..., reverse=True)` computes them.
             return_logits: bool. Also return the float32 logits `(B, T, V)` (for metrics).
@@ -77,6 +78,14 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
                                                   return_logits)
         losses = ops.where(ops.not_equal(labels, self.padding_id), losses, 0.0)  # (B, T)
         return (losses, logits) if return_logits else losses
+
+    @property
+    def fuses_projection(self):
+        """Whether a model may train through `call_on_hidden_states`: `fuse_projection`, a float32 loss, and no
+        subclass that changed `call` without changing `call_on_hidden_states` to match."""
+        cls, base = type(self), MaskedSparseCrossEntropy
+        consistent = cls.call is base.call or cls.call_on_hidden_states is not base.call_on_hidden_states
+        return self.fuse_projection and self.dtype == "float32" and consistent
 
     def get_config(self):
         return {"label_smoothing": self.label_smoothing, "padding_id": self.padding_id, "name": self.name,
@@ -141,9 +150,13 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
         outputs = (loss, tf.cast(logits, tf.float32)) if return_logits else loss
 
         def grad(upstream, *unused_logits_upstream):  # upstream (B*T,); the logits only feed metrics
-            scale = tf.cast(upstream, flat_hidden.dtype)[:, None]  # (B*T, 1)
-            d_hidden = tf.matmul(grad_logits, kernel) * scale  # (B*T, D)
-            d_kernel = tf.matmul(grad_logits, flat_hidden * scale, transpose_a=True)  # (V, D)
+            # The per-token factor multiplies in float32 and each product is rounded once, as the unfused
+            # gradient `(softmax - target) * upstream` is (not one rounded factor for every element).
+            scale = upstream[:, None]  # (B*T, 1) float32
+            dtype = flat_hidden.dtype
+            d_hidden = tf.cast(tf.cast(tf.matmul(grad_logits, kernel), tf.float32) * scale, dtype)  # (B*T, D)
+            scaled_hidden = tf.cast(tf.cast(flat_hidden, tf.float32) * scale, dtype)  # (B*T, D)
+            d_kernel = tf.matmul(grad_logits, scaled_hidden, transpose_a=True)  # (V, D)
             return d_hidden, tf.cast(d_kernel, embeddings.dtype)
 
         return outputs, grad
