@@ -4,7 +4,7 @@ projection fused with the loss."""
 import threading
 
 import keras
-import tensorflow as tf
+from keras.src.losses import loss as keras_loss  # see TransformerModel.compute_loss
 from keras.src.models import functional as keras_functional  # see TransformerModel.call
 
 from tfformer import layers
@@ -95,7 +95,7 @@ class TransformerModel(keras.Model):
     logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step; the
     logits are computed for compiled metrics only. Evaluation and prediction are unchanged. This relies on
     private parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with `functional.operation_fn`,
-    and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
+    the losses' `reduce_values`, and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
     """
 
     def __init__(self, config, **kwargs):
@@ -125,8 +125,8 @@ class TransformerModel(keras.Model):
         compile_config = getattr(self, "_compile_config", None)
         return dict(getattr(compile_config, "config", None) or {})
 
-    def _fused_loss(self, x, sample_weight):
-        """The compiled loss if this step can fuse the projection with it, else None."""
+    def _fused_step_for(self, x, sample_weight):
+        """A `_FusedStep` if this step can fuse the projection with the compiled loss, else None."""
         loss = getattr(self, "loss", None)
         compiled = self._compiled_arguments()
         fusable = (
@@ -141,17 +141,17 @@ class TransformerModel(keras.Model):
             and isinstance(x, dict)
             and set(x) == set(self.input)
         )
-        return loss if fusable else None
+        if not fusable:
+            return None
+        return _FusedStep(loss, return_logits=bool(compiled.get("metrics") or compiled.get("weighted_metrics")))
 
     def train_step(self, data):
         x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss = self._fused_loss(x, sample_weight)
-        if loss is None:
+        step = self._fused_step_for(x, sample_weight)
+        if step is None:
             return super().train_step(data)
-        compiled = self._compiled_arguments()
-        has_metrics = bool(compiled.get("metrics") or compiled.get("weighted_metrics"))
         steps = _TRACING.__dict__.setdefault("steps", {})
-        steps[id(self)] = _FusedStep(loss, return_logits=has_metrics)
+        steps[id(self)] = step
         try:
             return super().train_step(data)  # Keras' step; call, compute_loss and compute_metrics see _fused_step
         finally:
@@ -180,13 +180,9 @@ class TransformerModel(keras.Model):
                                                  return_logits=step.return_logits)  # (B, T)
         if step.return_logits:
             values, step.logits = values
-        # Keras' reduction of unweighted per-token values (keras.losses.Loss.__call__ with `reduction`).
-        total = keras.ops.sum(values)
-        if step.loss.reduction != "sum":
-            total = keras.ops.divide_no_nan(total, keras.ops.cast(keras.ops.size(values), total.dtype))
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            if replicas > 1:  # Keras' scale_loss_for_distribution
-                total = total * (1.0 / replicas)
+        # Keras' own reduction of unweighted values (what keras.losses.Loss.__call__ applies), including its
+        # 1/replicas scaling under a tf.distribute strategy.
+        total = keras_loss.reduce_values(values, reduction=step.loss.reduction)
         # Losses the forward pass added (activity regularizers, add_loss), as Keras' compute_loss adds them.
         return keras.ops.sum([total] + [self._aggregate_additional_loss(extra) for extra in self.losses])
 

@@ -169,18 +169,26 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
     return loss, logits
 
 
-def _one_hot(labels, like):
-    """`(B*T, V)` booleans, True at each row's label; fuses into the surrounding XLA pass."""
-    return tf.equal(tf.range(tf.shape(like)[-1])[None, :], labels[:, None])
+def _smoothed_target(flat_labels, like, smoothing):
+    """`(B*T, V)` smoothed targets `q = (1 - smoothing) onehot + smoothing / V`; the one-hot is a comparison that
+    fuses into the surrounding XLA pass."""
+    vocabulary_size = tf.cast(tf.shape(like)[-1], tf.float32)
+    one_hot = tf.equal(tf.range(tf.shape(like)[-1])[None, :], flat_labels[:, None])  # (B*T, V)
+    return tf.where(one_hot, 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+
+
+def _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp):
+    """Per-token `-sum_v q_v log softmax_v`: `logsumexp - (1 - smoothing) logits[label] - smoothing mean(logits)`."""
+    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
+    mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
+    return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean
 
 
 @tf.function(jit_compile=True, autograph=False)
 def _forward(flat_logits, flat_labels, smoothing):
     peak = tf.stop_gradient(tf.reduce_max(flat_logits, axis=-1, keepdims=True))  # (B*T, 1)
     log_sum_exp = peak[:, 0] + tf.math.log(tf.reduce_sum(tf.exp(flat_logits - peak), axis=-1))  # (B*T,)
-    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
-    mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
-    return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean, log_sum_exp
+    return _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp), log_sum_exp
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -188,20 +196,16 @@ def _forward_with_gradient(logits, flat_labels, smoothing):
     """`_forward`'s loss and `_backward`'s `softmax - target` (for an upstream of 1) in one pass, the gradient in
     the logits' dtype."""
     flat_logits = tf.cast(logits, tf.float32)  # (B*T, V)
-    vocabulary_size = tf.cast(tf.shape(flat_logits)[-1], tf.float32)
     peak = tf.reduce_max(flat_logits, axis=-1, keepdims=True)  # (B*T, 1)
     shifted = tf.exp(flat_logits - peak)  # (B*T, V)
     total = tf.reduce_sum(shifted, axis=-1, keepdims=True)  # (B*T, 1)
-    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
-    mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
-    loss = peak[:, 0] + tf.math.log(total[:, 0]) - (1.0 - smoothing) * picked - smoothing * mean
-    target = tf.where(_one_hot(flat_labels, flat_logits), 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+    loss = _smoothed_loss(flat_logits, flat_labels, smoothing, peak[:, 0] + tf.math.log(total[:, 0]))  # (B*T,)
+    target = _smoothed_target(flat_labels, flat_logits, smoothing)  # (B*T, V)
     return loss, tf.cast(shifted / total - target, logits.dtype)
 
 
 @tf.function(jit_compile=True, autograph=False)
 def _backward(flat_logits, flat_labels, smoothing, log_sum_exp, upstream):
-    vocabulary_size = tf.cast(tf.shape(flat_logits)[-1], tf.float32)
     probs = tf.exp(flat_logits - log_sum_exp[:, None])  # (B*T, V)
-    target = tf.where(_one_hot(flat_labels, flat_logits), 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+    target = _smoothed_target(flat_labels, flat_logits, smoothing)  # (B*T, V)
     return (probs - target) * upstream[:, None]  # (B*T, V)
