@@ -37,26 +37,34 @@ def _batch(architecture, rng):
 
 
 def _train(config, loss, data, steps=3, metrics=True, jit_compile=False, **fit_kwargs):
+    """`metrics`: True for tfformer's two metrics, False for none, or a list."""
     keras.utils.set_random_seed(7)  # same initial weights and dropout seeds for every model
     model = models.build_model(config)
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=jit_compile,
-                  metrics=[training.MaskedAccuracy(), training.Perplexity()] if metrics else None)
+    if metrics is True:
+        metrics = [training.MaskedAccuracy(), training.Perplexity()]
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=jit_compile, metrics=metrics or None)
     logs = [model.train_on_batch(*data, return_dict=True, **fit_kwargs) for _ in range(steps)]
     return model, logs
 
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the loss's unfused (`call`) and fused (`call_on_hidden_states`) uses while a step is traced."""
+    """Counts the loss's unfused (`call`) and fused (`call_on_hidden_states`) uses while a step is traced;
+    `outputs` lists what each fused use returned for the metrics: "logits", "statistics" or "none"."""
     counts = {"call": 0, "call_on_hidden_states": 0}
+    outputs = []
     for name in counts:
         original = getattr(LOSS, name)
 
         def counted(self, *args, _name=name, _original=original, **kwargs):
             counts[_name] += 1
+            if _name == "call_on_hidden_states":
+                outputs.append("logits" if kwargs.get("return_logits") else
+                               "statistics" if kwargs.get("return_statistics") else "none")
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(LOSS, name, counted)
+    counts["outputs"] = outputs
     return counts
 
 
@@ -69,6 +77,7 @@ def test_fused_training_equals_unfused(rng, spy, architecture, policy):
     steps = 3 if policy == "float32" else 1
     fused, fused_logs = _train(config, LOSS(0.1), data, steps=steps)
     assert spy["call"] == 0 and spy["call_on_hidden_states"] > 0, spy  # fused
+    assert set(spy["outputs"]) == {"statistics"}, spy  # the metrics read per-token statistics, no logits
     plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, steps=steps)
     assert spy["call"] > 0, spy
     start, _ = _train(config, LOSS(0.1), data, steps=0)
@@ -96,7 +105,33 @@ def test_fused_training_without_metrics_and_under_xla(rng, spy):
         for a, b in zip(fused.get_weights(), plain.get_weights()):
             np.testing.assert_allclose(a, b, atol=2e-6)
         np.testing.assert_allclose([x["loss"] for x in logs], [x["loss"] for x in plain_logs], rtol=1e-5)
-    assert spy["call_on_hidden_states"] > 0, spy
+    assert spy["call_on_hidden_states"] > 0 and set(spy["outputs"]) == {"none"}, spy
+
+
+class _ArgmaxOfHalfLogits(training.MaskedAccuracy):
+    """A metric subclass that changed `update_state`: it gets the logits, not statistics."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(y_true, 0.5 * y_pred, sample_weight=sample_weight)
+
+
+@pytest.mark.parametrize("other", ["keras", "subclass"])
+def test_metrics_that_need_logits_get_them(rng, spy, other):
+    """Any compiled metric that does not take statistics (a Keras metric, a subclass that changed update_state):
+    the fused step hands every metric the float32 logits, and the logs equal the unfused step's."""
+    config, data = _config("causal_lm"), _batch("causal_lm", rng)
+
+    def metrics():
+        extra = keras.metrics.SparseCategoricalAccuracy() if other == "keras" else _ArgmaxOfHalfLogits(name="half")
+        return [training.MaskedAccuracy(), training.Perplexity(), extra]
+
+    fused, fused_logs = _train(config, LOSS(0.1), data, steps=2, metrics=metrics())
+    assert spy["call"] == 0 and set(spy["outputs"]) == {"logits"}, spy
+    plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, steps=2, metrics=metrics())
+    for ours, theirs in zip(fused_logs, plain_logs):
+        assert ours.keys() == theirs.keys() and len(ours) == 4, ours
+        for key in ours:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5)
 
 
 class _DoubledLoss(LOSS):

@@ -169,6 +169,60 @@ def test_loss_on_hidden_states_matches_numpy(rng, smoothing):
     np.testing.assert_allclose(d_table.numpy(), np.einsum("btv,btd->vd", d_z, h), atol=1e-6)
 
 
+def test_loss_on_hidden_states_returns_metric_statistics(rng):
+    """`return_statistics=True`: per token the unsmoothed cross-entropy and whether the label is the logits'
+    argmax, against numpy, with exact ties (duplicated table rows) where argmax picks the first maximum; the
+    metrics give the same results from them as from the logits; logits and statistics together."""
+    import tensorflow as tf
+
+    hidden = rng.normal(size=(3, 5, 4)).astype("float32")
+    table = rng.normal(size=(7, 4)).astype("float32")
+    table[5] = table[2]  # classes 2 and 5 always tie
+    z = hidden @ table.T  # (B, T, V)
+    labels = np.argmax(z, -1)  # right wherever the argmax is the label
+    labels[0, 0] = (labels[0, 0] + 1) % 7 or 1  # one wrong
+    labels[labels == 2] = 5  # a tie lost to the earlier class
+    labels[2, 3:] = 0
+    loss = training.MaskedSparseCrossEntropy(0.1)
+    per_token, logits, stats = loss.call_on_hidden_states(labels, tf.constant(hidden), table, return_logits=True,
+                                                          return_statistics=True)
+    only_loss, only_stats = loss.call_on_hidden_states(labels, tf.constant(hidden), table, return_statistics=True)
+    np.testing.assert_allclose(only_loss.numpy(), per_token.numpy(), rtol=1e-6)
+    log_p = z - z.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]  # (B, T)
+    correct = (np.argmax(z, -1) == labels)
+    assert 0 < correct.sum() < correct.size and (labels == 5).any() and (np.argmax(z, -1) == 2).any()
+    for statistics in (stats, only_stats):
+        np.testing.assert_allclose(statistics.cross_entropy.numpy(), nll, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(statistics.correct.numpy(), correct.astype("float32"))
+    for metric in (training.MaskedAccuracy, training.Perplexity):
+        from_logits, from_statistics = metric(), metric()
+        from_logits.update_state(labels, logits)
+        from_statistics.update_state(labels, stats)
+        assert from_statistics.accepts_token_statistics
+        np.testing.assert_allclose(float(from_statistics.result()), float(from_logits.result()), rtol=1e-6)
+
+
+def test_metrics_weight_tokens_by_sample_weight(rng):
+    """Sample weights per example `(B,)` or per token `(B, T)` weight the non-padding tokens."""
+    logits = rng.normal(size=(3, 4, 6)).astype("float32")
+    labels = rng.integers(1, 6, size=(3, 4))
+    labels[1, 2:] = 0
+    logits[0, 0, 3], labels[0, 0] = 10.0, 3  # one right
+    logits[0, 1, 4], labels[0, 1] = 10.0, 2  # one wrong
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+    correct = np.argmax(logits, -1) == labels
+    for weights in (np.array([1.0, 0.5, 2.0], "float32"), rng.uniform(0.1, 2.0, size=(3, 4)).astype("float32")):
+        w = np.broadcast_to(weights.reshape(3, -1), (3, 4)) * (labels != 0)
+        acc, ppl = training.MaskedAccuracy(), training.Perplexity()
+        acc.update_state(labels, logits, sample_weight=weights)
+        ppl.update_state(labels, logits, sample_weight=weights)
+        np.testing.assert_allclose(float(acc.result()), (correct * w).sum() / w.sum(), rtol=1e-6)
+        np.testing.assert_allclose(float(ppl.result()), np.exp((nll * w).sum() / w.sum()), rtol=1e-5)
+
+
 def test_loss_on_bfloat16_hidden_states_matches_the_unfused_loss(rng):
     """Under mixed precision the fused op takes bfloat16 hidden states and never makes float32 logits: the loss
     and gradients agree with the unfused path (bfloat16 logits cast to float32, then `call`) to bfloat16 rounding.

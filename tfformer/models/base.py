@@ -76,8 +76,9 @@ class _FusedStep:
     """What one traced training step with the fused projection passes from `call` to `compute_loss` and
     `compute_metrics`."""
 
-    def __init__(self, loss, return_logits):
-        self.loss, self.return_logits, self.logits = loss, return_logits, None
+    def __init__(self, loss, return_logits, return_statistics):
+        self.loss, self.return_logits, self.return_statistics = loss, return_logits, return_statistics
+        self.metrics_input = None  # what compute_metrics hands the compiled metrics: logits, statistics or None
 
 
 class TransformerModel(keras.Model):
@@ -88,14 +89,17 @@ class TransformerModel(keras.Model):
     so `.keras` files reload with `safe_mode=True`. A sublayer entry `projection_inputs` (a symbolic tensor) names
     the inputs of a tied output projection, `outputs = token_embedding(projection_inputs, reverse=True)`.
 
-    Training with the output projection fused with the loss: when the model was compiled with one loss that
-    offers `call_on_hidden_states` and `fuses_projection` (`training.MaskedSparseCrossEntropy`), no
-    `loss_weights`, a float32 or mixed_bfloat16 policy, and `fit` gives no sample weights, `train_step` runs the model up to the projection's
-    inputs and lets the loss compute the projection, the loss and their gradients as one operation (no float32
-    logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step; the
-    logits are computed for compiled metrics only. Evaluation and prediction are unchanged. This relies on
-    private parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with `functional.operation_fn`,
-    the losses' `reduce_values`, and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
+    Training with the output projection fused with the loss: when the model was compiled with one loss that offers
+    `call_on_hidden_states` and `fuses_projection` (`training.MaskedSparseCrossEntropy`), no `loss_weights`, a
+    float32 or mixed_bfloat16 policy, and `fit` gives no sample weights, `train_step` runs the model up to the
+    projection's inputs and lets the loss compute the projection, the loss and their gradients as one operation (no
+    float32 logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step;
+    the compiled metrics get per-token statistics from the loss's pass over the logits when they all take them
+    (`accepts_token_statistics`: `training.MaskedAccuracy`, `training.Perplexity`), else the float32 logits; without
+    compiled metrics no float32 logits are made. Evaluation and prediction are unchanged. This relies on private
+    parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with `functional.operation_fn`, the losses'
+    `reduce_values`, and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes
+    them.
     """
 
     def __init__(self, config, **kwargs):
@@ -143,7 +147,11 @@ class TransformerModel(keras.Model):
         )
         if not fusable:
             return None
-        return _FusedStep(loss, return_logits=bool(compiled.get("metrics") or compiled.get("weighted_metrics")))
+        metrics = [m for m in keras.tree.flatten([compiled.get("metrics"), compiled.get("weighted_metrics")])
+                   if m is not None]
+        statistics = all(getattr(metric, "accepts_token_statistics", False) is True for metric in metrics)
+        return _FusedStep(loss, return_logits=bool(metrics) and not statistics,
+                          return_statistics=bool(metrics) and statistics)
 
     def train_step(self, data):
         x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -177,9 +185,10 @@ class TransformerModel(keras.Model):
             raise ValueError("The fused projection + loss does not take a Keras mask on the hidden states; compile "
                              "with `MaskedSparseCrossEntropy(..., fuse_projection=False)`.")
         values = step.loss.call_on_hidden_states(y, y_pred, self.token_embedding.embeddings,
-                                                 return_logits=step.return_logits)  # (B, T)
-        if step.return_logits:
-            values, step.logits = values
+                                                 return_logits=step.return_logits,
+                                                 return_statistics=step.return_statistics)  # (B, T)
+        if step.return_logits or step.return_statistics:
+            values, step.metrics_input = values
         # Keras' own reduction of unweighted values (what keras.losses.Loss.__call__ applies), including its
         # 1/replicas scaling under a tf.distribute strategy.
         total = keras_loss.reduce_values(values, reduction=step.loss.reduction)
@@ -188,7 +197,8 @@ class TransformerModel(keras.Model):
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         if self._fused_step is not None:
-            y_pred = self._fused_step.logits  # float32 logits, or None when no metrics were compiled
+            # float32 logits, a training.TokenStatistics, or None when no metrics were compiled
+            y_pred = self._fused_step.metrics_input
         return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):

@@ -4,6 +4,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer.training.metrics import TokenStatistics
+
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class MaskedSparseCrossEntropy(keras.losses.Loss):
@@ -37,8 +39,10 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
 
     def __init__(self, label_smoothing=0.1, padding_id=0, name="masked_sparse_cross_entropy",
                  reduction="sum_over_batch_size", dtype=None, fuse_projection=True):
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing < 1:
-            raise ValueError(f"`label_smoothing` must be a float in [0, 1). Received: label_smoothing={label_smoothing!r}")
+        smoothing_ok = isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+        if not smoothing_ok or not 0 <= label_smoothing < 1:
+            raise ValueError("`label_smoothing` must be a float in [0, 1). "
+                             f"Received: label_smoothing={label_smoothing!r}")
         if not isinstance(fuse_projection, bool):
             raise ValueError(f"`fuse_projection` must be True or False. Received: fuse_projection={fuse_projection!r}")
         super().__init__(name=name, reduction=reduction, dtype=dtype)
@@ -52,7 +56,7 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
         loss = _smoothed_cross_entropy(logits, labels, float(self.label_smoothing))  # (B, T)
         return ops.where(ops.not_equal(labels, self.padding_id), loss, 0.0)
 
-    def call_on_hidden_states(self, y_true, hidden_states, embeddings, return_logits=False):
+    def call_on_hidden_states(self, y_true, hidden_states, embeddings, return_logits=False, return_statistics=False):
         """`call(y_true, hidden_states @ embeddings^T)` with the projection and the loss as one operation.
 
         The forward pass computes the logits in `hidden_states`' dtype, and from them in one XLA pass the
@@ -68,16 +72,21 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
             embeddings: `(V, D)` float32 embedding table (a variable or its value); logits are
                 `hidden_states @ embeddings^T`, as `layers.TokenEmbedding(..., reverse=True)` computes them.
             return_logits: bool. Also return the float32 logits `(B, T, V)` (for metrics).
+            return_statistics: bool. Also return a `TokenStatistics` (the unsmoothed cross-entropy and whether
+                the argmax is the label, per token; for `MaskedAccuracy` and `Perplexity`), computed in the
+                same pass over the logits.
 
         Returns:
-            `(B, T)` per-token losses, zero at padding, as `call` returns them; with `return_logits`, a pair
-            `(losses, logits)`.
+            `(B, T)` per-token losses, zero at padding, as `call` returns them; with `return_logits` or
+            `return_statistics`, a tuple `(losses, logits)`, `(losses, statistics)` or
+            `(losses, logits, statistics)`.
         """
         labels = ops.cast(y_true, "int32")  # (B, T)
-        losses, logits = _projected_cross_entropy(hidden_states, embeddings, labels, float(self.label_smoothing),
-                                                  return_logits)
+        losses, logits, statistics = _projected_cross_entropy(
+            hidden_states, embeddings, labels, float(self.label_smoothing), return_logits, return_statistics)
         losses = ops.where(ops.not_equal(labels, self.padding_id), losses, 0.0)  # (B, T)
-        return (losses, logits) if return_logits else losses
+        extra = ((logits,) if return_logits else ()) + ((statistics,) if return_statistics else ())
+        return (losses,) + extra if extra else losses
 
     @property
     def fuses_projection(self):
@@ -131,9 +140,10 @@ def _label_checks(flat_labels, vocabulary_size):
     ]
 
 
-def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, return_logits):
-    """Per-token smoothed cross-entropy `(B, T)` of the logits `hidden_states @ embeddings^T`, and the float32
-    logits or None: the projection and the loss as one custom-gradient operation (see `call_on_hidden_states`)."""
+def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, return_logits, return_statistics):
+    """Per-token smoothed cross-entropy `(B, T)` of the logits `hidden_states @ embeddings^T`, the float32 logits
+    or None, and a `TokenStatistics` or None: the projection and the loss as one custom-gradient operation (see
+    `call_on_hidden_states`)."""
     embeddings = tf.convert_to_tensor(embeddings)  # a variable read the tape sees
     hidden_dim = tf.shape(hidden_states)[-1]
     flat_hidden = tf.reshape(hidden_states, [-1, hidden_dim])  # (B*T, D)
@@ -146,10 +156,11 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
         kernel = tf.cast(embeddings, flat_hidden.dtype)  # (V, D)
         logits = tf.matmul(flat_hidden, kernel, transpose_b=True)  # (B*T, V)
         with tf.control_dependencies(checks):
-            loss, grad_logits = _forward_with_gradient(logits, flat_labels, smoothing)  # (B*T,), (B*T, V)
-        outputs = (loss, tf.cast(logits, tf.float32)) if return_logits else loss
+            # (B*T,), (B*T, V), and with statistics (B*T,) cross-entropy and correct
+            loss, grad_logits, *statistics = _forward_with_gradient(logits, flat_labels, smoothing, return_statistics)
+        outputs = (loss,) + ((tf.cast(logits, tf.float32),) if return_logits else ()) + tuple(statistics)
 
-        def grad(upstream, *unused_logits_upstream):  # upstream (B*T,); the logits only feed metrics
+        def grad(upstream, *unused_upstream):  # upstream (B*T,); the logits and statistics only feed metrics
             # The per-token factor multiplies in float32 and each product is rounded once, as the unfused
             # gradient `(softmax - target) * upstream` is (not one rounded factor for every element).
             scale = upstream[:, None]  # (B*T, 1) float32
@@ -161,12 +172,15 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
 
         return outputs, grad
 
-    outputs = forward(flat_hidden, embeddings)
-    loss, logits = outputs if return_logits else (outputs, None)
-    loss = tf.reshape(loss, tf.shape(labels))  # (B, T)
-    if logits is not None:
-        logits = tf.reshape(logits, tf.concat([tf.shape(labels), [-1]], 0))  # (B, T, V)
-    return loss, logits
+    outputs = list(forward(flat_hidden, embeddings))
+    loss = tf.reshape(outputs.pop(0), tf.shape(labels))  # (B, T)
+    logits = statistics = None
+    if return_logits:
+        logits = tf.reshape(tf.stop_gradient(outputs.pop(0)), tf.concat([tf.shape(labels), [-1]], 0))  # (B, T, V)
+    if return_statistics:
+        cross_entropy, correct = (tf.reshape(tf.stop_gradient(x), tf.shape(labels)) for x in outputs)  # (B, T) each
+        statistics = TokenStatistics(cross_entropy, correct)
+    return loss, logits, statistics
 
 
 def _smoothed_target(flat_labels, like, smoothing):
@@ -177,9 +191,10 @@ def _smoothed_target(flat_labels, like, smoothing):
     return tf.where(one_hot, 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
 
 
-def _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp):
+def _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp, picked=None):
     """Per-token `-sum_v q_v log softmax_v`: `logsumexp - (1 - smoothing) logits[label] - smoothing mean(logits)`."""
-    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
+    if picked is None:
+        picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
     mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
     return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean
 
@@ -192,16 +207,26 @@ def _forward(flat_logits, flat_labels, smoothing):
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _forward_with_gradient(logits, flat_labels, smoothing):
+def _forward_with_gradient(logits, flat_labels, smoothing, return_statistics):
     """`_forward`'s loss and `_backward`'s `softmax - target` (for an upstream of 1) in one pass, the gradient in
-    the logits' dtype."""
+    the logits' dtype; with `return_statistics` (a Python bool) also the unsmoothed cross-entropy and whether the
+    label is the argmax (the first maximum, as `argmax` picks it), float32 `(B*T,)` each."""
     flat_logits = tf.cast(logits, tf.float32)  # (B*T, V)
     peak = tf.reduce_max(flat_logits, axis=-1, keepdims=True)  # (B*T, 1)
     shifted = tf.exp(flat_logits - peak)  # (B*T, V)
     total = tf.reduce_sum(shifted, axis=-1, keepdims=True)  # (B*T, 1)
-    loss = _smoothed_loss(flat_logits, flat_labels, smoothing, peak[:, 0] + tf.math.log(total[:, 0]))  # (B*T,)
+    log_sum_exp = peak[:, 0] + tf.math.log(total[:, 0])  # (B*T,)
+    picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
+    loss = _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp, picked)  # (B*T,)
     target = _smoothed_target(flat_labels, flat_logits, smoothing)  # (B*T, V)
-    return loss, tf.cast(shifted / total - target, logits.dtype)
+    outputs = (loss, tf.cast(shifted / total - target, logits.dtype))
+    if not return_statistics:
+        return outputs
+    # A maximum before the label's position makes that position argmax's pick, even when the label ties it.
+    positions = tf.range(tf.shape(flat_logits)[-1])[None, :]  # (1, V)
+    earlier_peak = tf.reduce_any((flat_logits == peak) & (positions < flat_labels[:, None]), axis=-1)  # (B*T,)
+    correct = (picked == peak[:, 0]) & ~earlier_peak  # (B*T,)
+    return outputs + (log_sum_exp - picked, tf.cast(correct, tf.float32))
 
 
 @tf.function(jit_compile=True, autograph=False)

@@ -4,19 +4,58 @@ import keras
 from keras import ops
 
 
+class TokenStatistics:
+    """What a metric needs of the logits, per token, as the fused output projection + loss computes it in
+    training (`MaskedSparseCrossEntropy.call_on_hidden_states(..., return_statistics=True)`).
+
+    A model that trains with the fused projection hands this to its compiled metrics in place of the
+    `(B, T, V)` logits when every metric takes it (`accepts_token_statistics`), so that no float32 logits
+    are made for them.
+
+    Attributes:
+        cross_entropy: `(B, T)` float32, `-log softmax(logits)[label]` (no label smoothing).
+        correct: `(B, T)` float32, 1.0 where the label is the logits' argmax (the first, on ties), else 0.0.
+    """
+
+    def __init__(self, cross_entropy, correct):
+        self.cross_entropy, self.correct = cross_entropy, correct
+
+
+def _token_weights(labels, padding_id, sample_weight):
+    """`(B, T)` float32 weights: 0 at padding, else the sample weight (per example `(B,)` or per token)."""
+    weights = ops.cast(ops.not_equal(labels, padding_id), "float32")  # (B, T)
+    if sample_weight is not None:
+        sample_weight = ops.cast(sample_weight, "float32")
+        while len(sample_weight.shape) < len(weights.shape):
+            sample_weight = ops.expand_dims(sample_weight, -1)  # (B,) -> (B, 1)
+        weights = weights * sample_weight
+    return weights
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class MaskedAccuracy(keras.metrics.Mean):
-    """Fraction of non-padding tokens (label != `padding_id`) whose argmax logit is the label."""
+    """Fraction of non-padding tokens (label != `padding_id`) whose argmax logit is the label.
+
+    `update_state(y_true, y_pred, sample_weight=None)` takes the logits `(B, T, V)` or a `TokenStatistics`;
+    sample weights `(B,)` or `(B, T)` weight the tokens.
+    """
 
     def __init__(self, padding_id=0, name="masked_accuracy", dtype=None):
         super().__init__(name=name, dtype=dtype)
         self.padding_id = padding_id
 
+    @property
+    def accepts_token_statistics(self):
+        """True unless a subclass changed `update_state` (it may not know `TokenStatistics`)."""
+        return type(self).update_state is MaskedAccuracy.update_state
+
     def update_state(self, y_true, y_pred, sample_weight=None):
-        labels = ops.cast(y_true, "int32")
-        mask = ops.cast(ops.not_equal(labels, self.padding_id), "float32")
-        correct = ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int32"), labels), "float32")
-        return super().update_state(correct, sample_weight=mask)
+        labels = ops.cast(y_true, "int32")  # (B, T)
+        if isinstance(y_pred, TokenStatistics):
+            correct = y_pred.correct  # (B, T)
+        else:
+            correct = ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int32"), labels), "float32")
+        return super().update_state(correct, sample_weight=_token_weights(labels, self.padding_id, sample_weight))
 
     def get_config(self):
         return {"padding_id": self.padding_id, "name": self.name, "dtype": self.dtype}
@@ -24,7 +63,11 @@ class MaskedAccuracy(keras.metrics.Mean):
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class Perplexity(keras.metrics.Metric):
-    """exp(mean cross-entropy per non-padding token), without label smoothing."""
+    """exp(mean cross-entropy per non-padding token), without label smoothing.
+
+    `update_state(y_true, y_pred, sample_weight=None)` takes the logits `(B, T, V)` or a `TokenStatistics`;
+    sample weights `(B,)` or `(B, T)` weight the tokens.
+    """
 
     def __init__(self, padding_id=0, name="perplexity", dtype=None):
         super().__init__(name=name, dtype=dtype)
@@ -32,12 +75,20 @@ class Perplexity(keras.metrics.Metric):
         self.total = self.add_variable(shape=(), initializer="zeros", name="total")
         self.count = self.add_variable(shape=(), initializer="zeros", name="count")
 
+    @property
+    def accepts_token_statistics(self):
+        """True unless a subclass changed `update_state` (it may not know `TokenStatistics`)."""
+        return type(self).update_state is Perplexity.update_state
+
     def update_state(self, y_true, y_pred, sample_weight=None):
-        labels = ops.cast(y_true, "int32")
-        mask = ops.cast(ops.not_equal(labels, self.padding_id), "float32")
-        nll = ops.sparse_categorical_crossentropy(labels, ops.cast(y_pred, "float32"), from_logits=True)  # (B, T)
-        self.total.assign_add(ops.sum(nll * mask))
-        self.count.assign_add(ops.sum(mask))
+        labels = ops.cast(y_true, "int32")  # (B, T)
+        weights = _token_weights(labels, self.padding_id, sample_weight)  # (B, T)
+        if isinstance(y_pred, TokenStatistics):
+            nll = y_pred.cross_entropy  # (B, T)
+        else:
+            nll = ops.sparse_categorical_crossentropy(labels, ops.cast(y_pred, "float32"), from_logits=True)
+        self.total.assign_add(ops.sum(nll * weights))
+        self.count.assign_add(ops.sum(weights))
 
     def result(self):
         return ops.exp(ops.divide_no_nan(self.total, self.count))
