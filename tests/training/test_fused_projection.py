@@ -108,6 +108,21 @@ def test_fused_training_without_metrics_and_under_xla(rng, spy):
     assert spy["call_on_hidden_states"] > 0 and set(spy["outputs"]) == {"none"}, spy
 
 
+@pytest.mark.parametrize("fuse_projection", [True, False])
+def test_out_of_range_label_under_xla_is_a_nan_loss_not_a_clamped_one(rng, fuse_projection):
+    """Under jit_compile=True XLA drops the label checks and would clamp a bad id to the last class. Instead the
+    step reports a NaN loss, and that token's gradient is zero: the weights move as if it were padding."""
+    config, (x, y) = _config("causal_lm"), _batch("causal_lm", rng)
+    bad, padded = y.copy(), y.copy()
+    bad[1, 2], padded[1, 2] = 40, 0  # vocabulary_size 40
+    model, logs = _train(config, LOSS(0.1, fuse_projection=fuse_projection), (x, bad), steps=1, jit_compile=True)
+    reference, reference_logs = _train(config, LOSS(0.1, fuse_projection=fuse_projection), (x, padded), steps=1,
+                                       jit_compile=True)
+    assert np.isnan(logs[0]["loss"]) and np.isfinite(reference_logs[0]["loss"]), (logs, reference_logs)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 class _ArgmaxOfHalfLogits(training.MaskedAccuracy):
     """A metric subclass that changed `update_state`: it gets the logits, not statistics."""
 

@@ -76,6 +76,19 @@ def test_masked_loss_rejects_out_of_range_labels(rng):
             tf.function(loss)(labels, logits)
 
 
+def test_padding_id_may_lie_outside_the_vocabulary(rng):
+    """`padding_id=-100` (PyTorch's ignore index): those labels are padding, not out-of-range ids; the fused and
+    unfused losses equal the loss with padding id 0 on the same tokens."""
+    hidden = rng.normal(size=(2, 3, 4)).astype("float32")
+    table = rng.normal(size=(5, 4)).astype("float32")
+    labels = np.array([[1, 2, 0], [3, 0, 0]])
+    expected = training.MaskedSparseCrossEntropy(0.1)(labels, hidden @ table.T)
+    ignored = np.where(labels == 0, -100, labels)
+    loss = training.MaskedSparseCrossEntropy(0.1, padding_id=-100)
+    np.testing.assert_allclose(loss(ignored, hidden @ table.T), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.mean(loss.call_on_hidden_states(ignored, hidden, table)), expected, rtol=1e-6)
+
+
 def test_masked_metrics(rng):
     logits = rng.normal(size=(2, 4, 6)).astype("float32")
     labels = np.argmax(logits, -1)

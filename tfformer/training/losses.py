@@ -22,7 +22,9 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
     The loss and its gradient run as XLA computations (also inside a graph that
     is not XLA-compiled), compiled once per distinct `(B*T, V)`: about 0.2-0.4 s
     each on a 2-core CPU. Bucket sequence lengths (`data.pipelines` does) rather
-    than feeding every length. Labels outside `[0, V)` raise.
+    than feeding every length. Labels outside `[0, V)` other than `padding_id`
+    raise; under `jit_compile=True`, where XLA drops that check, their tokens'
+    losses are NaN (so `fit` reports a NaN loss) and their gradients zero.
 
     With `fuse_projection=True` (the default), a tfformer model whose logits
     come from its tied token embedding (`CausalLM`, `Seq2SeqTransformer`) trains
@@ -53,7 +55,7 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
     def call(self, y_true, y_pred):
         logits = ops.cast(y_pred, "float32")  # (B, T, V)
         labels = ops.cast(y_true, "int32")  # (B, T)
-        loss = _smoothed_cross_entropy(logits, labels, float(self.label_smoothing))  # (B, T)
+        loss = _smoothed_cross_entropy(logits, labels, float(self.label_smoothing), self.padding_id)  # (B, T)
         return ops.where(ops.not_equal(labels, self.padding_id), loss, 0.0)
 
     def call_on_hidden_states(self, y_true, hidden_states, embeddings, return_logits=False, return_statistics=False):
@@ -82,8 +84,9 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
             `(losses, logits, statistics)`.
         """
         labels = ops.cast(y_true, "int32")  # (B, T)
-        losses, logits, statistics = _projected_cross_entropy(
-            hidden_states, embeddings, labels, float(self.label_smoothing), return_logits, return_statistics)
+        losses, logits, statistics = _projected_cross_entropy(hidden_states, embeddings, labels,
+                                                              float(self.label_smoothing), self.padding_id,
+                                                              return_logits, return_statistics)
         losses = ops.where(ops.not_equal(labels, self.padding_id), losses, 0.0)  # (B, T)
         extra = ((logits,) if return_logits else ()) + ((statistics,) if return_statistics else ())
         return (losses,) + extra if extra else losses
@@ -101,7 +104,7 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
                 "reduction": self.reduction, "fuse_projection": self.fuse_projection}
 
 
-def _smoothed_cross_entropy(logits, labels, smoothing):
+def _smoothed_cross_entropy(logits, labels, smoothing, padding_id):
     """Per-token `-sum_v q_v log softmax(logits)_v` with `q = (1 - smoothing) onehot + smoothing / V`.
 
     `logsumexp(logits) - (1 - smoothing) logits[label] - smoothing mean(logits)`, with its own gradient
@@ -115,7 +118,7 @@ def _smoothed_cross_entropy(logits, labels, smoothing):
     vocabulary_size = tf.shape(logits)[-1]
     flat_logits = tf.reshape(logits, [-1, vocabulary_size])  # (B*T, V)
     flat_labels = tf.reshape(labels, [-1])  # (B*T,)
-    checks = _label_checks(flat_labels, vocabulary_size)
+    checks = _label_checks(flat_labels, vocabulary_size, padding_id)
     smoothing = tf.constant(smoothing, tf.float32)
 
     @tf.custom_gradient
@@ -131,16 +134,19 @@ def _smoothed_cross_entropy(logits, labels, smoothing):
     return tf.reshape(forward(flat_logits), tf.shape(labels))
 
 
-def _label_checks(flat_labels, vocabulary_size):
-    """XLA would clamp an out-of-range label silently; TF's gather used to raise. Check it here."""
+def _label_checks(flat_labels, vocabulary_size, padding_id):
+    """XLA would clamp an out-of-range label silently; TF's gather used to raise. Check it here (padding may be
+    any id). Inside an XLA-compiled step these checks are dropped: `_in_range` makes such tokens' losses NaN."""
+    checked = tf.where(tf.equal(flat_labels, padding_id), 0, flat_labels)  # (B*T,)
     return [
-        tf.debugging.assert_non_negative(flat_labels, message="`y_true` (token ids) must be >= 0"),
-        tf.debugging.assert_less(flat_labels, vocabulary_size, message="`y_true` (token ids) must be < the "
+        tf.debugging.assert_non_negative(checked, message="`y_true` (token ids) must be >= 0"),
+        tf.debugging.assert_less(checked, vocabulary_size, message="`y_true` (token ids) must be < the "
                                  "number of logits (the vocabulary size, the last axis of `y_pred`)"),
     ]
 
 
-def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, return_logits, return_statistics):
+def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, padding_id, return_logits,
+                             return_statistics):
     """Per-token smoothed cross-entropy `(B, T)` of the logits `hidden_states @ embeddings^T`, the float32 logits
     or None, and a `TokenStatistics` or None: the projection and the loss as one custom-gradient operation (see
     `call_on_hidden_states`)."""
@@ -148,7 +154,7 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
     hidden_dim = tf.shape(hidden_states)[-1]
     flat_hidden = tf.reshape(hidden_states, [-1, hidden_dim])  # (B*T, D)
     flat_labels = tf.reshape(labels, [-1])  # (B*T,)
-    checks = _label_checks(flat_labels, tf.shape(embeddings)[0])
+    checks = _label_checks(flat_labels, tf.shape(embeddings)[0], padding_id)
     smoothing = tf.constant(smoothing, tf.float32)
 
     @tf.custom_gradient
@@ -183,20 +189,28 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, retur
     return loss, logits, statistics
 
 
-def _smoothed_target(flat_labels, like, smoothing):
-    """`(B*T, V)` smoothed targets `q = (1 - smoothing) onehot + smoothing / V`; the one-hot is a comparison that
-    fuses into the surrounding XLA pass."""
-    vocabulary_size = tf.cast(tf.shape(like)[-1], tf.float32)
-    one_hot = tf.equal(tf.range(tf.shape(like)[-1])[None, :], flat_labels[:, None])  # (B*T, V)
-    return tf.where(one_hot, 1.0 - smoothing, 0.0) + smoothing / vocabulary_size
+def _in_range(flat_labels, flat_logits):
+    """`(B*T,)` whether each label indexes a logit (XLA's gather would clamp the others)."""
+    return (flat_labels >= 0) & (flat_labels < tf.shape(flat_logits)[-1])
+
+
+def _smoothed_gradient(probs, flat_labels, smoothing):
+    """`(B*T, V)` `softmax - q` with the smoothed targets `q = (1 - smoothing) onehot + smoothing / V`, zero in the
+    rows of out-of-range labels; the one-hot is a comparison that fuses into the surrounding XLA pass."""
+    vocabulary_size = tf.cast(tf.shape(probs)[-1], tf.float32)
+    one_hot = tf.equal(tf.range(tf.shape(probs)[-1])[None, :], flat_labels[:, None])  # (B*T, V)
+    target = tf.where(one_hot, 1.0 - smoothing, 0.0) + smoothing / vocabulary_size  # (B*T, V)
+    return tf.where(_in_range(flat_labels, probs)[:, None], probs - target, 0.0)
 
 
 def _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp, picked=None):
-    """Per-token `-sum_v q_v log softmax_v`: `logsumexp - (1 - smoothing) logits[label] - smoothing mean(logits)`."""
+    """Per-token `-sum_v q_v log softmax_v`: `logsumexp - (1 - smoothing) logits[label] - smoothing mean(logits)`;
+    NaN for an out-of-range label."""
     if picked is None:
         picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
     mean = tf.reduce_mean(flat_logits, axis=-1)  # (B*T,)
-    return log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean
+    loss = log_sum_exp - (1.0 - smoothing) * picked - smoothing * mean  # (B*T,)
+    return tf.where(_in_range(flat_labels, flat_logits), loss, float("nan"))
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -218,8 +232,7 @@ def _forward_with_gradient(logits, flat_labels, smoothing, return_statistics):
     log_sum_exp = peak[:, 0] + tf.math.log(total[:, 0])  # (B*T,)
     picked = tf.gather(flat_logits, flat_labels, batch_dims=1)  # (B*T,)
     loss = _smoothed_loss(flat_logits, flat_labels, smoothing, log_sum_exp, picked)  # (B*T,)
-    target = _smoothed_target(flat_labels, flat_logits, smoothing)  # (B*T, V)
-    outputs = (loss, tf.cast(shifted / total - target, logits.dtype))
+    outputs = (loss, tf.cast(_smoothed_gradient(shifted / total, flat_labels, smoothing), logits.dtype))
     if not return_statistics:
         return outputs
     # A maximum before the label's position makes that position argmax's pick, even when the label ties it.
@@ -232,5 +245,4 @@ def _forward_with_gradient(logits, flat_labels, smoothing, return_statistics):
 @tf.function(jit_compile=True, autograph=False)
 def _backward(flat_logits, flat_labels, smoothing, log_sum_exp, upstream):
     probs = tf.exp(flat_logits - log_sum_exp[:, None])  # (B*T, V)
-    target = _smoothed_target(flat_labels, flat_logits, smoothing)  # (B*T, V)
-    return (probs - target) * upstream[:, None]  # (B*T, V)
+    return _smoothed_gradient(probs, flat_labels, smoothing) * upstream[:, None]  # (B*T, V)
