@@ -12,7 +12,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "replica_worker.py")
 
 def _run(*args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, timeout=600,
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

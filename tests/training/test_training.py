@@ -213,7 +213,7 @@ def test_loss_on_hidden_states_returns_metric_statistics(rng):
         from_logits, from_statistics = metric(), metric()
         from_logits.update_state(labels, logits)
         from_statistics.update_state(labels, stats)
-        assert from_statistics.accepts_token_statistics
+        assert from_statistics.accepts_token_statistics and isinstance(stats, training.TokenStatistics)
         np.testing.assert_allclose(float(from_statistics.result()), float(from_logits.result()), rtol=1e-6)
 
 

@@ -3,7 +3,7 @@
 from tfformer.training.callbacks import AtomicBackupAndRestore, EvaluateEvery, TimeBudget, parse_duration
 from tfformer.training.fit import default_callbacks, distributed_loop, fit
 from tfformer.training.losses import MaskedSparseCrossEntropy
-from tfformer.training.metrics import MaskedAccuracy, Perplexity, corpus_bleu
+from tfformer.training.metrics import MaskedAccuracy, Perplexity, TokenStatistics, corpus_bleu
 from tfformer.training.optimizers import FusedAdam, FusedAdamW
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
 from tfformer.training.strategy import get_strategy, mixed_precision_policy
@@ -12,6 +12,7 @@ __all__ = [
     "AtomicBackupAndRestore",
     "EvaluateEvery",
     "TimeBudget",
+    "TokenStatistics",
     "default_callbacks",
     "distributed_loop",
     "fit",
