@@ -5,6 +5,20 @@ import tensorflow as tf
 from tfformer.data.tokenizers import END_ID, START_ID
 
 
+def _finish(dataset):
+    """Prefetch, with tf.data's autotuning off.
+
+    With autotuning on, deleting an iterator that lived through a training epoch blocked for up to ~60 s on
+    TF 2.21 (the iterator's destructor waits for its autotuning thread): Keras deletes the training and the
+    validation iterators at every epoch end, and a 10-minute translation run lost 1-2 minutes to it
+    (benchmarks/RESULTS.md, "Epoch boundaries"). Without it, `AUTOTUNE` parallelism means the number of cores,
+    and these pipelines keep training fed on 2 cores.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
 def _bucketing(dataset, length_fn, batch_size, max_length):
     boundaries = [b for b in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_length] + [max_length + 1]
     return dataset.bucket_by_sequence_length(
@@ -53,7 +67,7 @@ def make_translation_dataset(pairs, tokenizer, batch_size=64, max_length=64, shu
         dataset = _bucketing(dataset, length, batch_size, max_length)
     else:
         dataset = dataset.padded_batch(batch_size)
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    return _finish(dataset)
 
 
 def make_lm_dataset(texts, tokenizer, sequence_length=128, batch_size=32, shuffle=True, seed=0):
@@ -75,4 +89,4 @@ def make_lm_dataset(texts, tokenizer, sequence_length=128, batch_size=32, shuffl
     if shuffle:
         dataset = dataset.shuffle(int(windows.shape[0]), seed=seed, reshuffle_each_iteration=True)
     dataset = dataset.map(lambda w: ({"token_ids": w[:-1]}, w[1:])).batch(batch_size)
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    return _finish(dataset)
