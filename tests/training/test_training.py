@@ -5,6 +5,13 @@ import pytest
 from tfformer import training
 
 
+def _numpy_nll(logits, labels):
+    """Per-token `-log softmax(logits)[label]` in numpy, `(B, T)`."""
+    log_p = logits - logits.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    return -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+
+
 def test_transformer_schedule_is_the_formula():
     schedule = training.TransformerSchedule(hidden_dim=512, warmup_steps=4000)
     for step in [0, 1, 100, 3999, 4000, 10000, 100000]:
@@ -102,8 +109,7 @@ def test_masked_metrics(rng):
     np.testing.assert_allclose(float(acc.result()), expected, rtol=1e-6)
     ppl = training.Perplexity()
     ppl.update_state(labels, logits)
-    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+    nll = _numpy_nll(logits, labels)
     np.testing.assert_allclose(float(ppl.result()), np.exp(nll[real].mean()), rtol=1e-5)
 
 
@@ -201,9 +207,7 @@ def test_loss_on_hidden_states_returns_metric_statistics(rng):
                                                           return_statistics=True)
     only_loss, only_stats = loss.call_on_hidden_states(labels, tf.constant(hidden), table, return_statistics=True)
     np.testing.assert_allclose(only_loss.numpy(), per_token.numpy(), rtol=1e-6)
-    log_p = z - z.max(-1, keepdims=True)
-    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]  # (B, T)
+    nll = _numpy_nll(z, labels)  # (B, T)
     correct = (np.argmax(z, -1) == labels)
     assert 0 < correct.sum() < correct.size and (labels == 5).any() and (np.argmax(z, -1) == 2).any()
     for statistics in (stats, only_stats):
@@ -224,8 +228,7 @@ def test_metrics_weight_tokens_by_sample_weight(rng):
     labels[1, 2:] = 0
     logits[0, 0, 3], labels[0, 0] = 10.0, 3  # one right
     logits[0, 1, 4], labels[0, 1] = 10.0, 2  # one wrong
-    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+    nll = _numpy_nll(logits, labels)
     correct = np.argmax(logits, -1) == labels
     for weights in (np.array([1.0, 0.5, 2.0], "float32"), rng.uniform(0.1, 2.0, size=(3, 4)).astype("float32")):
         w = np.broadcast_to(weights.reshape(3, -1), (3, 4)) * (labels != 0)
