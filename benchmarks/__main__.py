@@ -1,11 +1,14 @@
 """One runner for every benchmark: `python -m benchmarks run [WORKLOAD...] [--smoke]`.
 
-Workloads: training (seq2seq + GPT-shaped LM vs keras-hub), generation (vs keras-hub GPT2CausalLM),
-encoder (MiniLM vs keras-hub BertBackbone and PyTorch), tflite (batch-1 latency vs SavedModel), and
+Workloads: training (seq2seq + GPT-shaped LM vs keras-hub and PyTorch), generation (vs keras-hub
+GPT2CausalLM and transformers' GPT-2), encoder (MiniLM vs keras-hub BertBackbone and sentence-transformers),
+tflite (batch-1 latency vs SavedModel), and
 translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes, never in
 the default set). Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
 one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing. Ratios are
 given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
+PyTorch rows come from a worker process (`benchmarks.torch_worker`) of this interpreter if it has torch, else
+of /tmp/torchvenv/bin/python; without either they are skipped, and the output says so.
 """
 
 import argparse

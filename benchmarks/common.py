@@ -33,6 +33,17 @@ def interleaved(callables, repeats=5, warmup=1, self_timed=False):
     return times
 
 
+def timed(fn):
+    """`fn` as a callable that returns its own wall time in seconds (for `interleaved(..., self_timed=True)`)."""
+
+    def call():
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return call
+
+
 def median(values):
     return statistics.median(values)
 

@@ -23,97 +23,20 @@ numbers mean nothing.
 """
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-THREADS = 2
+from benchmarks import torch_worker
+
+THREADS = torch_worker.THREADS
 SHAPE = dict(vocab=30522, layers=6, hidden=384, heads=12, intermediate=1536)
 SMOKE_SHAPE = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
-TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
 
 
 def _token_ids(vocab, batch, length, seed=0):
     return np.random.default_rng(seed).integers(1000 if vocab > 2000 else 4, vocab, size=(batch, length)).astype("int32")
-
-
-# === PyTorch worker (runs in the torch interpreter: stdlib, numpy, torch, sentence-transformers only) ===
-
-
-def torch_worker(model_dir, batch, length, threads):
-    """Line protocol on stdin/stdout: `float32` / `bfloat16` -> run once, print {"seconds"}; `quit`."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
-    model = SentenceTransformer(model_dir, device="cpu").eval()
-    ids = torch.from_numpy(_token_ids(30522, batch, length).astype("int64"))
-    features = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
-    print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "quit":
-            break
-        start = time.perf_counter()
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=command == "bfloat16"):
-            embedding = model(dict(features))["sentence_embedding"]
-        float(embedding.float().sum())
-        print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
-
-
-class TorchWorker:
-    def __init__(self, python, model_dir, batch, length):
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--torch-worker", model_dir, "--batch", str(batch), "--length",
-             str(length)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false"),
-        )
-        self.info = None
-
-    def _read(self):
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.seek(0)
-            raise RuntimeError(f"PyTorch worker died:\n{self.log.read()[-3000:]}")
-        return json.loads(line)
-
-    def wait_ready(self):
-        self.info = self._read()
-        return self.info
-
-    def run(self, dtype):
-        self.proc.stdin.write(dtype + "\n")
-        self.proc.stdin.flush()
-        return self._read()["seconds"]
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def _torch_python(explicit):
-    import importlib.util
-
-    if explicit:
-        return explicit if os.path.exists(explicit) else None
-    if importlib.util.find_spec("torch") and importlib.util.find_spec("sentence_transformers"):
-        return sys.executable
-    return TORCH_VENV_PYTHON if os.path.exists(TORCH_VENV_PYTHON) else None
 
 
 # === Keras systems ===
@@ -195,32 +118,23 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="one repeat, tiny shapes; numbers mean nothing")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--torch-python", help=f"interpreter with torch + sentence-transformers (default: this one "
-                        f"if it has them, else {TORCH_VENV_PYTHON})")
-    parser.add_argument("--torch-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--torch-python", help="interpreter with torch + sentence-transformers (default: this one "
+                        f"if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
     args = parser.parse_args(argv)
-    if args.torch_worker:
-        return torch_worker(args.torch_worker, args.batch, args.length, THREADS)
 
     batch, length = (2, 8) if args.smoke else (32, 128)
     repeats, warmup = (1, 1) if args.smoke else (args.repeats, args.warmup)
 
     # Start the PyTorch worker first: it loads while the Keras models are built.
-    worker, skipped = None, None
-    python = _torch_python(args.torch_python)
-    if python is None:
-        skipped = "no interpreter with torch + sentence-transformers"
-    else:
-        from tfformer.convert import pretrained
+    from tfformer.convert import pretrained
 
-        try:
-            model_dir = pretrained.all_minilm_l6_v2_path()
-        except ValueError as error:
-            skipped = str(error)
-        else:
-            worker = TorchWorker(python, model_dir, batch, length)
+    try:
+        model_dir = pretrained.all_minilm_l6_v2_path()
+    except ValueError as error:
+        worker, skipped = None, str(error)
+    else:
+        worker, skipped = torch_worker.start("encoder", {"model_dir": model_dir},
+                                             {"ids": _token_ids(30522, batch, length)}, args.torch_python)
 
     from benchmarks import common
 
@@ -228,15 +142,11 @@ def main(argv=None):
     try:
         systems = _keras_systems(args.smoke, batch, length)
         if worker is not None:
-            try:
-                info = worker.wait_ready()
-            except RuntimeError as error:
-                skipped = f"the PyTorch worker failed: {str(error)[-500:]}"
-                worker.close()
-                worker = None
-            else:
-                for dtype in ("float32", "bfloat16"):
-                    systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
+            worker, skipped = torch_worker.ready(worker)
+        if worker is not None:
+            info = worker.info
+            for dtype in ("float32", "bfloat16"):
+                systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
         if skipped:
             print(f"PyTorch rows skipped: {skipped}", flush=True)
 

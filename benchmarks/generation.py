@@ -7,8 +7,12 @@ stay float32). "Best" is each system's fastest row.
 Also: tfformer's per-token time at position ~500 vs ~50. Each tfformer/keras-hub ratio is printed twice: of
 the medians, and per round (median, min-max of each round's own pair, `common.paired_ratio`), which shows
 its spread.
+PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): transformers'
+`GPT2LMHeadModel` of the same shape, `generate` greedy with its KV cache, float32 and under `torch.autocast`
+bfloat16, the same prompts, timed in the worker process and interleaved with the rest; "tfformer best /
+PyTorch best" compares each system's fastest row.
 
-    python -m benchmarks.generation [--smoke]
+    python -m benchmarks.generation [--smoke] [--torch-python PYTHON]
 """
 
 import argparse
@@ -17,7 +21,7 @@ import keras
 import keras_hub
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, torch_worker
 from tfformer import generation, models
 
 
@@ -50,6 +54,8 @@ def _build(shape, max_length, xla_settings):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--torch-python", help="interpreter with torch + transformers for the PyTorch rows (default: "
+                        f"this one if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
     args = parser.parse_args(argv)
     shape = dict(vocab=8192, layers=4, hidden=256, heads=4, intermediate=1024)
     prompt_len, new_tokens, repeats, batches = 16, 128, 5, (1, 8)
@@ -57,12 +63,29 @@ def main(argv=None):
         shape = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
         prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1,)
     max_length = 1024 if not args.smoke else 64
+    rng = np.random.default_rng(0)
+    prompts = {batch: rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32") for batch in batches}
+    # The PyTorch worker builds its model while the Keras models are built.
+    worker, skipped = torch_worker.start("generate", {"shape": shape, "max_length": max_length,
+                                                      "new_tokens": new_tokens},
+                                         {f"batch_{b}": p for b, p in prompts.items()}, args.torch_python)
+    try:
+        _run(args, shape, max_length, prompts, new_tokens, repeats, batches, rng, worker, skipped)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _run(args, shape, max_length, prompts, new_tokens, repeats, batches, rng, worker, skipped):
     ours, theirs = build(shape, max_length)
     ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
-    rng = np.random.default_rng(0)
+    if worker is not None:
+        worker, skipped = torch_worker.ready(worker)
+    if skipped:
+        print(f"PyTorch rows skipped: {skipped}", flush=True)
     rows, round_times = [], {}
     for batch in batches:
-        prompt = rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32")
+        prompt = prompts[batch]
         mask = np.ones_like(prompt, dtype=bool)
         padded = np.pad(prompt, [[0, 0], [0, new_tokens]])
         padded_mask = np.pad(mask, [[0, 0], [0, new_tokens]])
@@ -75,12 +98,19 @@ def main(argv=None):
         calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(ours16, prompt, new_tokens, end_id=-1).numpy()
         calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
             {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
-        times = round_times[batch] = common.interleaved(calls, repeats=repeats, warmup=1)
+        calls = {name: common.timed(fn) for name, fn in calls.items()}
+        if worker is not None:
+            for dtype in ("float32", "bfloat16"):
+                calls[f"pytorch {dtype}"] = lambda dtype=dtype, batch=batch: worker.run(f"{dtype} {batch}")
+        times = round_times[batch] = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
         for name, values in times.items():
             seconds = common.median(values)
+            extra = {"peak_rss_mb": round(common.peak_rss_mb())}
+            if name.startswith("pytorch"):  # the worker's own process
+                extra = {"peak_rss_mb": worker.peak_rss_mb, "torch": worker.info["torch"]}
             rows.append(common.emit({"bench": "generation", "system": name, "batch": batch, "new_tokens": new_tokens,
                                      "tokens_per_s": round(batch * new_tokens / seconds, 1),
-                                     "seconds": round(seconds, 4), "peak_rss_mb": round(common.peak_rss_mb())}))
+                                     "seconds": round(seconds, 4), **extra}))
 
     def best(system, b):  # the fastest setting (by median) of one system at batch b
         return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)), key=lambda r: r["tokens_per_s"])
@@ -88,6 +118,7 @@ def main(argv=None):
     def speed(name, b):
         return next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == name)
 
+    torch_ratios = {}  # batch -> (tfformer's best, PyTorch's best, ratio of medians, per round)
     ratios = {}  # (batch, label) -> tfformer's speed / keras-hub's: ratio of medians, then (median, min, max) per round
     for b in batches:
         pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
@@ -98,6 +129,14 @@ def main(argv=None):
             ratios[(b, label)] = of_medians, per_round
             common.emit({"bench": "generation_ratio", "batch": b, "tfformer": ours_name, "keras_hub": theirs_name,
                          "ratio": round(of_medians, 3), "per_round": [round(x, 3) for x in per_round]})
+        if worker is not None:
+            ours_name, theirs_name = best("tfformer", b)["system"], best("pytorch", b)["system"]
+            of_medians = speed(ours_name, b) / speed(theirs_name, b)
+            per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
+            torch_ratios[b] = ours_name, theirs_name, of_medians, per_round
+            common.emit({"bench": "generation_ratio_pytorch", "batch": b, "tfformer": ours_name,
+                         "pytorch": theirs_name, "ratio": round(of_medians, 3),
+                         "per_round": [round(x, 3) for x in per_round]})
     # Per-token time at position ~500 vs ~50: difference of two lengths, so prefill cancels out. All four
     # calls share the same interleaved rounds, so a change in machine speed hits both positions alike.
     positions = (50, 500) if not args.smoke else (4, 16)
@@ -126,6 +165,9 @@ def main(argv=None):
     print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
     for (b, label), (of_medians, per_round) in ratios.items():
         print(f"batch {b}: tfformer {label} / keras-hub {label} = {of_medians:.2f}; per round {common.ratio_text(per_round)}")
+    for b, (ours_name, theirs_name, of_medians, per_round) in torch_ratios.items():
+        print(f"batch {b}: tfformer best ({ours_name}) / PyTorch best ({theirs_name}) = {of_medians:.2f}; per round "
+              f"{common.ratio_text(per_round)}")
     print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f} "
           f"({len(times[(positions[0], short)])} rounds)")
 

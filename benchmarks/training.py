@@ -22,6 +22,13 @@ if everything but its matmuls (norms, dropout, softmax, loss, optimizer, casts) 
 process's peak after each system's first training step, before the floors' operands exist;
 `peak_rss_mb_with_floors` the peak at the end.
 
+PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): the LM as
+transformers' `GPT2LMHeadModel`, the seq2seq model as `torch.nn.Transformer` with keras-hub's layout (learned
+positions, untied output projection), both with dropout 0.1, `F.cross_entropy` on float32 logits and
+`torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, timed in
+their worker process and interleaved with the rest. Their `peak_rss_mb` is the worker's, their FLOPs
+tfformer's model's of the same shape; `train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
+
     python -m benchmarks.training [--smoke] [--workload seq2seq|lm]
 """
 
@@ -32,7 +39,7 @@ import keras_hub
 import numpy as np
 import tensorflow as tf
 
-from benchmarks import common
+from benchmarks import common, torch_worker
 from tfformer import models, training
 
 
@@ -159,7 +166,7 @@ def matmul_floor(shapes, dtype):
     return run
 
 
-def run(workload, smoke=False, repeats=5, steps=3):
+def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     rng = np.random.default_rng(0)
     if workload == "seq2seq":
         s = _seq2seq_shape(smoke)
@@ -169,6 +176,7 @@ def run(workload, smoke=False, repeats=5, steps=3):
                     "keras-hub float32": (keras_hub_seq2seq, "float32")}
         # Encoder weights see the source tokens, decoder weights the target tokens: same count on both sides.
         tokens, predicted, attention_layers = ids.size, ids.size, 3 * s["layers"]
+        torch_arrays = {"source": ids, "target": ids, "labels": ids}
     else:
         s = _lm_shape(smoke)
         ids = rng.integers(4, s["vocab"], size=(s["batch"], s["length"] + 1)).astype("int32")
@@ -177,6 +185,18 @@ def run(workload, smoke=False, repeats=5, steps=3):
                     "keras-hub float32": (keras_hub_lm, "float32")}
         tokens = predicted = y.size
         attention_layers = s["layers"]
+        torch_arrays = {"inputs": x["token_ids"], "labels": y}
+    # The PyTorch worker builds its model while the Keras systems trace.
+    worker, skipped = torch_worker.start(f"train_{workload}", {"shape": s, "steps": steps}, torch_arrays, torch_python)
+    try:
+        return _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worker, skipped, smoke, repeats,
+                    steps)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worker, skipped, smoke, repeats, steps):
     built = {}
     for name, (build, policy) in builders.items():
         keras.config.set_dtype_policy(policy)
@@ -191,30 +211,51 @@ def run(workload, smoke=False, repeats=5, steps=3):
 
     def step(name):
         model, inputs = built[name]
-        return lambda: [model.train_on_batch(inputs, y) for _ in range(steps)]
+        return common.timed(lambda: [model.train_on_batch(inputs, y) for _ in range(steps)])
 
     callables = {name: step(name) for name in built}
     for dtype in ("float32", "bfloat16"):
         floor = matmul_floor(step_matmuls(s, workload), dtype)
-        callables[f"matmul floor {dtype}"] = lambda floor=floor: [floor().numpy() for _ in range(steps)]
-    times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1)
+        callables[f"matmul floor {dtype}"] = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
+    if worker is not None:
+        worker, skipped = torch_worker.ready(worker)
+    if worker is not None:
+        for dtype in ("float32", "bfloat16"):
+            callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
+    if skipped:
+        print(f"PyTorch rows skipped: {skipped}", flush=True)
+    times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1, self_timed=True)
     limit32 = common.matmul_limit(256 if smoke else 2048)
     limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
     rows = []
     base = common.median(times["keras-hub float32"]) / steps
+    flops = {name: _flops(s, attention_layers, _dense_params(model, s["vocab"]), predicted, tokens)
+             for name, (model, _) in built.items()}
     for name, values in times.items():
         seconds = common.median(values) / steps
-        model = built[name if name in built else "tfformer float32"][0]  # a floor row: the same FLOPs
-        flops = _flops(s, attention_layers, _dense_params(model, s["vocab"]), predicted, tokens)
         per_round = common.paired_ratio(values, times["keras-hub float32"])
+        rss = {"peak_rss_mb": round(systems_rss), "peak_rss_mb_with_floors": round(common.peak_rss_mb())}
+        extra = {}
+        if name.startswith("pytorch"):  # its own process's peak; the FLOPs of tfformer's model of the same shape
+            rss = {"peak_rss_mb": worker.peak_rss_mb, "peak_rss_mb_with_floors": worker.peak_rss_mb}
+            extra = {"torch": worker.info["torch"], "parameters": worker.info["parameters"]}
+        elif name in built:
+            extra = {"parameters": built[name][0].count_params()}
+        step_flops = flops.get(name, flops["tfformer float32"])  # a floor row: the same FLOPs
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
-            "ms_per_step": round(seconds * 1000, 1), "gflops": round(flops / seconds / 1e9, 1),
-            "fraction_of_f32_limit": round(flops / seconds / 1e9 / limit32, 2),
-            "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1),
-            "peak_rss_mb": round(systems_rss), "peak_rss_mb_with_floors": round(common.peak_rss_mb()),
-            "ratio_vs_keras_hub": round(base / seconds, 2), "per_round": [round(x, 3) for x in per_round],
+            "ms_per_step": round(seconds * 1000, 1), "gflops": round(step_flops / seconds / 1e9, 1),
+            "fraction_of_f32_limit": round(step_flops / seconds / 1e9 / limit32, 2),
+            "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1), **rss,
+            "ratio_vs_keras_hub": round(base / seconds, 2), "per_round": [round(x, 3) for x in per_round], **extra,
         }))
+    for dtype in ("float32", "bfloat16"):
+        if f"pytorch {dtype}" in times:
+            ours, theirs = times[f"tfformer {dtype}"], times[f"pytorch {dtype}"]
+            rows.append(common.emit({
+                "bench": f"train_{workload}_vs_pytorch", "dtype": dtype,
+                "ratio": round(common.median(theirs) / common.median(ours), 3),
+                "per_round": [round(x, 3) for x in common.paired_ratio(ours, theirs)]}))
     return rows
 
 
@@ -222,16 +263,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--workload", choices=["seq2seq", "lm"], action="append")
+    parser.add_argument("--torch-python", help="interpreter with torch + transformers for the PyTorch rows (default: "
+                        f"this one if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
     args = parser.parse_args(argv)
     rows = []
     for workload in args.workload or ["seq2seq", "lm"]:
-        rows += run(workload, smoke=args.smoke)
+        rows += run(workload, smoke=args.smoke, torch_python=args.torch_python)
     print()
-    table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
+    table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows if "system" in r]
     print(common.table(table_rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
                                     "ratio_vs_keras_hub", "per_round"]))
     print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
           "everything but its matmuls were free.")
+    for r in rows:
+        if "system" not in r:
+            print(f"{r['bench']} {r['dtype']}: tfformer / PyTorch = {r['ratio']:.2f}; per round "
+                  f"{common.ratio_text(r['per_round'])}")
 
 
 if __name__ == "__main__":

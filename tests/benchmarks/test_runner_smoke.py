@@ -19,11 +19,19 @@ def test_runner_smoke():
     benches = {r["bench"] for r in records}
     assert {"train_seq2seq", "train_lm", "generation", "generation_ratio", "per_token", "per_token_ratio",
             "latency_batch1"} <= benches
+    # PyTorch rows are there when an interpreter with torch + transformers exists, else the skip is said.
+    with_torch = "PyTorch rows skipped" not in out.stdout
     # Ratios agree with the rows they come from; with one round (smoke), per round = the ratio of the medians.
     speed = {(r["batch"], r["system"]): r["tokens_per_s"] for r in records if r["bench"] == "generation"}
     for r in (r for r in records if r["bench"] == "generation_ratio"):
         assert r["ratio"] == pytest.approx(speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["keras_hub"])], rel=0.01)
         assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
+    for r in (r for r in records if r["bench"] == "generation_ratio_pytorch"):
+        ratio = speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["pytorch"])]
+        assert r["ratio"] == pytest.approx(ratio, rel=0.01)
+        assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
+    assert with_torch == any(r["bench"] == "generation_ratio_pytorch" for r in records)
+    torch_systems = {"pytorch float32", "pytorch bfloat16"}
     for bench in ("train_seq2seq", "train_lm"):
         rows = {r["system"]: r for r in records if r["bench"] == bench}
         assert {"matmul floor float32", "matmul floor bfloat16"} <= set(rows)
@@ -32,6 +40,19 @@ def test_runner_smoke():
         for r in rows.values():
             assert r["ratio_vs_keras_hub"] == pytest.approx(r["tokens_per_s"] / base, abs=0.011)
             assert r["per_round"] == pytest.approx([r["tokens_per_s"] / base] * 3, rel=0.01)
+        versus = {r["dtype"]: r for r in records if r["bench"] == f"{bench}_vs_pytorch"}
+        if not with_torch:
+            assert not torch_systems & set(rows) and not versus
+            continue
+        assert torch_systems <= set(rows) and set(versus) == {"float32", "bfloat16"}
+        for dtype, r in versus.items():
+            ratio = rows[f"tfformer {dtype}"]["tokens_per_s"] / rows[f"pytorch {dtype}"]["tokens_per_s"]
+            assert r["ratio"] == pytest.approx(ratio, rel=0.01)
+            assert r["per_round"] == pytest.approx([ratio] * 3, rel=0.01)
+        # The same shapes: GPT-2 in Keras and in transformers has the same parameters; nn.Transformer adds a final
+        # LayerNorm to its encoder and its decoder (2 x 2 x hidden) to keras-hub's seq2seq layout.
+        extra = 0 if bench == "train_lm" else 4 * 16  # the smoke shape's hidden size
+        assert rows["pytorch float32"]["parameters"] == rows["keras-hub float32"]["parameters"] + extra
     (saved,) = [r for r in records if r["bench"] == "latency_batch1" and r["system"] == "saved_model"]
     assert saved["per_round"] == [1.0, 1.0, 1.0]
     assert "over rounds" in out.stdout

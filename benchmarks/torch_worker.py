@@ -1,0 +1,262 @@
+"""The PyTorch systems of the benchmarks, each in a worker process of an interpreter that has torch.
+
+The worker imports only the standard library, numpy, torch and transformers / sentence-transformers (never
+TensorFlow or tfformer), so it runs in another interpreter: this one if it has the modules a system needs,
+else `/tmp/torchvenv/bin/python`. The benchmark process starts it with a system and a JSON spec, the worker
+builds the system and prints `{"ready": ...}`; then each line it reads (`float32`, `bfloat16`, or for
+generation `float32 8`) runs the system once and it prints `{"seconds": ...}`, the time of that run alone,
+without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
+
+Systems (2 intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
+- `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass.
+- `train_lm`: transformers' `GPT2LMHeadModel` of the benchmark's shape (tied embeddings, dropout 0.1), the
+  loss `F.cross_entropy` on float32 logits, `torch.optim.Adam(lr=1e-4, fused=True)`; `steps` steps per run.
+- `train_seq2seq`: `torch.nn.Transformer` (post-norm, ReLU, dropout 0.1) between learned token + position
+  embeddings and an untied output projection (keras-hub's seq2seq layout), the same loss and optimizer.
+- `generate`: `GPT2LMHeadModel.generate`, greedy, KV cache, exactly `new_tokens` new tokens.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
+THREADS = 2
+
+
+def _peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _encoder(spec):
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(spec["model_dir"], device="cpu").eval()
+    ids = torch.from_numpy(_load(spec["arrays"])["ids"].astype("int64"))
+    features = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+
+    def run(dtype):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            embedding = model(dict(features))["sentence_embedding"]
+        float(embedding.float().sum())
+
+    return model, run
+
+
+def _gpt2(shape, max_length, dropout):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=shape["vocab"], n_positions=max_length, n_embd=shape["hidden"],
+                        n_layer=shape["layers"], n_head=shape["heads"], n_inner=shape["intermediate"],
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=None,
+                        eos_token_id=None, pad_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+class _Seq2Seq:
+    """Built lazily so that this module imports without torch."""
+
+    @staticmethod
+    def build(shape):
+        import torch
+        from torch import nn
+
+        class Seq2Seq(nn.Module):
+            def __init__(self, s):
+                super().__init__()
+                d = s["hidden"]
+                self.source, self.target = nn.Embedding(s["vocab"], d), nn.Embedding(s["vocab"], d)
+                self.source_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
+                self.target_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
+                self.core = nn.Transformer(d, s["heads"], s["layers"], s["layers"], s["intermediate"], dropout=0.1,
+                                           batch_first=True)
+                self.output = nn.Linear(d, s["vocab"])
+
+            def forward(self, source, target):
+                t = target.shape[1]
+                causal = nn.Transformer.generate_square_subsequent_mask(t)  # (T, T)
+                hidden = self.core(self.source(source) + self.source_position[: source.shape[1]],
+                                   self.target(target) + self.target_position[:t], tgt_mask=causal, tgt_is_causal=True)
+                return self.output(hidden)  # (B, T, V)
+
+        return Seq2Seq(shape)
+
+
+def _trainer(model, forward, labels, steps):
+    import torch
+    import torch.nn.functional as F
+
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+    def run(dtype):
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                logits = forward()
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())  # mean over tokens
+            loss.backward()
+            optimizer.step()
+        float(loss.detach())
+
+    return run
+
+
+def _train_lm(spec):
+    import torch
+
+    arrays = _load(spec["arrays"])
+    inputs, labels = (torch.from_numpy(arrays[k].astype("int64")) for k in ("inputs", "labels"))
+    model = _gpt2(spec["shape"], spec["shape"]["length"], dropout=0.1)
+    return model, _trainer(model, lambda: model(input_ids=inputs).logits, labels, spec["steps"])
+
+
+def _train_seq2seq(spec):
+    import torch
+
+    arrays = _load(spec["arrays"])
+    source, target, labels = (torch.from_numpy(arrays[k].astype("int64")) for k in ("source", "target", "labels"))
+    model = _Seq2Seq.build(spec["shape"])
+    return model, _trainer(model, lambda: model(source, target), labels, spec["steps"])
+
+
+def _generate(spec):
+    import torch
+
+    model = _gpt2(spec["shape"], spec["max_length"], dropout=0.0).eval()
+    prompts = {name: torch.from_numpy(ids.astype("int64")) for name, ids in _load(spec["arrays"]).items()}  # batch_B
+    new_tokens = spec["new_tokens"]
+
+    def run(command):
+        dtype, batch = command.split()
+        prompt = prompts[f"batch_{batch}"]
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False)
+        if out.shape[1] != prompt.shape[1] + new_tokens:
+            raise RuntimeError(f"generate made {out.shape[1] - prompt.shape[1]} tokens, not {new_tokens}")
+
+    return model, run
+
+
+SYSTEMS = {"encoder": _encoder, "train_lm": _train_lm, "train_seq2seq": _train_seq2seq, "generate": _generate}
+MODULES = {"encoder": ("torch", "sentence_transformers"), "train_lm": ("torch", "transformers"),
+           "train_seq2seq": ("torch",), "generate": ("torch", "transformers")}
+
+
+def _load(path):
+    import numpy as np
+
+    with np.load(path) as arrays:
+        return {name: arrays[name] for name in arrays.files}
+
+
+def worker_main(system, spec):
+    import torch
+
+    torch.set_num_threads(THREADS)
+    torch.set_num_interop_threads(1)
+    torch.manual_seed(0)
+    model, run = SYSTEMS[system](spec)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "parameters": parameters}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        start = time.perf_counter()
+        run(command)
+        print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mb": round(_peak_rss_mb())}), flush=True)
+
+
+# === The benchmark process's side ===
+
+
+def torch_python(system, explicit=None):
+    """An interpreter with the modules `system` needs: `explicit`, this one, or /tmp/torchvenv's; None if none."""
+    import importlib.util
+
+    if explicit:
+        return explicit if os.path.exists(explicit) else None
+    if all(importlib.util.find_spec(m) for m in MODULES[system]):
+        return sys.executable
+    return TORCH_VENV_PYTHON if os.path.exists(TORCH_VENV_PYTHON) else None
+
+
+class TorchWorker:
+    """One PyTorch system in a worker process. `arrays` (numpy, by name) reach it through an .npz file."""
+
+    def __init__(self, python, system, spec, arrays):
+        import numpy as np
+
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self._arrays = tempfile.NamedTemporaryFile(suffix=".npz", delete=False)
+        np.savez(self._arrays, **arrays)
+        self._arrays.close()
+        spec = dict(spec, arrays=self._arrays.name)
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), system, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false"),
+        )
+        self.info = None
+        self.peak_rss_mb = None
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"PyTorch worker died:\n{self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def wait_ready(self):
+        self.info = self._read()
+        return self.info
+
+    def run(self, command):
+        """Seconds of one run of `command` (e.g. "float32"), timed inside the worker."""
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        self.peak_rss_mb = reply["peak_rss_mb"]
+        return reply["seconds"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self._arrays.name)
+
+
+def start(system, spec, arrays, explicit_python=None):
+    """`(worker, None)`, or `(None, why)` when no interpreter has the modules; call `ready` on the worker next."""
+    python = torch_python(system, explicit_python)
+    if python is None:
+        return None, f"no interpreter with {' + '.join(MODULES[system])}"
+    return TorchWorker(python, system, spec, arrays), None
+
+
+def ready(worker):
+    """`(worker, None)` once the worker has built its system, or `(None, why)` if it failed (then closed)."""
+    try:
+        worker.wait_ready()
+    except RuntimeError as error:
+        worker.close()
+        return None, f"the PyTorch worker failed: {str(error)[-500:]}"
+    return worker, None
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], json.loads(sys.argv[2]))
