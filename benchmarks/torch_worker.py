@@ -58,33 +58,30 @@ def _gpt2(shape, max_length, dropout):
     return GPT2LMHeadModel(config)
 
 
-class _Seq2Seq:
-    """Built lazily so that this module imports without torch."""
+def _seq2seq(shape):
+    """keras-hub's seq2seq layout in PyTorch: learned token + position embeddings, `nn.Transformer`, untied output."""
+    import torch
+    from torch import nn
 
-    @staticmethod
-    def build(shape):
-        import torch
-        from torch import nn
+    class Seq2Seq(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            d = s["hidden"]
+            self.source, self.target = nn.Embedding(s["vocab"], d), nn.Embedding(s["vocab"], d)
+            self.source_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
+            self.target_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
+            self.core = nn.Transformer(d, s["heads"], s["layers"], s["layers"], s["intermediate"], dropout=0.1,
+                                       batch_first=True)
+            self.output = nn.Linear(d, s["vocab"])
 
-        class Seq2Seq(nn.Module):
-            def __init__(self, s):
-                super().__init__()
-                d = s["hidden"]
-                self.source, self.target = nn.Embedding(s["vocab"], d), nn.Embedding(s["vocab"], d)
-                self.source_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
-                self.target_position = nn.Parameter(torch.randn(s["length"], d) * 0.02)
-                self.core = nn.Transformer(d, s["heads"], s["layers"], s["layers"], s["intermediate"], dropout=0.1,
-                                           batch_first=True)
-                self.output = nn.Linear(d, s["vocab"])
+        def forward(self, source, target):
+            t = target.shape[1]
+            causal = nn.Transformer.generate_square_subsequent_mask(t)  # (T, T)
+            hidden = self.core(self.source(source) + self.source_position[: source.shape[1]],
+                               self.target(target) + self.target_position[:t], tgt_mask=causal, tgt_is_causal=True)
+            return self.output(hidden)  # (B, T, V)
 
-            def forward(self, source, target):
-                t = target.shape[1]
-                causal = nn.Transformer.generate_square_subsequent_mask(t)  # (T, T)
-                hidden = self.core(self.source(source) + self.source_position[: source.shape[1]],
-                                   self.target(target) + self.target_position[:t], tgt_mask=causal, tgt_is_causal=True)
-                return self.output(hidden)  # (B, T, V)
-
-        return Seq2Seq(shape)
+    return Seq2Seq(shape)
 
 
 def _trainer(model, forward, labels, steps):
@@ -121,7 +118,7 @@ def _train_seq2seq(spec):
 
     arrays = _load(spec["arrays"])
     source, target, labels = (torch.from_numpy(arrays[k].astype("int64")) for k in ("source", "target", "labels"))
-    model = _Seq2Seq.build(spec["shape"])
+    model = _seq2seq(spec["shape"])
     return model, _trainer(model, lambda: model(source, target), labels, spec["steps"])
 
 
