@@ -7,8 +7,9 @@ translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recip
 the default set). Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
 one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing. Ratios are
 given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
-PyTorch rows come from a worker process (`benchmarks.torch_worker`) of this interpreter if it has torch, else
-of /tmp/torchvenv/bin/python; without either they are skipped, and the output says so.
+PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
+if it has torch and transformers (sentence-transformers for the encoder), else of /tmp/torchvenv/bin/python;
+without one they are skipped, and the output says so.
 """
 
 import argparse
@@ -23,6 +24,7 @@ WORKLOADS = {
     "translation_bleu": "benchmarks.translation_bleu",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
+WITH_PYTORCH = {"training", "generation", "encoder"}
 
 
 def main(argv=None):
@@ -32,6 +34,7 @@ def main(argv=None):
     run = commands.add_parser("run")
     run.add_argument("workloads", nargs="*", choices=[*WORKLOADS, []], metavar="WORKLOAD", help=", ".join(WORKLOADS))
     run.add_argument("--smoke", action="store_true")
+    run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder)")
     args = parser.parse_args(argv)
     for name in args.workloads or DEFAULT:
         if args.smoke and name == "translation_bleu":
@@ -39,7 +42,10 @@ def main(argv=None):
         print(f"## {name}", flush=True)
         # A fresh interpreter per workload: TF's thread settings only take before its runtime starts (the
         # encoder pins 2 intra-op / 1 inter-op threads), and no workload inherits another's memory.
-        code = subprocess.call([sys.executable, "-m", WORKLOADS[name], *(["--smoke"] if args.smoke else [])])
+        options = ["--smoke"] if args.smoke else []
+        if args.torch_python and name in WITH_PYTORCH:
+            options += ["--torch-python", args.torch_python]
+        code = subprocess.call([sys.executable, "-m", WORKLOADS[name], *options])
         if code:
             return code
     return 0

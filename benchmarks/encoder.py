@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks import torch_worker
 
-THREADS = torch_worker.THREADS
+THREADS = 2
 SHAPE = dict(vocab=30522, layers=6, hidden=384, heads=12, intermediate=1536)
 SMOKE_SHAPE = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
 
@@ -133,7 +133,7 @@ def main(argv=None):
     except ValueError as error:
         worker, skipped = None, str(error)
     else:
-        worker, skipped = torch_worker.start("encoder", {"model_dir": model_dir},
+        worker, skipped = torch_worker.start("encoder", {"model_dir": model_dir, "threads": THREADS},
                                              {"ids": _token_ids(30522, batch, length)}, args.torch_python)
 
     from benchmarks import common
@@ -163,7 +163,7 @@ def main(argv=None):
                   "repeats": [round(v, 4) for v in values], "threads": THREADS if threads_set else "preset",
                   "peak_rss_mb": round(common.peak_rss_mb())}
         if system == "pytorch":
-            record["torch"] = info["torch"]
+            record.update(torch=info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
         rows[(system, dtype)] = common.emit(record)
 
     table_rows = []

@@ -9,13 +9,15 @@ the medians, and per round (median, min-max of each round's own pair, `common.pa
 its spread.
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): transformers'
 `GPT2LMHeadModel` of the same shape, `generate` greedy with its KV cache, float32 and under `torch.autocast`
-bfloat16, the same prompts, timed in the worker process and interleaved with the rest; "tfformer best /
+bfloat16, the same prompts, as many intra-op threads as TensorFlow's default (the machine's cores), timed in the
+worker process and interleaved with the rest; "tfformer best /
 PyTorch best" compares each system's fastest row.
 
     python -m benchmarks.generation [--smoke] [--torch-python PYTHON]
 """
 
 import argparse
+import os
 
 import keras
 import keras_hub
@@ -66,8 +68,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = {batch: rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32") for batch in batches}
     # The PyTorch worker builds its model while the Keras models are built.
-    worker, skipped = torch_worker.start("generate", {"shape": shape, "max_length": max_length,
-                                                      "new_tokens": new_tokens},
+    # As many intra-op threads as TensorFlow's default here: the machine's cores.
+    spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": os.cpu_count()}
+    worker, skipped = torch_worker.start("generate", spec,
                                          {f"batch_{b}": p for b, p in prompts.items()}, args.torch_python)
     try:
         _run(args, shape, max_length, prompts, new_tokens, repeats, batches, rng, worker, skipped)

@@ -7,7 +7,7 @@ builds the system and prints `{"ready": ...}`; then each line it reads (`float32
 generation `float32 8`) runs the system once and it prints `{"seconds": ...}`, the time of that run alone,
 without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
 
-Systems (2 intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
+Systems (the spec's intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
 - `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass.
 - `train_lm`: transformers' `GPT2LMHeadModel` of the benchmark's shape (tied embeddings, dropout 0.1), the
   loss `F.cross_entropy` on float32 logits, `torch.optim.Adam(lr=1e-4, fused=True)`; `steps` steps per run.
@@ -25,10 +25,18 @@ import tempfile
 import time
 
 TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
-THREADS = 2
 
 
 def _peak_rss_mb():
+    """This process's own peak: Linux's `VmHWM`. `ru_maxrss` would not do: it survives fork + exec, so a worker
+    started by a process that held 4 GB reports at least 4 GB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -142,8 +150,9 @@ def _generate(spec):
 
 
 SYSTEMS = {"encoder": _encoder, "train_lm": _train_lm, "train_seq2seq": _train_seq2seq, "generate": _generate}
+# train_seq2seq needs only torch, but asks for what train_lm does: both workloads of a run then use one install.
 MODULES = {"encoder": ("torch", "sentence_transformers"), "train_lm": ("torch", "transformers"),
-           "train_seq2seq": ("torch",), "generate": ("torch", "transformers")}
+           "train_seq2seq": ("torch", "transformers"), "generate": ("torch", "transformers")}
 
 
 def _load(path):
@@ -156,7 +165,7 @@ def _load(path):
 def worker_main(system, spec):
     import torch
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(spec["threads"])
     torch.set_num_interop_threads(1)
     torch.manual_seed(0)
     model, run = SYSTEMS[system](spec)
@@ -175,15 +184,32 @@ def worker_main(system, spec):
 # === The benchmark process's side ===
 
 
+def _has_modules(python, modules):
+    """Whether `python` can import `modules` (found, not imported: no torch start-up)."""
+    code = f"import importlib.util, sys; sys.exit(not all(importlib.util.find_spec(m) for m in {list(modules)!r}))"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def torch_python(system, explicit=None):
-    """An interpreter with the modules `system` needs: `explicit`, this one, or /tmp/torchvenv's; None if none."""
+    """`(python, None)`: `explicit`, else this interpreter, else /tmp/torchvenv's, whichever has the modules that
+    `system` needs; `(None, why)` if none does."""
     import importlib.util
 
+    needs = " + ".join(MODULES[system])
     if explicit:
-        return explicit if os.path.exists(explicit) else None
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            return None, f"--torch-python {explicit!r} is not an executable file"
+        if not _has_modules(explicit, MODULES[system]):
+            return None, f"--torch-python {explicit!r} lacks {needs}"
+        return explicit, None
     if all(importlib.util.find_spec(m) for m in MODULES[system]):
-        return sys.executable
-    return TORCH_VENV_PYTHON if os.path.exists(TORCH_VENV_PYTHON) else None
+        return sys.executable, None
+    if os.path.isfile(TORCH_VENV_PYTHON) and _has_modules(TORCH_VENV_PYTHON, MODULES[system]):
+        return TORCH_VENV_PYTHON, None
+    return None, f"no interpreter with {needs} (this one, or {TORCH_VENV_PYTHON})"
 
 
 class TorchWorker:
@@ -192,18 +218,24 @@ class TorchWorker:
     def __init__(self, python, system, spec, arrays):
         import numpy as np
 
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self._arrays = tempfile.NamedTemporaryFile(suffix=".npz", delete=False)
-        np.savez(self._arrays, **arrays)
-        self._arrays.close()
-        spec = dict(spec, arrays=self._arrays.name)
-        self.proc = subprocess.Popen(
-            [python, os.path.abspath(__file__), system, json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false"),
-        )
+        self.closed = False
         self.info = None
         self.peak_rss_mb = None
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self._arrays = tempfile.NamedTemporaryFile(suffix=".npz", delete=False)
+        self.proc = None
+        try:
+            np.savez(self._arrays, **arrays)
+            self._arrays.close()
+            spec = dict(spec, arrays=self._arrays.name)
+            self.proc = subprocess.Popen(
+                [python, os.path.abspath(__file__), system, json.dumps(spec)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                env=dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false"),
+            )
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self):
         line = self.proc.stdout.readline()
@@ -225,7 +257,11 @@ class TorchWorker:
         return reply["seconds"]
 
     def close(self):
-        if self.proc.poll() is None:
+        """Stop the worker and delete its files; safe to call again."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.flush()
@@ -234,19 +270,26 @@ class TorchWorker:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self._arrays.name)
+        self._arrays.close()
+        if os.path.exists(self._arrays.name):
+            os.unlink(self._arrays.name)
 
 
 def start(system, spec, arrays, explicit_python=None):
-    """`(worker, None)`, or `(None, why)` when no interpreter has the modules; call `ready` on the worker next."""
-    python = torch_python(system, explicit_python)
+    """`(worker, None)`, or `(None, why)` when no interpreter has the modules or the worker cannot start; call
+    `ready` on the worker next. `spec["threads"]` is the worker's intra-op thread count."""
+    python, why = torch_python(system, explicit_python)
     if python is None:
-        return None, f"no interpreter with {' + '.join(MODULES[system])}"
-    return TorchWorker(python, system, spec, arrays), None
+        return None, why
+    try:
+        return TorchWorker(python, system, spec, arrays), None
+    except OSError as error:
+        return None, f"the PyTorch worker did not start: {error}"
 
 
 def ready(worker):
-    """`(worker, None)` once the worker has built its system, or `(None, why)` if it failed (then closed)."""
+    """`(worker, None)` once the worker has built its system, or `(None, why)` if it failed (then closed: the
+    caller's `close()` on the same worker does nothing more)."""
     try:
         worker.wait_ready()
     except RuntimeError as error:

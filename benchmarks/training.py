@@ -1,10 +1,10 @@
-"""Training throughput: tfformer (float32 and mixed bfloat16) vs keras-hub (float32), same shapes, same process.
+"""Training throughput: tfformer (float32 and mixed bfloat16) vs keras-hub (float32) and PyTorch, same shapes.
 
 Workloads (the issue's):
 - seq2seq: vocab 8192, hidden 256, 4 heads, intermediate 1024, 3+3 layers, length 64, batch 64 (target tokens/s)
 - lm: GPT-2-shaped, vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024, length 128, batch 32
 
-Every system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
+Every Keras system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
 systems with its `training.FusedAdam` (the same update as one kernel per variable, what its recipes use),
 keras-hub's with `keras.optimizers.Adam`. tfformer's models compute that loss fused with their tied output
 projection (`models.TransformerModel.train_step`, the loss's default `fuse_projection=True`); keras-hub's
@@ -25,14 +25,16 @@ process's peak after each system's first training step, before the floors' opera
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): the LM as
 transformers' `GPT2LMHeadModel`, the seq2seq model as `torch.nn.Transformer` with keras-hub's layout (learned
 positions, untied output projection), both with dropout 0.1, `F.cross_entropy` on float32 logits and
-`torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, timed in
-their worker process and interleaved with the rest. Their `peak_rss_mb` is the worker's, their FLOPs
+`torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, with as many
+intra-op threads as TensorFlow's default (the machine's cores), timed in their worker process and interleaved
+with the rest. Their `peak_rss_mb` is the worker's, their FLOPs
 tfformer's model's of the same shape; `train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
 
-    python -m benchmarks.training [--smoke] [--workload seq2seq|lm]
+    python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON]
 """
 
 import argparse
+import os
 
 import keras
 import keras_hub
@@ -187,7 +189,9 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
         attention_layers = s["layers"]
         torch_arrays = {"inputs": x["token_ids"], "labels": y}
     # The PyTorch worker builds its model while the Keras systems trace.
-    worker, skipped = torch_worker.start(f"train_{workload}", {"shape": s, "steps": steps}, torch_arrays, torch_python)
+    # As many intra-op threads as TensorFlow's default here: the machine's cores.
+    spec = {"shape": s, "steps": steps, "threads": os.cpu_count()}
+    worker, skipped = torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python)
     try:
         return _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worker, skipped, smoke, repeats,
                     steps)
@@ -238,7 +242,8 @@ def _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worke
         extra = {}
         if name.startswith("pytorch"):  # its own process's peak; the FLOPs of tfformer's model of the same shape
             rss = {"peak_rss_mb": worker.peak_rss_mb, "peak_rss_mb_with_floors": worker.peak_rss_mb}
-            extra = {"torch": worker.info["torch"], "parameters": worker.info["parameters"]}
+            extra = {"torch": worker.info["torch"], "parameters": worker.info["parameters"],
+                     "threads": worker.info["threads"]}
         elif name in built:
             extra = {"parameters": built[name][0].count_params()}
         step_flops = flops.get(name, flops["tfformer float32"])  # a floor row: the same FLOPs

@@ -19,8 +19,10 @@ def test_runner_smoke():
     benches = {r["bench"] for r in records}
     assert {"train_seq2seq", "train_lm", "generation", "generation_ratio", "per_token", "per_token_ratio",
             "latency_batch1"} <= benches
-    # PyTorch rows are there when an interpreter with torch + transformers exists, else the skip is said.
+    # PyTorch rows are there when an interpreter with torch + transformers exists, else the skip is said; a
+    # worker that exists but fails is an error, not a skip.
     with_torch = "PyTorch rows skipped" not in out.stdout
+    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
     # Ratios agree with the rows they come from; with one round (smoke), per round = the ratio of the medians.
     speed = {(r["batch"], r["system"]): r["tokens_per_s"] for r in records if r["bench"] == "generation"}
     for r in (r for r in records if r["bench"] == "generation_ratio"):
