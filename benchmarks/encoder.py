@@ -131,29 +131,21 @@ def main(argv=None):
     try:
         model_dir = pretrained.all_minilm_l6_v2_path()
     except ValueError as error:
-        worker, skipped = None, str(error)
+        pending = torch_worker.Pending(skipped=str(error))
     else:
-        worker, skipped = torch_worker.start("encoder", {"model_dir": model_dir, "threads": THREADS},
-                                             {"ids": _token_ids(30522, batch, length)}, args.torch_python)
+        pending = torch_worker.start("encoder", {"model_dir": model_dir, "threads": THREADS},
+                                     {"ids": _token_ids(30522, batch, length)}, args.torch_python)
 
     from benchmarks import common
 
     threads_set = _set_tf_threads()
-    try:
+    with pending:
         systems = _keras_systems(args.smoke, batch, length)
+        worker = pending.ready()
         if worker is not None:
-            worker, skipped = torch_worker.ready(worker)
-        if worker is not None:
-            info = worker.info
             for dtype in ("float32", "bfloat16"):
                 systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
-        if skipped:
-            print(f"PyTorch rows skipped: {skipped}", flush=True)
-
         times = common.interleaved(systems, repeats=repeats, warmup=warmup, self_timed=True)
-    finally:
-        if worker is not None:
-            worker.close()
 
     rows = {}
     for (system, dtype), values in times.items():
@@ -163,7 +155,7 @@ def main(argv=None):
                   "repeats": [round(v, 4) for v in values], "threads": THREADS if threads_set else "preset",
                   "peak_rss_mb": round(common.peak_rss_mb())}
         if system == "pytorch":
-            record.update(torch=info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
+            record.update(torch=worker.info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
         rows[(system, dtype)] = common.emit(record)
 
     table_rows = []
@@ -184,8 +176,8 @@ def main(argv=None):
                                     "tfformer/pytorch per round"]))
     print(f"\nbatch {batch}, sequence {length}, {THREADS} threads, medians of {repeats} interleaved repeats after "
           f"{warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is faster.")
-    if skipped:
-        print(f"PyTorch rows skipped: {skipped}")
+    if worker is None:
+        print(f"PyTorch rows skipped: {pending.skipped}")
     return 0
 
 

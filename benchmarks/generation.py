@@ -10,8 +10,7 @@ its spread.
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): transformers'
 `GPT2LMHeadModel` of the same shape, `generate` greedy with its KV cache, float32 and under `torch.autocast`
 bfloat16, the same prompts, as many intra-op threads as TensorFlow's default (the machine's cores), timed in the
-worker process and interleaved with the rest; "tfformer best /
-PyTorch best" compares each system's fastest row.
+worker process and interleaved with the rest; "tfformer best / PyTorch best" compares each system's fastest row.
 
     python -m benchmarks.generation [--smoke] [--torch-python PYTHON]
 """
@@ -70,50 +69,41 @@ def main(argv=None):
     # The PyTorch worker builds its model while the Keras models are built.
     # As many intra-op threads as TensorFlow's default here: the machine's cores.
     spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": os.cpu_count()}
-    worker, skipped = torch_worker.start("generate", spec,
-                                         {f"batch_{b}": p for b, p in prompts.items()}, args.torch_python)
-    try:
-        _run(args, shape, max_length, prompts, new_tokens, repeats, batches, rng, worker, skipped)
-    finally:
-        if worker is not None:
-            worker.close()
-
-
-def _run(args, shape, max_length, prompts, new_tokens, repeats, batches, rng, worker, skipped):
-    ours, theirs = build(shape, max_length)
-    ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
-    if worker is not None:
-        worker, skipped = torch_worker.ready(worker)
-    if skipped:
-        print(f"PyTorch rows skipped: {skipped}", flush=True)
-    rows, round_times = [], {}
-    for batch in batches:
-        prompt = prompts[batch]
-        mask = np.ones_like(prompt, dtype=bool)
-        padded = np.pad(prompt, [[0, 0], [0, new_tokens]])
-        padded_mask = np.pad(mask, [[0, 0], [0, new_tokens]])
-        calls = {}
-        for xla in (False, True):
-            calls[f"tfformer xla={xla}"] = (lambda xla=xla: generation.generate_ids(
-                ours, prompt, new_tokens, jit_compile=xla, end_id=-1).numpy())
-            calls[f"keras-hub xla={xla}"] = (lambda xla=xla: theirs[xla].generate(
-                {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None))
-        calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(ours16, prompt, new_tokens, end_id=-1).numpy()
-        calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
-            {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
-        calls = {name: common.timed(fn) for name, fn in calls.items()}
-        if worker is not None:
-            for dtype in ("float32", "bfloat16"):
-                calls[f"pytorch {dtype}"] = lambda dtype=dtype, batch=batch: worker.run(f"{dtype} {batch}")
-        times = round_times[batch] = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
-        for name, values in times.items():
-            seconds = common.median(values)
-            extra = {"peak_rss_mb": round(common.peak_rss_mb())}
-            if name.startswith("pytorch"):  # the worker's own process
-                extra = {"peak_rss_mb": worker.peak_rss_mb, "torch": worker.info["torch"]}
-            rows.append(common.emit({"bench": "generation", "system": name, "batch": batch, "new_tokens": new_tokens,
-                                     "tokens_per_s": round(batch * new_tokens / seconds, 1),
-                                     "seconds": round(seconds, 4), **extra}))
+    arrays = {f"batch_{b}": p for b, p in prompts.items()}
+    with torch_worker.start("generate", spec, arrays, args.torch_python) as pending:
+        ours, theirs = build(shape, max_length)
+        ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
+        worker = pending.ready()
+        rows, round_times = [], {}
+        for batch in batches:
+            prompt = prompts[batch]
+            mask = np.ones_like(prompt, dtype=bool)
+            padded = np.pad(prompt, [[0, 0], [0, new_tokens]])
+            padded_mask = np.pad(mask, [[0, 0], [0, new_tokens]])
+            calls = {}
+            for xla in (False, True):
+                calls[f"tfformer xla={xla}"] = (lambda xla=xla: generation.generate_ids(
+                    ours, prompt, new_tokens, jit_compile=xla, end_id=-1).numpy())
+                calls[f"keras-hub xla={xla}"] = (lambda xla=xla: theirs[xla].generate(
+                    {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None))
+            calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(
+                ours16, prompt, new_tokens, end_id=-1).numpy()
+            calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
+                {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
+            calls = {name: common.timed(fn) for name, fn in calls.items()}
+            if worker is not None:
+                for dtype in ("float32", "bfloat16"):
+                    calls[f"pytorch {dtype}"] = lambda dtype=dtype, batch=batch: worker.run(f"{dtype} {batch}")
+            times = round_times[batch] = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
+            for name, values in times.items():
+                seconds = common.median(values)
+                extra = {"peak_rss_mb": round(common.peak_rss_mb())}
+                if name.startswith("pytorch"):  # the worker's own process
+                    extra = {"peak_rss_mb": worker.peak_rss_mb, "torch": worker.info["torch"]}
+                tokens_per_s = round(batch * new_tokens / seconds, 1)
+                rows.append(common.emit({"bench": "generation", "system": name, "batch": batch,
+                                         "new_tokens": new_tokens, "tokens_per_s": tokens_per_s,
+                                         "seconds": round(seconds, 4), **extra}))
 
     def best(system, b):  # the fastest setting (by median) of one system at batch b
         return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)), key=lambda r: r["tokens_per_s"])

@@ -275,27 +275,46 @@ class TorchWorker:
             os.unlink(self._arrays.name)
 
 
+class Pending:
+    """A PyTorch system being built in its worker process, or the reason there is none (`skipped`).
+
+    A context manager: leaving it closes the worker. Start it before the Keras systems are built, so the
+    worker loads meanwhile, and call `ready()` when the PyTorch rows are wanted.
+    """
+
+    def __init__(self, worker=None, skipped=None):
+        self.worker, self.skipped = worker, skipped
+
+    def ready(self):
+        """The `TorchWorker` once it has built its system; None, after printing why, if there are no PyTorch rows."""
+        if self.worker is not None and self.worker.info is None:
+            try:
+                self.worker.wait_ready()
+            except RuntimeError as error:
+                self.worker.close()
+                self.worker, self.skipped = None, f"the PyTorch worker failed: {str(error)[-500:]}"
+        if self.worker is None:
+            print(f"PyTorch rows skipped: {self.skipped}", flush=True)
+        return self.worker
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.worker is not None:
+            self.worker.close()
+
+
 def start(system, spec, arrays, explicit_python=None):
-    """`(worker, None)`, or `(None, why)` when no interpreter has the modules or the worker cannot start; call
-    `ready` on the worker next. `spec["threads"]` is the worker's intra-op thread count."""
+    """A `Pending` worker for `system`, or one that says why there is none (no interpreter has the modules, or the
+    worker did not start). `spec["threads"]` is the worker's intra-op thread count."""
     python, why = torch_python(system, explicit_python)
     if python is None:
-        return None, why
+        return Pending(skipped=why)
     try:
-        return TorchWorker(python, system, spec, arrays), None
+        return Pending(TorchWorker(python, system, spec, arrays))
     except OSError as error:
-        return None, f"the PyTorch worker did not start: {error}"
-
-
-def ready(worker):
-    """`(worker, None)` once the worker has built its system, or `(None, why)` if it failed (then closed: the
-    caller's `close()` on the same worker does nothing more)."""
-    try:
-        worker.wait_ready()
-    except RuntimeError as error:
-        worker.close()
-        return None, f"the PyTorch worker failed: {str(error)[-500:]}"
-    return worker, None
+        return Pending(skipped=f"the PyTorch worker did not start: {error}")
 
 
 if __name__ == "__main__":

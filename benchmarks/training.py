@@ -27,8 +27,8 @@ transformers' `GPT2LMHeadModel`, the seq2seq model as `torch.nn.Transformer` wit
 positions, untied output projection), both with dropout 0.1, `F.cross_entropy` on float32 logits and
 `torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, with as many
 intra-op threads as TensorFlow's default (the machine's cores), timed in their worker process and interleaved
-with the rest. Their `peak_rss_mb` is the worker's, their FLOPs
-tfformer's model's of the same shape; `train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
+with the rest. Their `peak_rss_mb` is the worker's, their FLOPs tfformer's model's of the same shape;
+`train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
 
     python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON]
 """
@@ -191,44 +191,33 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     # The PyTorch worker builds its model while the Keras systems trace.
     # As many intra-op threads as TensorFlow's default here: the machine's cores.
     spec = {"shape": s, "steps": steps, "threads": os.cpu_count()}
-    worker, skipped = torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python)
-    try:
-        return _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worker, skipped, smoke, repeats,
-                    steps)
-    finally:
-        if worker is not None:
-            worker.close()
+    with torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python) as pending:
+        built = {}
+        for name, (build, policy) in builders.items():
+            keras.config.set_dtype_policy(policy)
+            model = build(s)
+            inputs = dict(x)
+            if name.startswith("keras-hub") and workload == "lm":
+                inputs["padding_mask"] = np.ones_like(x["token_ids"], bool)
+            model.train_on_batch(inputs, y)  # trace
+            built[name] = (model, inputs)
+        keras.config.set_dtype_policy("float32")
+        systems_rss = common.peak_rss_mb()  # the three systems after a training step each; before the floors' operands
 
+        def step(name):
+            model, inputs = built[name]
+            return common.timed(lambda: [model.train_on_batch(inputs, y) for _ in range(steps)])
 
-def _run(workload, s, x, y, builders, tokens, predicted, attention_layers, worker, skipped, smoke, repeats, steps):
-    built = {}
-    for name, (build, policy) in builders.items():
-        keras.config.set_dtype_policy(policy)
-        model = build(s)
-        inputs = dict(x)
-        if name.startswith("keras-hub") and workload == "lm":
-            inputs["padding_mask"] = np.ones_like(x["token_ids"], bool)
-        model.train_on_batch(inputs, y)  # trace
-        built[name] = (model, inputs)
-    keras.config.set_dtype_policy("float32")
-    systems_rss = common.peak_rss_mb()  # the three systems, each after a training step; before the floors' operands
-
-    def step(name):
-        model, inputs = built[name]
-        return common.timed(lambda: [model.train_on_batch(inputs, y) for _ in range(steps)])
-
-    callables = {name: step(name) for name in built}
-    for dtype in ("float32", "bfloat16"):
-        floor = matmul_floor(step_matmuls(s, workload), dtype)
-        callables[f"matmul floor {dtype}"] = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
-    if worker is not None:
-        worker, skipped = torch_worker.ready(worker)
-    if worker is not None:
+        callables = {name: step(name) for name in built}
         for dtype in ("float32", "bfloat16"):
-            callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
-    if skipped:
-        print(f"PyTorch rows skipped: {skipped}", flush=True)
-    times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1, self_timed=True)
+            floor = matmul_floor(step_matmuls(s, workload), dtype)
+            floor_steps = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
+            callables[f"matmul floor {dtype}"] = floor_steps
+        worker = pending.ready()
+        if worker is not None:
+            for dtype in ("float32", "bfloat16"):
+                callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
+        times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1, self_timed=True)
     limit32 = common.matmul_limit(256 if smoke else 2048)
     limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
     rows = []
