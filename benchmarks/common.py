@@ -61,6 +61,12 @@ def paired_ratio(a, b):
     return median(ratios), min(ratios), max(ratios)
 
 
+def significant(x, digits=4):
+    """`x` rounded to `digits` significant digits, for ratios in JSON lines: decimal places would not do, since
+    a slow system's ratio can be 0.0157 (3 decimals: 0.016, 2% off)."""
+    return float(f"{x:.{digits}g}")
+
+
 def ratio_text(ratio):
     """`(median, min, max)` as "1.35 (1.30-1.41 over rounds)"."""
     mid, low, high = ratio

@@ -165,8 +165,9 @@ def main(argv=None):
             if system == "tfformer" and (other, dtype) in rows:
                 ratio = record["sentences_per_s"] / rows[(other, dtype)]["sentences_per_s"]
                 per_round = common.paired_ratio(times[(system, dtype)], times[(other, dtype)])
-                common.emit({"bench": "encoder_ratio", "dtype": dtype, "tfformer_vs": other, "ratio": round(ratio, 3),
-                             "per_round": [round(x, 3) for x in per_round]})
+                common.emit({"bench": "encoder_ratio", "dtype": dtype, "tfformer_vs": other,
+                             "ratio": common.significant(ratio),
+                             "per_round": [common.significant(x) for x in per_round]})
                 row[f"tfformer/{other}"] = f"{ratio:.2f}"
                 row[f"tfformer/{other} per round"] = common.ratio_text(per_round)
         table_rows.append(row)

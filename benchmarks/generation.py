@@ -121,15 +121,16 @@ def main(argv=None):
             per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
             ratios[(b, label)] = of_medians, per_round
             common.emit({"bench": "generation_ratio", "batch": b, "tfformer": ours_name, "keras_hub": theirs_name,
-                         "ratio": round(of_medians, 3), "per_round": [round(x, 3) for x in per_round]})
+                         "ratio": common.significant(of_medians),
+                         "per_round": [common.significant(x) for x in per_round]})
         if worker is not None:
             ours_name, theirs_name = best("tfformer", b)["system"], best("pytorch", b)["system"]
             of_medians = speed(ours_name, b) / speed(theirs_name, b)
             per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
             torch_ratios[b] = ours_name, theirs_name, of_medians, per_round
             common.emit({"bench": "generation_ratio_pytorch", "batch": b, "tfformer": ours_name,
-                         "pytorch": theirs_name, "ratio": round(of_medians, 3),
-                         "per_round": [round(x, 3) for x in per_round]})
+                         "pytorch": theirs_name, "ratio": common.significant(of_medians),
+                         "per_round": [common.significant(x) for x in per_round]})
     # Per-token time at position ~500 vs ~50: difference of two lengths, so prefill cancels out. All four
     # calls share the same interleaved rounds, so a change in machine speed hits both positions alike.
     positions = (50, 500) if not args.smoke else (4, 16)

@@ -43,7 +43,7 @@ def main(argv=None):
         per_round = common.paired_ratio(times["saved_model"], values)
         rows.append(common.emit({"bench": "latency_batch1", "system": name, "ms": round(common.median(values) * 1000, 2),
                                  "ratio_vs_saved_model": round(common.median(values) / base, 2),
-                                 "per_round": [round(x, 3) for x in per_round]}))
+                                 "per_round": [common.significant(x) for x in per_round]}))
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
     print(common.table(table_rows, ["system", "ms", "ratio_vs_saved_model", "per_round"]))

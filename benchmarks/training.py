@@ -241,15 +241,16 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             "ms_per_step": round(seconds * 1000, 1), "gflops": round(step_flops / seconds / 1e9, 1),
             "fraction_of_f32_limit": round(step_flops / seconds / 1e9 / limit32, 2),
             "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1), **rss,
-            "ratio_vs_keras_hub": round(base / seconds, 2), "per_round": [round(x, 3) for x in per_round], **extra,
+            "ratio_vs_keras_hub": round(base / seconds, 2), "per_round": [common.significant(x) for x in per_round],
+            **extra,
         }))
     for dtype in ("float32", "bfloat16"):
         if f"pytorch {dtype}" in times:
             ours, theirs = times[f"tfformer {dtype}"], times[f"pytorch {dtype}"]
             rows.append(common.emit({
                 "bench": f"train_{workload}_vs_pytorch", "dtype": dtype,
-                "ratio": round(common.median(theirs) / common.median(ours), 3),
-                "per_round": [round(x, 3) for x in common.paired_ratio(ours, theirs)]}))
+                "ratio": common.significant(common.median(theirs) / common.median(ours)),
+                "per_round": [common.significant(x) for x in common.paired_ratio(ours, theirs)]}))
     return rows
 
 
