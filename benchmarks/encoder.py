@@ -118,8 +118,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="one repeat, tiny shapes; numbers mean nothing")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--torch-python", help="interpreter with torch + sentence-transformers (default: this one "
-                        f"if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
+    torch_worker.add_python_option(parser, "encoder")
     args = parser.parse_args(argv)
 
     batch, length = (2, 8) if args.smoke else (32, 128)

@@ -55,8 +55,7 @@ def _build(shape, max_length, xla_settings):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--torch-python", help="interpreter with torch + transformers for the PyTorch rows (default: "
-                        f"this one if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
+    torch_worker.add_python_option(parser, "generate")
     args = parser.parse_args(argv)
     shape = dict(vocab=8192, layers=4, hidden=256, heads=4, intermediate=1024)
     prompt_len, new_tokens, repeats, batches = 16, 128, 5, (1, 8)
@@ -111,22 +110,23 @@ def main(argv=None):
     def speed(name, b):
         return next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == name)
 
+    def compare(ours_name, theirs_name, b):  # ratio of medians, and (median, min, max) of the per-round ratios
+        return (speed(ours_name, b) / speed(theirs_name, b),
+                common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name]))
+
     torch_ratios = {}  # batch -> (tfformer's best, PyTorch's best, ratio of medians, per round)
     ratios = {}  # (batch, label) -> tfformer's speed / keras-hub's: ratio of medians, then (median, min, max) per round
     for b in batches:
         pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
                  **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=True", "bf16 xla=True")}}
         for label, (ours_name, theirs_name) in pairs.items():
-            of_medians = speed(ours_name, b) / speed(theirs_name, b)
-            per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
-            ratios[(b, label)] = of_medians, per_round
+            of_medians, per_round = ratios[(b, label)] = compare(ours_name, theirs_name, b)
             common.emit({"bench": "generation_ratio", "batch": b, "tfformer": ours_name, "keras_hub": theirs_name,
                          "ratio": common.significant(of_medians),
                          "per_round": [common.significant(x) for x in per_round]})
         if worker is not None:
             ours_name, theirs_name = best("tfformer", b)["system"], best("pytorch", b)["system"]
-            of_medians = speed(ours_name, b) / speed(theirs_name, b)
-            per_round = common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name])
+            of_medians, per_round = compare(ours_name, theirs_name, b)
             torch_ratios[b] = ours_name, theirs_name, of_medians, per_round
             common.emit({"bench": "generation_ratio_pytorch", "batch": b, "tfformer": ours_name,
                          "pytorch": theirs_name, "ratio": common.significant(of_medians),

@@ -212,6 +212,13 @@ def torch_python(system, explicit=None):
     return None, f"no interpreter with {needs} (this one, or {TORCH_VENV_PYTHON})"
 
 
+def add_python_option(parser, system):
+    """`--torch-python` on a benchmark's parser; its help names the modules `system` needs (`MODULES`)."""
+    needs = " + ".join(MODULES[system])
+    parser.add_argument("--torch-python", help=f"interpreter with {needs} for the PyTorch rows (default: this one "
+                        f"if it has them, else {TORCH_VENV_PYTHON})")
+
+
 class TorchWorker:
     """One PyTorch system in a worker process. `arrays` (numpy, by name) reach it through an .npz file."""
 

@@ -303,8 +303,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--workload", choices=["seq2seq", "lm"], action="append")
-    parser.add_argument("--torch-python", help="interpreter with torch + transformers for the PyTorch rows (default: "
-                        f"this one if it has them, else {torch_worker.TORCH_VENV_PYTHON})")
+    torch_worker.add_python_option(parser, "train_lm")  # train_seq2seq asks for the same modules
     args = parser.parse_args(argv)
     rows = []
     for workload in args.workload or ["seq2seq", "lm"]:
