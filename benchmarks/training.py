@@ -7,8 +7,9 @@ Workloads (the issue's):
 Every Keras system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
 systems with its `training.FusedAdam` (the same update as one kernel per variable, what its recipes use),
 keras-hub's with `keras.optimizers.Adam`. tfformer's models compute that loss fused with their tied output
-projection (`models.TransformerModel.train_step`, the loss's default `fuse_projection=True`); keras-hub's
-models, plain `keras.Model`s, compute it on their logits. These systems compile no metrics.
+projection (`models.TransformerModel.train_step`, the loss's default `fuse_projection=True`), in two micro-batches
+that TensorFlow runs side by side (`compile(..., micro_batches=2)`, `MICRO_BATCHES`); keras-hub's models, plain
+`keras.Model`s, compute it on their logits. These systems compile no metrics.
 
 Also timed, each library as its documentation compiles it (rows ending in "+metrics", their ratios against
 "keras-hub float32 +metrics"): tfformer with its recipes' loss and metrics (`MaskedSparseCrossEntropy`,
@@ -64,16 +65,20 @@ def _lm_shape(smoke):
     return dict(vocab=8192, hidden=256, heads=4, intermediate=1024, layers=4, length=128, batch=32)
 
 
-def _compile(model, optimizer):
-    model.compile(optimizer=optimizer, loss=training.MaskedSparseCrossEntropy(0.0), jit_compile=False)
+MICRO_BATCHES = 2  # tfformer's `compile(micro_batches=...)` for these shapes on a CPU (see its docstring)
+
+
+def _compile(model, optimizer, **kwargs):
+    model.compile(optimizer=optimizer, loss=training.MaskedSparseCrossEntropy(0.0), jit_compile=False, **kwargs)
     return model
 
 
 def with_recipe_metrics(model):
     """Compiled as tfformer's recipes compile (`recipes.translation.compile_model`, `recipes.language_model`):
-    its loss and the two metrics they report; the benchmark's optimizer."""
+    its loss and the two metrics they report; the benchmark's optimizer and micro-batches."""
     model.compile(optimizer=training.FusedAdam(1e-4), loss=training.MaskedSparseCrossEntropy(0.0),
-                  metrics=[training.MaskedAccuracy(), training.Perplexity()], jit_compile=False)
+                  metrics=[training.MaskedAccuracy(), training.Perplexity()], jit_compile=False,
+                  micro_batches=MICRO_BATCHES)
     return model
 
 
@@ -91,7 +96,7 @@ def tfformer_seq2seq(s):
     config = models.TransformerConfig(vocabulary_size=s["vocab"], hidden_dim=s["hidden"], num_heads=s["heads"],
                                       intermediate_dim=s["intermediate"], num_encoder_layers=s["layers"],
                                       num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"])
-    return _compile(models.build_seq2seq(config), training.FusedAdam(1e-4))
+    return _compile(models.build_seq2seq(config), training.FusedAdam(1e-4), micro_batches=MICRO_BATCHES)
 
 
 def keras_hub_seq2seq(s):
@@ -113,7 +118,7 @@ def tfformer_lm(s):
                                       num_heads=s["heads"], intermediate_dim=s["intermediate"], num_encoder_layers=0,
                                       num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"],
                                       activation="gelu", norm_first=True, position="learned", scale_embeddings=False)
-    return _compile(models.build_causal_lm(config), training.FusedAdam(1e-4))
+    return _compile(models.build_causal_lm(config), training.FusedAdam(1e-4), micro_batches=MICRO_BATCHES)
 
 
 def _gpt2_backbone(s):
@@ -280,6 +285,8 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
                      "threads": worker.info["threads"]}
         elif name in built:
             extra = {"parameters": built[name][0].count_params()}
+            if hasattr(built[name][0], "micro_batches"):  # tfformer's
+                extra["micro_batches"] = built[name][0].micro_batches
         step_flops = flops.get(name, flops["tfformer float32"])  # a floor row: the same FLOPs
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),

@@ -42,6 +42,9 @@ def test_runner_smoke():
         # with keras-hub given tfformer's loss and no metrics.
         documented = ("tfformer float32", "tfformer bfloat16", "keras-hub float32")
         assert {f"{system} +metrics" for system in documented} <= set(rows)
+        # tfformer's systems train in two micro-batches (the smoke batch of 4 in parts of 2).
+        assert {name for name, r in rows.items() if r.get("micro_batches") == 2} == {
+            name for name in rows if name.startswith("tfformer")}
         for name, r in rows.items():
             assert r["baseline"] == ("keras-hub float32 +metrics" if name.endswith("+metrics") else "keras-hub float32")
             base = rows[r["baseline"]]["tokens_per_s"]

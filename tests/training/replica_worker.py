@@ -1,7 +1,7 @@
 """Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights.
 
-    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam] [fused|unfused]
-    (SGD by default; the loss's `fuse_projection` on by default)
+    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam] [fused|unfused] [MICRO_BATCHES]
+    (SGD by default; the loss's `fuse_projection` on by default; compile's `micro_batches` 1 by default)
 """
 
 import sys
@@ -11,6 +11,7 @@ import numpy as np
 replicas, weights_in, weights_out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
 fuse_projection = (sys.argv[5] if len(sys.argv) > 5 else "fused") == "fused"
+micro_batches = int(sys.argv[6]) if len(sys.argv) > 6 else 1
 
 from tfformer.training import get_strategy  # noqa: E402
 
@@ -42,7 +43,7 @@ with strategy.scope():
             "fused_adam": lambda: FusedAdam(0.01)}[optimizer]
     # Metrics: the fused step then also hands logits to them, from each replica's own trace.
     model.compile(optimizer=make(), loss=MaskedSparseCrossEntropy(0.1, fuse_projection=fuse_projection),
-                  metrics=[MaskedAccuracy(), Perplexity()], jit_compile=False)
+                  metrics=[MaskedAccuracy(), Perplexity()], jit_compile=False, micro_batches=micro_batches)
 if weights_in == "-":
     model.save_weights(weights_out)
     sys.exit(0)

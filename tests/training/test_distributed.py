@@ -40,16 +40,20 @@ def test_two_replicas_equal_one_replica(tmp_path):
 
 def test_fused_projection_on_two_replicas_equals_unfused_on_one(tmp_path):
     """The model's fused projection + loss step (its own loss reduction, scaled by 1/replicas as Keras scales a
-    loss) on 2 replicas == Keras' unfused step on 1: 3 SGD steps, padding spread unevenly over the replicas."""
+    loss) on 2 replicas == Keras' unfused step on 1: 3 SGD steps, padding spread unevenly over the replicas.
+    Also with `micro_batches=3`: each replica's 4 examples in parts of 1, 1 and 2."""
     init = tmp_path / "init.weights.h5"
     _run(1, "-", init)
     fused, unfused = tmp_path / "fused.weights.h5", tmp_path / "unfused.weights.h5"
+    split = tmp_path / "micro_batches.weights.h5"
     _run(2, init, fused, "sgd", "fused")
+    _run(2, init, split, "sgd", "fused", 3)
     _run(1, init, unfused, "sgd", "unfused")
     start, w1, w2 = _weights(init), _weights(fused), _weights(unfused)
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
-    for a, b in zip(w1, w2):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    for fused_weights in (w1, _weights(split)):
+        for a, b in zip(fused_weights, w2):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(tmp_path):

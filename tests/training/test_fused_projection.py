@@ -36,13 +36,14 @@ def _batch(architecture, rng):
     return {"encoder_token_ids": source, "decoder_token_ids": ids[:, :-1]}, ids[:, 1:]
 
 
-def _train(config, loss, data, steps=3, metrics=True, jit_compile=False, **fit_kwargs):
+def _train(config, loss, data, steps=3, metrics=True, jit_compile=False, micro_batches=1, **fit_kwargs):
     """`metrics`: True for tfformer's two metrics, False for none, or a list."""
     keras.utils.set_random_seed(7)  # same initial weights and dropout seeds for every model
     model = models.build_model(config)
     if metrics is True:
         metrics = [training.MaskedAccuracy(), training.Perplexity()]
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=jit_compile, metrics=metrics or None)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=jit_compile, metrics=metrics or None,
+                  micro_batches=micro_batches)
     logs = [model.train_on_batch(*data, return_dict=True, **fit_kwargs) for _ in range(steps)]
     return model, logs
 
@@ -123,6 +124,46 @@ def test_out_of_range_label_under_xla_is_a_nan_loss_not_a_clamped_one(rng, fuse_
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("metrics", ["statistics", "logits"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("architecture", ["causal_lm", "seq2seq"])
+def test_micro_batches_train_as_the_whole_batch(rng, spy, architecture, policy, metrics):
+    """`compile(micro_batches=k)`: k projections + losses per step, and the weights and logs of the unfused
+    step on the whole batch. k = 2 cuts the 3 examples into 1 + 2, k = 4 leaves one part empty. No dropout
+    (each part draws its own masks)."""
+    keras.config.set_dtype_policy(policy)
+    config, data = _config(architecture, dropout=0.0), _batch(architecture, rng)
+    steps = 3 if policy == "float32" else 1
+
+    def compiled_metrics():
+        extra = [keras.metrics.SparseCategoricalAccuracy()] if metrics == "logits" else []
+        return [training.MaskedAccuracy(), training.Perplexity()] + extra
+
+    plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, steps=steps, metrics=compiled_metrics())
+    start, _ = _train(config, LOSS(0.1), data, steps=0)
+    for micro_batches in (2, 4):
+        spy.update(call=0, call_on_hidden_states=0)
+        del spy["outputs"][:]
+        model, logs = _train(config, LOSS(0.1), data, steps=steps, metrics=compiled_metrics(),
+                             micro_batches=micro_batches)
+        assert spy["call"] == 0 and spy["call_on_hidden_states"] == micro_batches, spy  # one trace, k parts
+        assert set(spy["outputs"]) == {metrics}, spy
+        for a, b, c in zip(model.get_weights(), plain.get_weights(), start.get_weights()):
+            scale = np.abs(b - c).max()
+            np.testing.assert_allclose(a, b, atol=1e-6 + scale * (1e-5 if policy == "float32" else 2**-5))
+        for ours, theirs in zip(logs, plain_logs):
+            assert ours.keys() == theirs.keys()
+            for key in ours:
+                np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5 if policy == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("micro_batches", [0, -1, 2.0, True, "2", None])
+def test_micro_batches_must_be_a_positive_int(micro_batches):
+    model = models.build_model(_config("causal_lm"))
+    with pytest.raises(ValueError, match=r"`micro_batches` must be an int >= 1. Received: micro_batches="):
+        model.compile(optimizer="sgd", loss=LOSS(0.1), micro_batches=micro_batches)
+
+
 class _ArgmaxOfHalfLogits(training.MaskedAccuracy):
     """A metric subclass that changed `update_state`: it gets the logits, not statistics."""
 
@@ -200,15 +241,16 @@ def test_steps_that_cannot_fuse_train_as_before(rng, spy):
 
 
 def test_fused_model_round_trips_through_keras_file(rng, tmp_path, spy):
-    """A model trained fused saves and loads compiled (safe_mode), evaluates alike, and trains fused again."""
+    """A model trained fused saves and loads compiled (safe_mode), evaluates alike, and trains fused again, in
+    as many micro-batches as it was compiled with."""
     config, data = _config("seq2seq"), _batch("seq2seq", rng)
-    model, _ = _train(config, LOSS(0.1), data, steps=1)
+    model, _ = _train(config, LOSS(0.1), data, steps=1, micro_batches=2)
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
-    assert loaded.loss.fuse_projection is True
+    assert loaded.loss.fuse_projection is True and loaded.micro_batches == 2
     np.testing.assert_allclose(loaded.evaluate(*data, verbose=0, return_dict=True)["loss"],
                                model.evaluate(*data, verbose=0, return_dict=True)["loss"], rtol=1e-6)
     spy.update(call=0, call_on_hidden_states=0)
     loaded.train_on_batch(*data)
-    assert spy["call"] == 0 and spy["call_on_hidden_states"] > 0, spy
+    assert spy["call"] == 0 and spy["call_on_hidden_states"] == 2, spy

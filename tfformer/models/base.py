@@ -69,6 +69,21 @@ def embed_tokens(embedding, position, token_ids, start_index=0):
     return x + position(x, start_index=start_index)
 
 
+def _split_batch(structure, parts):
+    """`parts` structures like `structure`, its tensors cut along the batch axis into contiguous pieces of
+    `B // parts` or `B // parts + 1` rows (empty ones when B < parts)."""
+    if parts == 1:
+        return [structure]
+    batch = keras.ops.shape(keras.tree.flatten(structure)[0])[0]
+    bounds = [i * batch // parts for i in range(parts + 1)]
+    return [keras.tree.map_structure(lambda t, i=i: t[bounds[i]:bounds[i + 1]], structure) for i in range(parts)]
+
+
+def _concatenate(tensors):
+    """`_split_batch`'s inverse for a list of tensors."""
+    return tensors[0] if len(tensors) == 1 else keras.ops.concatenate(tensors, axis=0)
+
+
 _TRACING = threading.local()  # per thread: {id(model): _FusedStep}; a strategy traces each replica in a thread
 
 
@@ -79,6 +94,7 @@ class _FusedStep:
     def __init__(self, loss, return_logits, return_statistics):
         self.loss, self.return_logits, self.return_statistics = loss, return_logits, return_statistics
         self.metrics_input = None  # what compute_metrics hands the compiled metrics: logits, statistics or None
+        self.hidden_parts = None  # the projection's inputs `call` computed, one `(B_i, T, D)` per micro-batch
 
 
 class TransformerModel(keras.Model):
@@ -96,10 +112,12 @@ class TransformerModel(keras.Model):
     float32 logits under mixed precision). The loss, its reduction and the gradients are those of the unfused step;
     the compiled metrics get per-token statistics from the loss's pass over the logits when they all take them
     (`accepts_token_statistics`: `training.MaskedAccuracy`, `training.Perplexity`), else the float32 logits; without
-    compiled metrics no float32 logits are made. Evaluation and prediction are unchanged. This relies on private
-    parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with `functional.operation_fn`, the losses'
-    `reduce_values`, and `_compile_config`); tests/training/test_fused_projection.py fails if an update changes
-    them.
+    compiled metrics no float32 logits are made. With `compile(..., micro_batches=k)`, k > 1, the fused step cuts
+    the batch into k contiguous parts that run the model, the loss and their gradients independently, so that
+    TensorFlow's executor runs them side by side (see `compile`). Evaluation and prediction are unchanged. This
+    relies on private parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with
+    `functional.operation_fn`, the losses' `reduce_values`, and `_compile_config`);
+    tests/training/test_fused_projection.py fails if an update changes them.
     """
 
     def __init__(self, config, **kwargs):
@@ -117,6 +135,33 @@ class TransformerModel(keras.Model):
         raise NotImplementedError
 
     # === Training: the output projection fused with the loss ===
+    def compile(self, *args, micro_batches=1, **kwargs):
+        """`keras.Model.compile`, and `micro_batches`.
+
+        Args:
+            micro_batches: int >= 1. When the step fuses the output projection with the loss (see the class
+                docstring), cut each batch (each replica's, under a `tf.distribute` strategy) into this many
+                contiguous parts, as equal as they can be, whose forward and backward passes do not depend on
+                each other, so that TensorFlow's executor runs one part's ops while another part's wait or use
+                one core. The loss, the metrics and the gradients are the whole batch's (up to summation order);
+                dropout draws each part's masks separately. Measured on a 2-core CPU (benchmarks/RESULTS.md):
+                2 makes the benchmark LM's steps (32 x 128 tokens) 5-10% faster and the seq2seq model's
+                (64 x 64) 1-5%, and `transformer-tiny`'s (64 x 16) 5% slower; on a GPU, whose kernels run
+                one after another, expect no gain. Steps that do not fuse ignore it. Default 1 (no cut).
+        """
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"`micro_batches` must be an int >= 1. Received: micro_batches={micro_batches!r}")
+        super().compile(*args, **kwargs)
+        self.micro_batches = micro_batches
+        self._compile_config.config["micro_batches"] = micro_batches  # saved with the model, as compile's own
+
+    def compile_from_config(self, config):
+        # keras.Model's version skips compiling a model whose class overrides `compile`; this one is compile's.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)  # its slots, so that saved ones load into them
+
     @property
     def _fused_step(self):
         """The `_FusedStep` this thread is tracing for this model, or None. Per thread: MirroredStrategy traces
@@ -170,10 +215,14 @@ class TransformerModel(keras.Model):
             # The graph up to the projection's inputs, walked as Functional.call walks the whole graph: the
             # nodes recorded their layers' default `training`, which the walk overrides.
             hidden = keras.Function(self.input, self._projection_inputs)
-            return hidden._run_through_graph(  # (B, T, D)
-                self._standardize_inputs(inputs),
-                operation_fn=lambda op: keras_functional.operation_fn(op, training=training),
-            )
+            parts = _split_batch(self._standardize_inputs(inputs), getattr(self, "micro_batches", 1))
+            self._fused_step.hidden_parts = [
+                hidden._run_through_graph(  # (B_i, T, D)
+                    part, operation_fn=lambda op: keras_functional.operation_fn(op, training=training))
+                for part in parts
+            ]
+            # For Keras' step, which hands it to compute_loss; that reads the parts (unused, it is pruned).
+            return _concatenate(self._fused_step.hidden_parts)  # (B, T, D)
         return super().call(inputs, training=training, mask=mask)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
@@ -184,11 +233,22 @@ class TransformerModel(keras.Model):
         if getattr(y_pred, "_keras_mask", None) is not None:  # Keras would weight the loss by it; ours has none
             raise ValueError("The fused projection + loss does not take a Keras mask on the hidden states; compile "
                              "with `MaskedSparseCrossEntropy(..., fuse_projection=False)`.")
-        values = step.loss.call_on_hidden_states(y, y_pred, self.token_embedding.embeddings,
+        # One projection + loss per micro-batch, on the hidden states `call` computed for it (y_pred is their
+        # concatenation), so that each part's backward pass starts from its own loss.
+        parts = [step.loss.call_on_hidden_states(labels, hidden, self.token_embedding.embeddings,
                                                  return_logits=step.return_logits,
-                                                 return_statistics=step.return_statistics)  # (B, T)
-        if step.return_logits or step.return_statistics:
-            values, step.metrics_input = values
+                                                 return_statistics=step.return_statistics)
+                 for labels, hidden in zip(_split_batch(y, len(step.hidden_parts)), step.hidden_parts)]
+        if not (step.return_logits or step.return_statistics):
+            parts = [(values,) for values in parts]
+        values = _concatenate([part[0] for part in parts])  # (B, T)
+        if step.return_statistics:
+            statistics = type(parts[0][1])  # the loss's training.TokenStatistics
+            step.metrics_input = statistics(
+                _concatenate([part[1].cross_entropy for part in parts]),  # (B, T)
+                _concatenate([part[1].correct for part in parts]))  # (B, T)
+        elif step.return_logits:
+            step.metrics_input = _concatenate([part[1] for part in parts])  # (B, T, V)
         # Keras' own reduction of unweighted values (what keras.losses.Loss.__call__ applies), including its
         # 1/replicas scaling under a tf.distribute strategy.
         total = keras_loss.reduce_values(values, reduction=step.loss.reduction)

@@ -182,7 +182,8 @@ def _projected_cross_entropy(hidden_states, embeddings, labels, smoothing, paddi
     loss = tf.reshape(outputs.pop(0), tf.shape(labels))  # (B, T)
     logits = statistics = None
     if return_logits:
-        logits = tf.reshape(tf.stop_gradient(outputs.pop(0)), tf.concat([tf.shape(labels), [-1]], 0))  # (B, T, V)
+        shape = tf.concat([tf.shape(labels), tf.shape(embeddings)[:1]], 0)  # not -1: B*T may be 0
+        logits = tf.reshape(tf.stop_gradient(outputs.pop(0)), shape)  # (B, T, V)
     if return_statistics:
         cross_entropy, correct = (tf.reshape(tf.stop_gradient(x), tf.shape(labels)) for x in outputs)  # (B, T) each
         statistics = TokenStatistics(cross_entropy, correct)
