@@ -75,7 +75,8 @@ def _compile(model, optimizer, **kwargs):
 
 def with_recipe_metrics(model):
     """Compiled as tfformer's recipes compile (`recipes.translation.compile_model`, `recipes.language_model`):
-    its loss and the two metrics they report; the benchmark's optimizer and micro-batches."""
+    its loss and the two metrics they report; the benchmark's optimizer, and its micro-batches (2: what
+    `recipes.language_model.default_micro_batches` picks for these batches on a CPU)."""
     model.compile(optimizer=training.FusedAdam(1e-4), loss=training.MaskedSparseCrossEntropy(0.0),
                   metrics=[training.MaskedAccuracy(), training.Perplexity()], jit_compile=False,
                   micro_batches=MICRO_BATCHES)
