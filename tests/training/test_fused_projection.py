@@ -129,8 +129,8 @@ def test_out_of_range_label_under_xla_is_a_nan_loss_not_a_clamped_one(rng, fuse_
 @pytest.mark.parametrize("architecture", ["causal_lm", "seq2seq"])
 def test_micro_batches_train_as_the_whole_batch(rng, spy, architecture, policy, metrics):
     """`compile(micro_batches=k)`: k projections + losses per step, and the weights and logs of the unfused
-    step on the whole batch. k = 2 cuts the 3 examples into 1 + 2, k = 4 leaves one part empty. No dropout
-    (each part draws its own masks)."""
+    step on the whole batch. k = 2 cuts the 3 examples into 1 + 2, k = 4 leaves one part empty; float32 also
+    k = 2 under XLA. No dropout (each part draws its own masks)."""
     keras.config.set_dtype_policy(policy)
     config, data = _config(architecture, dropout=0.0), _batch(architecture, rng)
     steps = 3 if policy == "float32" else 1
@@ -141,11 +141,12 @@ def test_micro_batches_train_as_the_whole_batch(rng, spy, architecture, policy, 
 
     plain, plain_logs = _train(config, LOSS(0.1, fuse_projection=False), data, steps=steps, metrics=compiled_metrics())
     start, _ = _train(config, LOSS(0.1), data, steps=0)
-    for micro_batches in (2, 4):
+    runs = [(2, False), (4, False)] + ([(2, True)] if policy == "float32" else [])
+    for micro_batches, jit_compile in runs:
         spy.update(call=0, call_on_hidden_states=0)
         del spy["outputs"][:]
         model, logs = _train(config, LOSS(0.1), data, steps=steps, metrics=compiled_metrics(),
-                             micro_batches=micro_batches)
+                             micro_batches=micro_batches, jit_compile=jit_compile)
         assert spy["call"] == 0 and spy["call_on_hidden_states"] == micro_batches, spy  # one trace, k parts
         assert set(spy["outputs"]) == {metrics}, spy
         for a, b, c in zip(model.get_weights(), plain.get_weights(), start.get_weights()):
