@@ -152,8 +152,12 @@ class TransformerModel(keras.Model):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"`micro_batches` must be an int >= 1. Received: micro_batches={micro_batches!r}")
         super().compile(*args, **kwargs)
-        self.micro_batches = micro_batches
         self._compile_config.config["micro_batches"] = micro_batches  # saved with the model, as compile's own
+
+    @property
+    def micro_batches(self):
+        """What `compile(micro_batches=...)` got; 1 before `compile`."""
+        return self._compiled_arguments().get("micro_batches", 1)
 
     def compile_from_config(self, config):
         # keras.Model's version skips compiling a model whose class overrides `compile`; this one is compile's.
@@ -215,7 +219,7 @@ class TransformerModel(keras.Model):
             # The graph up to the projection's inputs, walked as Functional.call walks the whole graph: the
             # nodes recorded their layers' default `training`, which the walk overrides.
             hidden = keras.Function(self.input, self._projection_inputs)
-            parts = _split_batch(self._standardize_inputs(inputs), getattr(self, "micro_batches", 1))
+            parts = _split_batch(self._standardize_inputs(inputs), self.micro_batches)
             self._fused_step.hidden_parts = [
                 hidden._run_through_graph(  # (B_i, T, D)
                     part, operation_fn=lambda op: keras_functional.operation_fn(op, training=training))

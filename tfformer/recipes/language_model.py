@@ -48,7 +48,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
                                   batch_size, shuffle=False)
     if micro_batches is None:
         tokens_per_replica = batch_size // strategy.num_replicas_in_sync * sequence_length
-        micro_batches = default_micro_batches(tokens_per_replica, on_gpu=bool(tf.config.list_logical_devices("GPU")))
+        micro_batches = default_micro_batches(tokens_per_replica, on_gpu=bool(tf.config.list_physical_devices("GPU")))
     with strategy.scope():
         model = models.build_model(config)
         model.compile(
