@@ -225,7 +225,8 @@ class TransformerModel(keras.Model):
                     part, operation_fn=lambda op: keras_functional.operation_fn(op, training=training))
                 for part in parts
             ]
-            # For Keras' step, which hands it to compute_loss; that reads the parts (unused, it is pruned).
+            # For Keras' step, which hands it to compute_loss and compute_metrics; they read the parts and the
+            # metrics input instead, so nothing consumes it (a (B, T, D) copy at most).
             return _concatenate(self._fused_step.hidden_parts)  # (B, T, D)
         return super().call(inputs, training=training, mask=mask)
 
