@@ -2,9 +2,10 @@
 
 Workloads: training (seq2seq + GPT-shaped LM vs keras-hub and PyTorch), generation (vs keras-hub
 GPT2CausalLM and transformers' GPT-2), encoder (MiniLM vs keras-hub BertBackbone and sentence-transformers),
-tflite (batch-1 latency vs SavedModel), and
-translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes, never in
-the default set). Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
+tflite (batch-1 latency vs SavedModel),
+translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes) and lm_perplexity
+(test perplexity after the same time budget vs keras-hub's GPT2CausalLM; ~45 minutes); the last two are never in
+the default set. Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
 one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing. Ratios are
 given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
@@ -22,6 +23,7 @@ WORKLOADS = {
     "encoder": "benchmarks.encoder",
     "tflite": "benchmarks.tflite_latency",
     "translation_bleu": "benchmarks.translation_bleu",
+    "lm_perplexity": "benchmarks.lm_perplexity",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder"}

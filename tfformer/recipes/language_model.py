@@ -22,7 +22,11 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
              eval_every=200, seed=0, printer=print, micro_batches=None, **overrides):
     """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`.
 
-    `micro_batches`: the model's `compile(micro_batches=...)`; None picks `default_micro_batches`.
+    `time_budget` counts everything: vocabulary learning, training and the final evaluation (5% of it is
+    reserved for the latter). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
+    `default_micro_batches`. The returned metrics hold the validation and test perplexities (`test_perplexity`
+    is None when the test split is shorter than one window of `sequence_length + 1` tokens), the optimizer
+    steps taken and the seconds spent in `fit`.
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
@@ -60,13 +64,26 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
         )
     evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
     remaining = budget - (time.monotonic() - start)
+    fit_start = time.monotonic()
     training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=[evaluator], strategy=strategy,
                  run_dir=out, time_budget=max(remaining - 0.05 * budget, 1.0), backup_every=eval_every, verbose=0)
+    train_seconds = time.monotonic() - fit_start
     model.save(os.path.join(out, MODEL_FILE))
     val = model.evaluate(val_ds, verbose=0, return_dict=True)
+    test_perplexity = None
+    try:
+        test_ds = data.make_lm_dataset(splits["test"], tokenizer, sequence_length, batch_size, shuffle=False)
+    except ValueError as error:  # empty, or shorter than one window
+        printer(f"no test perplexity: {len(splits['test'])} test lines; {error}")
+    else:
+        test_perplexity = float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
     sample = generation.generate(model, tokenizer, ["def "], max_new_tokens=min(48, sequence_length - 8))[0]
-    metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]), "curve": evaluator.rows,
+    metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]),
+               "test_perplexity": test_perplexity, "steps": int(model.optimizer.iterations.numpy()),
+               "train_seconds": round(train_seconds, 1), "parameters": model.count_params(), "curve": evaluator.rows,
                "sample": "def " + sample, "seconds": round(time.monotonic() - start, 1)}
     rundir.write_json(os.path.join(out, rundir.FINISHED_MARKER), metrics)
-    printer(f"validation perplexity {metrics['val_perplexity']:.2f}\nsample: {metrics['sample']!r}")
+    printer(f"validation perplexity {metrics['val_perplexity']:.2f}"
+            + ("" if test_perplexity is None else f", test perplexity {test_perplexity:.2f}")
+            + f"\nsample: {metrics['sample']!r}")
     return metrics

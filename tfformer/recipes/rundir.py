@@ -28,15 +28,17 @@ def prepare(path, overwrite=False):
 
 
 def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
-    """Start (or resume) a run in `out`: returns `(state, strategy)` with the dtype policy and seeds set."""
+    """Start (or resume) a run in `out`: returns `(state, strategy)` with the dtype policy and seeds set.
+
+    The global dtype policy becomes the mixed one or "float32", whatever an earlier run in the process set.
+    """
     import keras
 
     from tfformer import training
 
     state = prepare(out, overwrite=overwrite)
     strategy = training.get_strategy(replicas)
-    if mixed_precision:
-        keras.config.set_dtype_policy(training.mixed_precision_policy())
+    keras.config.set_dtype_policy(training.mixed_precision_policy() if mixed_precision else "float32")
     keras.utils.set_random_seed(seed)
     return state, strategy
 

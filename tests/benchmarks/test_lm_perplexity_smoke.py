@@ -1,0 +1,48 @@
+"""`python -m benchmarks.lm_perplexity --smoke` runs (tiny model, seconds of training; the numbers mean little)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from benchmarks import lm_perplexity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_lm_perplexity_smoke(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-m", "benchmarks.lm_perplexity", "--smoke", "--minutes", "0.2",
+               "--out", str(tmp_path / "run")]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["system"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"tfformer float32", "tfformer bfloat16", "keras-hub float32 (recipe schedule)",
+                         "keras-hub float32 (keras.io)"}
+    vocabulary = lm_perplexity.SMOKE["vocabulary_size"]
+    for row in rows.values():
+        # Trained models beat the uniform guess (perplexity = the vocabulary size) on held-out text.
+        assert 1 < row["test_perplexity"] < 0.5 * vocabulary, row
+        assert row["steps"] > 10 and row["parameters"] > 0
+    for system in ("tfformer float32", "tfformer bfloat16"):
+        # The saved model, evaluated by the benchmark's loop, gives what the recipe's `evaluate` reported.
+        assert rows[system]["test_perplexity"] == pytest.approx(rows[system]["recipe_test_perplexity"], rel=1e-3)
+    budget = rows["tfformer float32"]["train_seconds"]
+    for system in ("keras-hub float32 (recipe schedule)", "keras-hub float32 (keras.io)"):
+        assert budget - 0.5 <= rows[system]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
+    assert "| system | test perplexity |" in out.stdout
+
+
+def test_perplexity_of_uniform_logits_is_the_vocabulary_size():
+    vocabulary = 37
+    token_ids = keras.Input((None,), dtype="int32", name="token_ids")
+    zeros = keras.layers.Lambda(lambda t: tf.zeros(tf.concat([tf.shape(t), [vocabulary]], 0)))(token_ids)
+    model = keras.Model({"token_ids": token_ids}, zeros)
+    labels = np.random.default_rng(0).integers(1, vocabulary, (5, 7))
+    dataset = tf.data.Dataset.from_tensor_slices(({"token_ids": labels}, labels)).batch(2)
+    assert lm_perplexity.perplexity_on(model, dataset) == pytest.approx(vocabulary, rel=1e-5)
