@@ -45,6 +45,18 @@ def test_vectors_are_unit_length_and_independent_of_the_batch():
     assert model.encode([]).shape == (0, 16)
 
 
+def test_encode_runs_one_compiled_function_for_every_shape():
+    model = _model()
+    texts = TEXTS + ["the cat", "a dog sat on the mat .", "cats", "the dog sat", "a mat on a cat on a dog on a mat"]
+    vectors = model.encode(texts, batch_size=2)  # batches of 2 or 1 rows, 3 to 16 tokens
+    tokens = model.tokenize(texts)
+    np.testing.assert_allclose(vectors, model(tokens, training=False), atol=1e-5)  # one eager call, padded
+    traces = model.predict_function.experimental_get_tracing_count()
+    assert traces <= 3  # the first shape, then the length left open, then the batch too (the last, shorter batch)
+    model.encode(["the"] + texts + ["the cat sat on the mat on the mat on the mat"], batch_size=3)  # new shapes
+    assert model.predict_function.experimental_get_tracing_count() == traces
+
+
 def test_save_load_round_trip(tmp_path):
     model = _model()
     path = tmp_path / "sentence_encoder.keras"
