@@ -1,4 +1,4 @@
-"""Sentence-encoder throughput: tfformer's all-MiniLM-L6-v2 vs keras-hub BertBackbone vs sentence-transformers (PyTorch).
+"""Sentence-encoder throughput: tfformer's all-MiniLM-L6-v2 vs keras-hub BertBackbone vs sentence-transformers.
 
 Sentences per second at batch 32, sequence 128 (every position a real token), the forward pass of a
 sentence embedder (encoder, mean pooling, L2 norm) on 2 threads:
@@ -11,6 +11,11 @@ sentence embedder (encoder, mean pooling, L2 norm) on 2 threads:
   torch and sentence-transformers, else `/tmp/torchvenv/bin/python` (or `--torch-python`); without either,
   the PyTorch rows are skipped.
 
+Also timed, the whole path a user runs (rows "tfformer encode" and "pytorch encode"): `SentenceEncoder.encode`
+and sentence-transformers' `SentenceTransformer.encode` of the same 512 English sentences (the gettext
+catalogs' English->German training split, 4-114 tokens, ~10 on average), tokenization included, batches of 32,
+float32 and bfloat16 as above (keras-hub has no sentence-embedding task, so no row).
+
 Keras models run through a `tf.function` (no XLA). Repeats are interleaved across all six systems (the
 PyTorch worker waits on a pipe while the others run), after warm-up; medians are reported. Prints one JSON
 line per system and a markdown table with the ratios tfformer / keras-hub and tfformer / PyTorch
@@ -18,8 +23,8 @@ line per system and a markdown table with the ratios tfformer / keras-hub and tf
 
     python -m benchmarks.encoder [--smoke] [--repeats 5]
 
-`--smoke`: one repeat on tiny shapes (tiny random Keras models; PyTorch gets batch 2, sequence 8); the
-numbers mean nothing.
+`--smoke`: one repeat on tiny shapes (tiny random Keras models, 16 sentences for the encode rows with a
+64-word vocabulary; PyTorch gets batch 2, sequence 8); the numbers mean nothing.
 """
 
 import argparse
@@ -33,6 +38,21 @@ from benchmarks import torch_worker
 THREADS = 2
 SHAPE = dict(vocab=30522, layers=6, hidden=384, heads=12, intermediate=1536)
 SMOKE_SHAPE = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
+ENCODE_BATCH = 32
+
+
+def _texts(smoke):
+    """English sentences for the encode rows: the start of the gettext catalogs' English->German training split."""
+    from tfformer.recipes import translation
+
+    return [source for source, _ in translation.load_pairs("de")["train"][: 16 if smoke else 512]]
+
+
+def _smoke_tokenizer(vocab):
+    from tfformer import convert
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "to", "of", "and", "in", "is", "file", "not"]
+    return convert.BertTokenizer(words + [f"##{i}" for i in range(vocab - len(words))], max_length=64)
 
 
 def _token_ids(vocab, batch, length, seed=0):
@@ -51,7 +71,7 @@ def _pooled(sequence, padding_mask):
     return pooled / tf.maximum(tf.norm(pooled, axis=-1, keepdims=True), 1e-12)
 
 
-def _keras_systems(smoke, batch, length):
+def _keras_systems(smoke, batch, length, texts):
     import keras
     import keras_hub
     import tensorflow as tf
@@ -71,7 +91,8 @@ def _keras_systems(smoke, batch, length):
                     num_heads=shape["heads"], intermediate_dim=shape["intermediate"],
                     num_encoder_layers=shape["layers"], num_decoder_layers=0, dropout=0.0, max_sequence_length=64,
                 )
-                ours = models.SentenceEncoder(models.build_model(config))
+                tokenizer = _smoke_tokenizer(shape["vocab"])
+                ours = models.SentenceEncoder(models.build_model(config), tokenizer=tokenizer)
             else:
                 ours = models.from_preset("all-minilm-l6-v2")
             theirs = keras_hub.models.BertBackbone(
@@ -98,6 +119,13 @@ def _keras_systems(smoke, batch, length):
                 return time.perf_counter() - start
 
             systems[(system, dtype)] = call
+
+        def encode(model=ours):
+            start = time.perf_counter()
+            model.encode(texts, batch_size=ENCODE_BATCH)
+            return time.perf_counter() - start
+
+        systems[("tfformer encode", dtype)] = encode
     return systems
 
 
@@ -124,6 +152,7 @@ def main(argv=None):
     batch, length = (2, 8) if args.smoke else (32, 128)
     repeats, warmup = (1, 1) if args.smoke else (args.repeats, args.warmup)
 
+    texts = _texts(args.smoke)
     # Start the PyTorch worker first: it loads while the Keras models are built.
     from tfformer.convert import pretrained
 
@@ -132,39 +161,44 @@ def main(argv=None):
     except ValueError as error:
         pending = torch_worker.Pending(skipped=str(error))
     else:
-        pending = torch_worker.start("encoder", {"model_dir": model_dir, "threads": THREADS},
+        pending = torch_worker.start("encoder", {"model_dir": model_dir, "threads": THREADS, "texts": texts},
                                      {"ids": _token_ids(30522, batch, length)}, args.torch_python)
 
     from benchmarks import common
 
     threads_set = _set_tf_threads()
     with pending:
-        systems = _keras_systems(args.smoke, batch, length)
+        systems = _keras_systems(args.smoke, batch, length, texts)
         worker = pending.ready()
         if worker is not None:
             for dtype in ("float32", "bfloat16"):
                 systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
+                systems[("pytorch encode", dtype)] = lambda dtype=dtype: worker.run(f"encode {dtype}")
         times = common.interleaved(systems, repeats=repeats, warmup=warmup, self_timed=True)
 
     rows = {}
     for (system, dtype), values in times.items():
         seconds = common.median(values)
-        record = {"bench": "encoder", "system": system, "dtype": dtype, "batch": batch, "sequence_length": length,
-                  "sentences_per_s": round(batch / seconds, 1), "seconds": round(seconds, 4),
+        encode = system.endswith(" encode")
+        sentences = len(texts) if encode else batch
+        record = {"bench": "encoder", "system": system, "dtype": dtype, "batch": ENCODE_BATCH if encode else batch,
+                  "sequence_length": "longest in batch" if encode else length, "sentences": sentences,
+                  "sentences_per_s": round(sentences / seconds, 1), "seconds": round(seconds, 4),
                   "repeats": [round(v, 4) for v in values], "threads": THREADS if threads_set else "preset",
                   "peak_rss_mb": round(common.peak_rss_mb())}
-        if system == "pytorch":
+        if system.startswith("pytorch"):
             record.update(torch=worker.info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
         rows[(system, dtype)] = common.emit(record)
 
     table_rows = []
     for (system, dtype), record in rows.items():
         row = dict(record)
+        suffix = system[len("tfformer"):]  # "" or " encode"
         for other in ("keras-hub", "pytorch"):
-            if system == "tfformer" and (other, dtype) in rows:
-                ratio = record["sentences_per_s"] / rows[(other, dtype)]["sentences_per_s"]
-                per_round = common.paired_ratio(times[(system, dtype)], times[(other, dtype)])
-                common.emit({"bench": "encoder_ratio", "dtype": dtype, "tfformer_vs": other,
+            if system.startswith("tfformer") and (other + suffix, dtype) in rows:
+                ratio = record["sentences_per_s"] / rows[(other + suffix, dtype)]["sentences_per_s"]
+                per_round = common.paired_ratio(times[(system, dtype)], times[(other + suffix, dtype)])
+                common.emit({"bench": "encoder_ratio", "system": system, "dtype": dtype, "tfformer_vs": other,
                              "ratio": common.significant(ratio),
                              "per_round": [common.significant(x) for x in per_round]})
                 row[f"tfformer/{other}"] = f"{ratio:.2f}"
@@ -174,8 +208,9 @@ def main(argv=None):
     print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",
                                     "tfformer/keras-hub", "tfformer/keras-hub per round", "tfformer/pytorch",
                                     "tfformer/pytorch per round"]))
-    print(f"\nbatch {batch}, sequence {length}, {THREADS} threads, medians of {repeats} interleaved repeats after "
-          f"{warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is faster.")
+    print(f"\nbatch {batch}, sequence {length} (encode rows: {len(texts)} sentences, tokenization included), "
+          f"{THREADS} threads, medians of {repeats} interleaved repeats after {warmup} warm-up round(s); ratios are "
+          "sentences/s, > 1 means tfformer is faster.")
     if worker is None:
         print(f"PyTorch rows skipped: {pending.skipped}")
     return 0

@@ -8,7 +8,9 @@ generation `float32 8`) runs the system once and it prints `{"seconds": ...}`, t
 without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
 
 Systems (the spec's intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
-- `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass.
+- `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass; with
+  `encode float32` / `encode bfloat16`, `SentenceTransformer.encode` of the spec's `texts` (tokenization
+  included, batches of 32).
 - `train_lm`: transformers' `GPT2LMHeadModel` of the benchmark's shape (tied embeddings, dropout 0.1), the
   loss `F.cross_entropy` on float32 logits, `torch.optim.Adam(lr=1e-4, fused=True)`; `steps` steps per run.
 - `train_seq2seq`: `torch.nn.Transformer` (post-norm, ReLU, dropout 0.1) between learned token + position
@@ -48,9 +50,13 @@ def _encoder(spec):
     ids = torch.from_numpy(_load(spec["arrays"])["ids"].astype("int64"))
     features = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 
-    def run(dtype):
+    def run(command):
+        *encode, dtype = command.split()
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            embedding = model(dict(features))["sentence_embedding"]
+            if encode:
+                embedding = model.encode(spec["texts"], batch_size=32, convert_to_tensor=True)
+            else:
+                embedding = model(dict(features))["sentence_embedding"]
         float(embedding.float().sum())
 
     return model, run

@@ -19,15 +19,22 @@ def test_encoder_benchmark_smoke():
     records = [r for r in all_records if r["bench"] == "encoder"]
     ratios = [r for r in all_records if r["bench"] == "encoder_ratio"]
     systems = {(r["system"], r["dtype"]) for r in records}
-    keras_rows = {(s, d) for s in ("tfformer", "keras-hub") for d in ("float32", "bfloat16")}
+    keras_rows = {(s, d) for s in ("tfformer", "keras-hub", "tfformer encode") for d in ("float32", "bfloat16")}
     assert keras_rows <= systems
-    torch_rows = {("pytorch", "float32"), ("pytorch", "bfloat16")}
+    torch_rows = {(s, d) for s in ("pytorch", "pytorch encode") for d in ("float32", "bfloat16")}
     # The PyTorch rows are there when an interpreter with torch exists, else the skip is said.
     assert torch_rows <= systems or ("PyTorch rows skipped" in out.stdout and not systems & torch_rows)
     assert all(r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
+    for r in records:  # encode rows: the 16 smoke sentences; forward rows: the smoke batch
+        assert r["sentences"] == (16 if r["system"].endswith(" encode") else 2), r
+        assert r["seconds"] == pytest.approx(r["sentences"] / r["sentences_per_s"], rel=0.01, abs=1e-4)  # rounding
     speed = {(r["system"], r["dtype"]): r["sentences_per_s"] for r in records}
-    for dtype in ("float32", "bfloat16"):  # tfformer / keras-hub, per dtype; with one round, per round = of the medians
-        (r,) = [r for r in ratios if r["dtype"] == dtype and r["tfformer_vs"] == "keras-hub"]
-        assert r["ratio"] == pytest.approx(speed[("tfformer", dtype)] / speed[("keras-hub", dtype)], rel=0.01)
-        assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
+    pairs = [("tfformer", "keras-hub", "keras-hub")]
+    if torch_rows <= systems:
+        pairs += [("tfformer", "pytorch", "pytorch"), ("tfformer encode", "pytorch", "pytorch encode")]
+    for ours, versus, theirs in pairs:  # per dtype; with one round, per round = of the medians
+        for dtype in ("float32", "bfloat16"):
+            (r,) = [r for r in ratios if (r["system"], r["dtype"], r["tfformer_vs"]) == (ours, dtype, versus)]
+            assert r["ratio"] == pytest.approx(speed[(ours, dtype)] / speed[(theirs, dtype)], rel=0.01)
+            assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
     assert "| system | dtype |" in out.stdout and "tfformer/keras-hub" in out.stdout
