@@ -11,3 +11,21 @@ from tfformer.recipes import language_model
 ])
 def test_default_micro_batches(tokens, on_gpu, expected):
     assert language_model.default_micro_batches(tokens, on_gpu) == expected
+
+
+def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
+    from tfformer import data
+
+    lines = [line for line in (f"value_{i} = compute(value_{i - 1}) + {i}" for i in range(1, 400))
+             if data.split_of(line) != "test"]
+    text = tmp_path / "corpus.py"
+    text.write_text("\n".join(lines) + "\n")
+    printed = []
+    metrics = language_model.train_lm(
+        str(tmp_path / "run"), text_files=[str(text)], time_budget="8s", batch_size=4, sequence_length=16,
+        vocabulary_size=128, warmup_steps=10, eval_every=10, printer=printed.append, hidden_dim=16, num_heads=2,
+        intermediate_dim=32, num_decoder_layers=1)
+    assert metrics["test_perplexity"] is None
+    assert any(line.startswith("no test perplexity: 0 test lines") for line in printed), printed
+    assert metrics["steps"] > 0 and 0 < metrics["train_seconds"] <= metrics["seconds"]
+    assert metrics["val_perplexity"] > 1
