@@ -7,11 +7,15 @@ vocabulary of 8192 that tfformer's float32 run learns inside its budget) for the
 is exp(mean cross-entropy per token) on the test split, computed for every system by one function
 (`perplexity_on`: `training.Perplexity` on each model's float32 logits).
 
-    python -m benchmarks.lm_perplexity [--minutes 10] [--out runs/lm-bench] [--smoke]
+    python -m benchmarks.lm_perplexity [--minutes 10] [--out DIR [--overwrite]] [--smoke]
+
+Run directories: `--out` (default: a new temporary directory) and `--out`-bf16; an existing run there is replaced
+only with `--overwrite`.
 
 - tfformer: `recipes.language_model.train_lm`, in float32 and under mixed_bfloat16 (each its own run directory and
-  the same budget). The budget counts its vocabulary learning, its validation every 200 steps and at each epoch's
-  end, and its final evaluations, as a user's run does.
+  the same budget; the bfloat16 run learns its vocabulary again, and its row says whether the file came out the
+  same, `same_vocabulary`). The budget counts its vocabulary learning and its validation every 200 steps and at
+  each epoch's end, as a user's run does.
 - keras-hub: `GPT2CausalLM(GPT2Backbone(the same shape), preprocessor=None)` compiled with its task's loss and
   metric (`CausalLM.compile`'s defaults but the optimizer), no XLA, trained for as many seconds as tfformer
   float32's `fit` took. Two runs, one per optimizer, since keras-hub's default (AdamW 2e-5) is a fine-tuning rate:
@@ -25,8 +29,10 @@ nothing).
 """
 
 import argparse
+import filecmp
 import json
 import os
+import tempfile
 import time
 
 import keras
@@ -101,11 +107,11 @@ def run_keras_hub(run_dir, optimizer_name, train_seconds, shape, seed=0):
             "parameters": model.count_params()}
 
 
-def run_tfformer(out, shape, mixed_precision):
+def run_tfformer(out, shape, mixed_precision, overwrite):
     metrics = language_model.train_lm(
         out, text_files=shape["text_files"], time_budget=f"{shape['minutes']}m", batch_size=shape["batch_size"],
         sequence_length=shape["sequence_length"], vocabulary_size=shape["vocabulary_size"],
-        warmup_steps=shape["warmup_steps"], overwrite=True, mixed_precision=mixed_precision,
+        warmup_steps=shape["warmup_steps"], overwrite=overwrite, mixed_precision=mixed_precision,
         eval_every=shape["eval_every"], printer=lambda *_: None, **shape["overrides"])
     # The saved model, evaluated as keras-hub's is (train_lm's own test_perplexity is the same metric).
     model = keras.models.load_model(os.path.join(out, MODEL_FILE), safe_mode=True)
@@ -120,7 +126,8 @@ def run_tfformer(out, shape, mixed_precision):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, help="each system's budget (default: 10; smoke: 0.25)")
-    parser.add_argument("--out", default="runs/lm-bench")
+    parser.add_argument("--out", help="run directory (default: a new temporary one); bfloat16 runs in OUT-bf16")
+    parser.add_argument("--overwrite", action="store_true", help="replace runs already in OUT and OUT-bf16")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     shape = dict(SMOKE if args.smoke else FULL)
@@ -134,11 +141,21 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    ours = run_tfformer(args.out, shape, mixed_precision=False)
+    out = args.out or tempfile.mkdtemp(prefix="lm-bench-")
+    for path in (out, out + "-bf16"):  # checked before any training, not after the first run's 10 minutes
+        if not args.overwrite and os.path.isdir(path) and os.listdir(path):
+            parser.error(f"--out: {path!r} already holds a run; pass --overwrite to replace it, or choose --out.")
+    print(f"run directories: {out}, {out}-bf16", flush=True)
+    ours = run_tfformer(out, shape, mixed_precision=False, overwrite=args.overwrite)
     emit(ours)
     for name in KERAS_HUB_OPTIMIZERS:
-        emit(run_keras_hub(args.out, name, ours["train_seconds"], shape))
-    emit(run_tfformer(args.out + "-bf16", shape, mixed_precision=True))
+        emit(run_keras_hub(out, name, ours["train_seconds"], shape))
+    bf16 = run_tfformer(out + "-bf16", shape, mixed_precision=True, overwrite=args.overwrite)
+    bf16["same_vocabulary"] = filecmp.cmp(os.path.join(out, TOKENIZER_FILE),
+                                          os.path.join(out + "-bf16", TOKENIZER_FILE), shallow=False)
+    if not bf16["same_vocabulary"]:
+        print("WARNING: the bfloat16 run learned another vocabulary; its perplexity does not compare", flush=True)
+    emit(bf16)
     best = min((r for r in rows if r["system"].startswith("keras-hub")), key=lambda r: r["test_perplexity"])
     print("\n| system | test perplexity | steps | train seconds | steps/s | perplexity vs best keras-hub | steps/s vs "
           "best keras-hub |\n|---|---|---|---|---|---|---|")

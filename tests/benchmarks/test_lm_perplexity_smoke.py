@@ -35,7 +35,11 @@ def test_lm_perplexity_smoke(tmp_path):
     budget = rows["tfformer float32"]["train_seconds"]
     for system in ("keras-hub float32 (recipe schedule)", "keras-hub float32 (keras.io)"):
         assert budget - 0.5 <= rows[system]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
+    assert rows["tfformer bfloat16"]["same_vocabulary"] is True  # both tfformer runs learned the same file
     assert "| system | test perplexity |" in out.stdout
+    # An existing run is replaced only with --overwrite.
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert again.returncode != 0 and "already holds a run; pass --overwrite" in again.stderr
 
 
 def test_perplexity_of_uniform_logits_is_the_vocabulary_size():

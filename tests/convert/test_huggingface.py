@@ -108,8 +108,8 @@ def test_save_and_load_keeps_weights_and_tokenizer(minilm, reference, tmp_path):
     sentences = reference["sentences"][:4] + reference["sentences"][-1:]
     tokens = minilm.tokenize(sentences)
     np.testing.assert_array_equal(reloaded(tokens, training=False), minilm(tokens, training=False))  # same eager ops
-    # encode runs each model's compiled predict function, whose graph depends on the shapes it was first traced
-    # with (the fixture's ran earlier tests): float32 round-off apart, the same vectors.
+    # encode runs each model's own tf.function, whose graph depends on the shapes it was first traced with (the
+    # fixture's ran earlier tests): float32 round-off apart, the same vectors.
     np.testing.assert_allclose(reloaded.encode(sentences), minilm.encode(sentences), rtol=0, atol=1e-6)
 
 

@@ -1,5 +1,10 @@
 """SentenceEncoder on a tiny random encoder: pooling, normalisation, batching, .keras round trip."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import keras
 import numpy as np
 import pytest
@@ -51,10 +56,36 @@ def test_encode_runs_one_compiled_function_for_every_shape():
     vectors = model.encode(texts, batch_size=2)  # batches of 2 or 1 rows, 3 to 16 tokens
     tokens = model.tokenize(texts)
     np.testing.assert_allclose(vectors, model(tokens, training=False), atol=1e-5)  # one eager call, padded
-    traces = model.predict_function.experimental_get_tracing_count()
+    traces = model._inference_function().experimental_get_tracing_count()
     assert traces <= 3  # the first shape, then the length left open, then the batch too (the last, shorter batch)
     model.encode(["the"] + texts + ["the cat sat on the mat on the mat on the mat"], batch_size=3)  # new shapes
-    assert model.predict_function.experimental_get_tracing_count() == traces
+    assert model._inference_function().experimental_get_tracing_count() == traces
+
+
+def test_encode_under_a_mirrored_strategy_gives_one_vector_per_text():
+    # A model built in a 2-replica strategy's scope (what `training.get_strategy(2)` gives on a CPU): Keras'
+    # predict_on_batch would run the whole batch on each replica and return it twice.
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from tfformer import convert, models, training
+        strategy = training.get_strategy(2)
+        assert strategy.num_replicas_in_sync == 2
+        with strategy.scope():
+            config = models.TransformerConfig(
+                architecture="encoder", vocabulary_size={len(VOCABULARY)}, hidden_dim=16, num_heads=2,
+                intermediate_dim=32, num_encoder_layers=1, num_decoder_layers=0, dropout=0.0,
+                max_sequence_length=32, position="learned", scale_embeddings=False)
+            model = models.SentenceEncoder(models.build_encoder(config),
+                                           tokenizer=convert.BertTokenizer({VOCABULARY!r}, max_length=16))
+        texts = {TEXTS!r}
+        vectors = model.encode(texts, batch_size=3)
+        assert vectors.shape == (len(texts), 16), vectors.shape
+        np.testing.assert_allclose(vectors, model(model.tokenize(texts), training=False), atol=1e-5)
+        print("ok")
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_save_load_round_trip(tmp_path):

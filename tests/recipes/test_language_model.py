@@ -26,6 +26,6 @@ def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
         vocabulary_size=128, warmup_steps=10, eval_every=10, printer=printed.append, hidden_dim=16, num_heads=2,
         intermediate_dim=32, num_decoder_layers=1)
     assert metrics["test_perplexity"] is None
-    assert any(line.startswith("no test perplexity: 0 test lines") for line in printed), printed
+    assert "no test perplexity: the test split is empty" in printed
     assert metrics["steps"] > 0 and 0 < metrics["train_seconds"] <= metrics["seconds"]
     assert metrics["val_perplexity"] > 1

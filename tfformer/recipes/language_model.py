@@ -22,11 +22,11 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
              eval_every=200, seed=0, printer=print, micro_batches=None, **overrides):
     """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`.
 
-    `time_budget` counts everything: vocabulary learning, training and the final evaluation (5% of it is
-    reserved for the latter). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
+    `time_budget` covers vocabulary learning and training, with 5% of it left for the final evaluations and the
+    sample (which may run over). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
     `default_micro_batches`. The returned metrics hold the validation and test perplexities (`test_perplexity`
-    is None when the test split is shorter than one window of `sequence_length + 1` tokens), the optimizer
-    steps taken and the seconds spent in `fit`.
+    is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
+    (the optimizer's, a resumed run's earlier ones included) and `train_seconds` (this call's `fit`).
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
@@ -71,12 +71,15 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     model.save(os.path.join(out, MODEL_FILE))
     val = model.evaluate(val_ds, verbose=0, return_dict=True)
     test_perplexity = None
-    try:
-        test_ds = data.make_lm_dataset(splits["test"], tokenizer, sequence_length, batch_size, shuffle=False)
-    except ValueError as error:  # empty, or shorter than one window
-        printer(f"no test perplexity: {len(splits['test'])} test lines; {error}")
+    if not splits["test"]:
+        printer("no test perplexity: the test split is empty")
     else:
-        test_perplexity = float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
+        try:
+            test_ds = data.make_lm_dataset(splits["test"], tokenizer, sequence_length, batch_size, shuffle=False)
+        except ValueError as error:  # shorter than one window
+            printer(f"no test perplexity: {len(splits['test'])} test lines; {error}")
+        else:
+            test_perplexity = float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
     sample = generation.generate(model, tokenizer, ["def "], max_new_tokens=min(48, sequence_length - 8))[0]
     metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]),
                "test_perplexity": test_perplexity, "steps": int(model.optimizer.iterations.numpy()),
