@@ -4,7 +4,10 @@ Both systems get the same English->German gettext split, the same SentencePiece
 tokenizer (learned by tfformer's run, inside its budget) and the same training
 time; BLEU is sacreBLEU on the detokenized test split, greedy decoding.
 
-    python -m benchmarks.translation_bleu [--minutes 15] [--out runs/bleu-bench] [--mixed-precision]
+    python -m benchmarks.translation_bleu [--minutes 15] [--out DIR [--overwrite]] [--mixed-precision]
+
+Run directories: `--out` (default: a new temporary directory) and `--out`-bf16; an existing run there is replaced
+only with `--overwrite`.
 
 With `--mixed-precision` tfformer also trains under mixed_bfloat16 for the same
 budget (its own run directory and tokenizer, learned the same way).
@@ -19,6 +22,7 @@ decoding with keras_hub.samplers.GreedySampler (no cache, full re-run per token)
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import keras
@@ -84,13 +88,21 @@ def run_baseline(run_dir, train_seconds, max_length=64, batch_size=64, printer=p
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=15)  # the demo budget (DEMO_MINUTES default)
-    parser.add_argument("--out", default="runs/bleu-bench")
+    parser.add_argument("--out", help="run directory (default: a new temporary one); bfloat16 runs in OUT-bf16")
+    parser.add_argument("--overwrite", action="store_true", help="replace runs already in OUT and OUT-bf16")
     parser.add_argument("--mixed-precision", action="store_true", help="also train tfformer under mixed_bfloat16")
     args = parser.parse_args(argv)
+    base = args.out or tempfile.mkdtemp(prefix="bleu-bench-")
+    dtypes = (False, True) if args.mixed_precision else (False,)
+    for path in [base + ("-bf16" if mixed else "") for mixed in dtypes]:  # before any training
+        if not args.overwrite and os.path.isdir(path) and os.listdir(path):
+            parser.error(f"--out: {path!r} already holds a run; pass --overwrite to replace it, or choose --out.")
+    print(f"run directories: {base}" + (f", {base}-bf16" if args.mixed_precision else ""), flush=True)
     rows = []
-    for mixed in (False, True) if args.mixed_precision else (False,):
-        out = args.out + ("-bf16" if mixed else "")
-        metrics = translation.train_translation(out, time_budget=f"{args.minutes}m", overwrite=True, mixed_precision=mixed)
+    for mixed in dtypes:
+        out = base + ("-bf16" if mixed else "")
+        metrics = translation.train_translation(out, time_budget=f"{args.minutes}m", overwrite=args.overwrite,
+                                                mixed_precision=mixed)
         ours = {"system": "tfformer" + (" bfloat16" if mixed else ""), "bleu_test": metrics["bleu_test"],
                 "seconds_total": metrics["seconds"], "steps": metrics["steps"],
                 "parameters": metrics["parameters"], "test_pairs": metrics["test_pairs"]}
@@ -98,7 +110,7 @@ def main(argv=None):
         rows.append(ours)
         if not mixed:
             train_seconds = metrics["curve"][-1]["seconds"] if metrics["curve"] else 60
-    theirs = run_baseline(args.out, train_seconds)
+    theirs = run_baseline(base, train_seconds)
     print("\n| system | BLEU (test) | ratio vs keras-hub |\n|---|---|---|")
     for row in rows:
         print(f"| {row['system']} transformer-tiny | {row['bleu_test']:.2f} | {row['bleu_test'] / max(theirs, 1e-9):.2f} |")
