@@ -5,6 +5,7 @@ tokenizer (learned by tfformer's run, inside its budget) and the same training
 time; BLEU is sacreBLEU on the detokenized test split, greedy decoding.
 
     python -m benchmarks.translation_bleu [--minutes 15] [--out DIR [--overwrite]] [--mixed-precision]
+                                          [--data FILE.tsv] [--smoke]
 
 Run directories: `--out` (default: a new temporary directory) and `--out`-bf16; an existing run there is replaced
 only with `--overwrite`.
@@ -17,11 +18,17 @@ model: TokenAndPositionEmbedding(mask_zero) + 1 TransformerEncoder + 1
 TransformerDecoder (embed 256, intermediate 2048, 8 heads), Dropout(0.5),
 softmax Dense, rmsprop, sparse categorical cross-entropy, batch 64, greedy
 decoding with keras_hub.samplers.GreedySampler (no cache, full re-run per token).
+It trains in float32 (the goal's reference) for as many seconds as tfformer
+float32's `fit` took. Each row records its system's dtype policy.
+
+`--data FILE.tsv`: source<TAB>target pairs instead of the gettext catalogs (both systems). `--smoke`: 1000
+generated word-for-word pairs, both models of width 16 and 15 seconds each (CI runs it; its numbers mean nothing).
 """
 
 import argparse
 import json
 import os
+import random
 import tempfile
 import time
 
@@ -32,16 +39,36 @@ import tensorflow as tf
 from tfformer import data, training
 from tfformer.recipes import translation
 
-EMBED_DIM, INTERMEDIATE_DIM, NUM_HEADS = 256, 2048, 8
+FULL = dict(minutes=15, vocabulary_size=8192, max_length=64, batch_size=64, warmup_steps=1000, eval_every=200,
+            overrides={}, baseline=dict(hidden_dim=256, intermediate_dim=2048, num_heads=8))  # the keras.io recipe
+SMOKE = dict(minutes=0.25, vocabulary_size=8192, max_length=16, batch_size=8, warmup_steps=50, eval_every=100,
+             overrides=dict(hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1,
+                            num_decoder_layers=1),
+             baseline=dict(hidden_dim=16, intermediate_dim=32, num_heads=2))
+SMOKE_WORDS = [("open", "öffnen"), ("close", "schließen"), ("the", "die"), ("file", "Datei"), ("new", "neue"),
+               ("folder", "Ordner"), ("save", "speichern"), ("old", "alte"), ("delete", "löschen"), ("a", "eine")]
 
 
-def keras_hub_baseline(vocabulary_size, max_length):
+def write_smoke_pairs(path, count=1000, seed=0):
+    """`count` source<TAB>target lines of 2-5 words translated word for word (so a tiny model learns some)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(count):
+            words = [rng.choice(SMOKE_WORDS) for _ in range(rng.randint(2, 5))]
+            handle.write(" ".join(e for e, _ in words) + "\t" + " ".join(g for _, g in words) + "\n")
+    return path
+
+
+def keras_hub_baseline(vocabulary_size, max_length, hidden_dim, intermediate_dim, num_heads):
+    def embedding():
+        return keras_hub.layers.TokenAndPositionEmbedding(vocabulary_size, max_length, hidden_dim, mask_zero=True)
+
     encoder_inputs = keras.Input(shape=(None,), dtype="int32", name="encoder_token_ids")
-    x = keras_hub.layers.TokenAndPositionEmbedding(vocabulary_size, max_length, EMBED_DIM, mask_zero=True)(encoder_inputs)
-    encoder_outputs = keras_hub.layers.TransformerEncoder(intermediate_dim=INTERMEDIATE_DIM, num_heads=NUM_HEADS)(x)
+    x = embedding()(encoder_inputs)
+    encoder_outputs = keras_hub.layers.TransformerEncoder(intermediate_dim=intermediate_dim, num_heads=num_heads)(x)
     decoder_inputs = keras.Input(shape=(None,), dtype="int32", name="decoder_token_ids")
-    y = keras_hub.layers.TokenAndPositionEmbedding(vocabulary_size, max_length, EMBED_DIM, mask_zero=True)(decoder_inputs)
-    y = keras_hub.layers.TransformerDecoder(intermediate_dim=INTERMEDIATE_DIM, num_heads=NUM_HEADS)(
+    y = embedding()(decoder_inputs)
+    y = keras_hub.layers.TransformerDecoder(intermediate_dim=intermediate_dim, num_heads=num_heads)(
         decoder_sequence=y, encoder_sequence=encoder_outputs
     )
     y = keras.layers.Dropout(0.5)(y)
@@ -69,52 +96,73 @@ def keras_hub_translate(model, tokenizer, sources, max_length, batch_size=64):
     return [t.decode("utf-8") for t in texts]
 
 
-def run_baseline(run_dir, train_seconds, max_length=64, batch_size=64, printer=print):
+def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
+    """Train the keras.io recipe on tfformer's run's tokenizer and pairs for `train_seconds`; its JSON row."""
+    keras.config.set_dtype_policy("float32")  # not the policy a bfloat16 run before it left behind
+    keras.utils.set_random_seed(seed)
+    max_length, batch_size = shape["max_length"], shape["batch_size"]
     tokenizer = data.SubwordTokenizer.load(os.path.join(run_dir, translation.TOKENIZER_FILE))
-    splits = translation.load_pairs("de")
+    splits = translation.load_pairs("de", data_file)
     splits = {k: translation.filter_by_length(v, tokenizer, max_length) for k, v in splits.items()}
-    train_ds = data.make_translation_dataset(splits["train"], tokenizer, batch_size, max_length, seed=0)
-    model = keras_hub_baseline(tokenizer.vocabulary_size, max_length)
+    train_ds = data.make_translation_dataset(splits["train"], tokenizer, batch_size, max_length, seed=seed)
+    model = keras_hub_baseline(tokenizer.vocabulary_size, max_length, **shape["baseline"])
     start = time.monotonic()
     model.fit(train_ds, epochs=1000, callbacks=[training.TimeBudget(train_seconds)], verbose=0)
     trained = time.monotonic() - start
-    hypotheses = keras_hub_translate(model, tokenizer, [s for s, _ in splits["test"]], max_length)
-    bleu = training.corpus_bleu(hypotheses, [t for _, t in splits["test"]])
-    printer(json.dumps({"system": "keras-hub", "bleu_test": bleu, "train_seconds": round(trained, 1),
-                        "parameters": model.count_params(), "test_pairs": len(splits["test"])}))
-    return bleu
+    steps = int(model.optimizer.iterations.numpy())
+    hypotheses = keras_hub_translate(model, tokenizer, [s for s, _ in splits["test"]], max_length, batch_size)
+    return {"system": "keras-hub", "bleu_test": training.corpus_bleu(hypotheses, [t for _, t in splits["test"]]),
+            "steps": steps, "train_seconds": round(trained, 1), "parameters": model.count_params(),
+            "test_pairs": len(splits["test"]), "dtype_policy": model.dtype_policy.name}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--minutes", type=float, default=15)  # the demo budget (DEMO_MINUTES default)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, help="each system's budget (default: 15; smoke: 0.25)")
     parser.add_argument("--out", help="run directory (default: a new temporary one); bfloat16 runs in OUT-bf16")
     parser.add_argument("--overwrite", action="store_true", help="replace runs already in OUT and OUT-bf16")
     parser.add_argument("--mixed-precision", action="store_true", help="also train tfformer under mixed_bfloat16")
+    parser.add_argument("--data", help="source<TAB>target pairs (default: the gettext catalogs; smoke: generated)")
+    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    shape = dict(SMOKE if args.smoke else FULL)
+    if args.minutes is not None:
+        if not args.minutes > 0:
+            parser.error(f"--minutes must be > 0. Received: {args.minutes}")
+        shape["minutes"] = args.minutes
+    if args.data and not os.path.isfile(args.data):
+        parser.error(f"--data: {args.data!r} is not a file (expected source<TAB>target lines).")
     base = args.out or tempfile.mkdtemp(prefix="bleu-bench-")
     dtypes = (False, True) if args.mixed_precision else (False,)
     for path in [base + ("-bf16" if mixed else "") for mixed in dtypes]:  # before any training
         if not args.overwrite and os.path.isdir(path) and os.listdir(path):
             parser.error(f"--out: {path!r} already holds a run; pass --overwrite to replace it, or choose --out.")
+    data_file = args.data
+    if args.smoke and not data_file:
+        data_file = write_smoke_pairs(os.path.join(tempfile.mkdtemp(prefix="bleu-smoke-"), "pairs.tsv"))
     print(f"run directories: {base}" + (f", {base}-bf16" if args.mixed_precision else ""), flush=True)
     rows = []
     for mixed in dtypes:
         out = base + ("-bf16" if mixed else "")
-        metrics = translation.train_translation(out, time_budget=f"{args.minutes}m", overwrite=args.overwrite,
-                                                mixed_precision=mixed)
-        ours = {"system": "tfformer" + (" bfloat16" if mixed else ""), "bleu_test": metrics["bleu_test"],
-                "seconds_total": metrics["seconds"], "steps": metrics["steps"],
-                "parameters": metrics["parameters"], "test_pairs": metrics["test_pairs"]}
-        print(json.dumps(ours), flush=True)
-        rows.append(ours)
-        if not mixed:
-            train_seconds = metrics["curve"][-1]["seconds"] if metrics["curve"] else 60
-    theirs = run_baseline(base, train_seconds)
-    print("\n| system | BLEU (test) | ratio vs keras-hub |\n|---|---|---|")
+        metrics = translation.train_translation(
+            out, data_file=data_file, time_budget=f"{shape['minutes']}m", batch_size=shape["batch_size"],
+            max_length=shape["max_length"], vocabulary_size=shape["vocabulary_size"],
+            warmup_steps=shape["warmup_steps"], overwrite=args.overwrite, mixed_precision=mixed,
+            eval_every=shape["eval_every"], printer=lambda *_: None, **shape["overrides"])
+        rows.append({"system": "tfformer " + ("bfloat16" if mixed else "float32"), "bleu_test": metrics["bleu_test"],
+                     "steps": metrics["steps"], "train_seconds": metrics["train_seconds"],
+                     "seconds_total": metrics["seconds"], "parameters": metrics["parameters"],
+                     "test_pairs": metrics["test_pairs"], "dtype_policy": keras.config.dtype_policy().name})
+        print(json.dumps(rows[-1]), flush=True)
+    # keras-hub trains as long as tfformer float32's fit took, on its tokenizer (learned inside tfformer's budget).
+    rows.append(run_baseline(base, rows[0]["train_seconds"], shape, data_file))
+    print(json.dumps(rows[-1]), flush=True)
+    theirs = rows[-1]["bleu_test"]
+    print("\n| system | BLEU (test) | steps | train seconds | BLEU vs keras-hub |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['system']} transformer-tiny | {row['bleu_test']:.2f} | {row['bleu_test'] / max(theirs, 1e-9):.2f} |")
-    print(f"| keras-hub keras.io recipe | {theirs:.2f} | 1.00 |")
+        print(f"| {row['system']} | {row['bleu_test']:.2f} | {row['steps']} | {row['train_seconds']} | "
+              f"{row['bleu_test'] / max(theirs, 1e-9):.2f} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""`python -m benchmarks.translation_bleu`: the smoke run (tiny models, seconds of training; the numbers mean little)
+and the run-directory rule (an earlier run is replaced only with `--overwrite`, checked before any training)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+
+
+def _bleu_bench(*args):
+    return subprocess.run([sys.executable, "-m", "benchmarks.translation_bleu", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=ENV)
+
+
+def test_translation_bleu_smoke(tmp_path):
+    out = _bleu_bench("--smoke", "--mixed-precision", "--out", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["system"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"tfformer float32", "tfformer bfloat16", "keras-hub"}
+    # keras-hub is the float32 reference even though the bfloat16 run before it set the global policy.
+    assert {name: r["dtype_policy"] for name, r in rows.items()} == {
+        "tfformer float32": "float32", "tfformer bfloat16": "mixed_bfloat16", "keras-hub": "float32"}
+    for row in rows.values():
+        assert 0 <= row["bleu_test"] <= 100 + 1e-9 and row["steps"] > 10 and row["parameters"] > 0, row
+        assert row["test_pairs"] == rows["keras-hub"]["test_pairs"] > 0  # one test split for every system
+    budget = rows["tfformer float32"]["train_seconds"]
+    assert budget - 0.5 <= rows["keras-hub"]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
+    assert "| system | BLEU (test) |" in out.stdout
+    assert os.path.exists(tmp_path / "run" / "model.keras") and os.path.exists(tmp_path / "run-bf16" / "model.keras")
+
+
+def test_an_existing_run_is_kept_without_overwrite(tmp_path):
+    (tmp_path / "run-bf16").mkdir()
+    (tmp_path / "run-bf16" / "metrics.json").write_text("{}")
+    out = _bleu_bench("--out", str(tmp_path / "run"), "--mixed-precision")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "run-bf16' already holds a run; pass --overwrite" in out.stderr
+    assert (tmp_path / "run-bf16" / "metrics.json").read_text() == "{}"
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_bad_arguments_are_named(tmp_path):
+    for args, message in [(["--minutes", "0"], "--minutes must be > 0"),
+                          (["--data", str(tmp_path / "none.tsv")], "--data: ")]:
+        out = _bleu_bench("--out", str(tmp_path / "run"), *args)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
