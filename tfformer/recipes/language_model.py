@@ -17,6 +17,7 @@ def default_micro_batches(tokens_per_replica, on_gpu):
     return 2 if not on_gpu and tokens_per_replica >= 4096 else 1
 
 
+@rundir.restores_dtype_policy
 def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
              vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
              eval_every=200, seed=0, printer=print, micro_batches=None, **overrides):
@@ -26,7 +27,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     sample (which may run over). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
     `default_micro_batches`. The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
-    (the optimizer's, a resumed run's earlier ones included) and `train_seconds` (this call's `fit`).
+    (the optimizer's, a resumed run's earlier ones included) and `train_seconds` (this call's `fit`). The
+    caller's global dtype policy is back when it returns (the run's is set by `mixed_precision`).
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()

@@ -60,6 +60,7 @@ def plot_curves(rows, path):
     plt.close(fig)
 
 
+@rundir.restores_dtype_policy
 def train_translation(out, preset="transformer-tiny", target_language="de", data_file=None, time_budget="15m",
                       batch_size=64, max_length=64, vocabulary_size=8192, warmup_steps=1000, overwrite=False,
                       replicas=None, mixed_precision=False, eval_every=200, seed=0, printer=print, **overrides):
@@ -69,6 +70,8 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     evaluation (about 10% of it is reserved for the latter). Returns what it writes
     to `metrics.json`: `bleu_test`, `test_pairs`, `steps` (this call's), `epochs_started`,
     `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve` and `parameters`.
+    The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with `mixed_precision`, else float32; the
+    caller's global dtype policy is back when it returns.
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
