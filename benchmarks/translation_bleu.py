@@ -152,7 +152,7 @@ def main(argv=None):
         rows.append({"system": "tfformer " + ("bfloat16" if mixed else "float32"), "bleu_test": metrics["bleu_test"],
                      "steps": metrics["steps"], "train_seconds": metrics["train_seconds"],
                      "seconds_total": metrics["seconds"], "parameters": metrics["parameters"],
-                     "test_pairs": metrics["test_pairs"], "dtype_policy": keras.config.dtype_policy().name})
+                     "test_pairs": metrics["test_pairs"], "dtype_policy": metrics["dtype_policy"]})
         print(json.dumps(rows[-1]), flush=True)
     # keras-hub trains as long as tfformer float32's fit took, on its tokenizer (learned inside tfformer's budget).
     rows.append(run_baseline(base, rows[0]["train_seconds"], shape, data_file))

@@ -29,3 +29,4 @@ def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
     assert "no test perplexity: the test split is empty" in printed
     assert metrics["steps"] > 0 and 0 < metrics["train_seconds"] <= metrics["seconds"]
     assert metrics["val_perplexity"] > 1
+    assert metrics["dtype_policy"] == "float32"

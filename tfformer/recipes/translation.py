@@ -69,7 +69,8 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     `time_budget` counts everything: vocabulary learning, training and the final
     evaluation (about 10% of it is reserved for the latter). Returns what it writes
     to `metrics.json`: `bleu_test`, `test_pairs`, `steps` (this call's), `epochs_started`,
-    `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve` and `parameters`.
+    `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve`, `parameters` and `dtype_policy`
+    (the model's).
     The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with `mixed_precision`, else float32; the
     caller's global dtype policy is back when it returns.
     """
@@ -127,6 +128,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
         "train_seconds": round(fit_seconds, 1),
         "curve": evaluator.rows,
         "parameters": model.count_params(),
+        "dtype_policy": model.dtype_policy.name,
     }
     if evaluator.rows:
         plot_curves(evaluator.rows, os.path.join(out, "loss.png"))
