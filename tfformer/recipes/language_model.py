@@ -28,8 +28,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     `default_micro_batches`. The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
     (the optimizer's, a resumed run's earlier ones included), `train_seconds` (this call's `fit`) and
-    `dtype_policy` (the model's). The
-    caller's global dtype policy is back when it returns (the run's is set by `mixed_precision`).
+    `dtype_policy` (the model's). The caller's global dtype policy is back when it returns (the run's is set by
+    `mixed_precision`).
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
@@ -87,7 +87,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]),
                "test_perplexity": test_perplexity, "steps": int(model.optimizer.iterations.numpy()),
                "train_seconds": round(train_seconds, 1), "parameters": model.count_params(), "curve": evaluator.rows,
-               "dtype_policy": model.dtype_policy.name, "sample": "def " + sample, "seconds": round(time.monotonic() - start, 1)}
+               "dtype_policy": model.dtype_policy.name, "sample": "def " + sample,
+               "seconds": round(time.monotonic() - start, 1)}
     rundir.write_json(os.path.join(out, rundir.FINISHED_MARKER), metrics)
     printer(f"validation perplexity {metrics['val_perplexity']:.2f}"
             + ("" if test_perplexity is None else f", test perplexity {test_perplexity:.2f}")

@@ -70,9 +70,8 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     evaluation (about 10% of it is reserved for the latter). Returns what it writes
     to `metrics.json`: `bleu_test`, `test_pairs`, `steps` (this call's), `epochs_started`,
     `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve`, `parameters` and `dtype_policy`
-    (the model's).
-    The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with `mixed_precision`, else float32; the
-    caller's global dtype policy is back when it returns.
+    (the model's). The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with `mixed_precision`, else
+    float32; the caller's global dtype policy is back when it returns.
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
