@@ -44,6 +44,12 @@ def timed(fn):
     return call
 
 
+def rounds(fn):
+    """`fn(i)` as a callable of no arguments whose `i`-th call passes `i`: a new input each round of `interleaved`."""
+    count = iter(range(1 << 62))
+    return lambda: fn(next(count))
+
+
 def median(values):
     return statistics.median(values)
 

@@ -1,16 +1,17 @@
 """Greedy generation speed: tfformer vs keras-hub GPT2CausalLM of the same shape, same process, interleaved.
 
 Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024; 16-token prompts,
-128 new tokens, batch 1 and 8; random weights, no early stop. Each system with and without XLA, and
-with XLA under the mixed_bfloat16 policy (what a model trained with `--mixed-precision` runs in; logits
-stay float32). "Best" is each system's fastest row.
+128 new tokens, batch 1 and 8; a new random prompt each round; random weights, no early stop. Each system
+with and without XLA, and with XLA under the mixed_bfloat16 policy (what a model trained with
+`--mixed-precision` runs in; logits stay float32). "Best" is each system's fastest row.
 Also: tfformer's per-token time at position ~500 vs ~50. Each tfformer/keras-hub ratio is printed twice: of
 the medians, and per round (median, min-max of each round's own pair, `common.paired_ratio`), which shows
 its spread.
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): transformers'
 `GPT2LMHeadModel` of the same shape, `generate` greedy with its KV cache, float32 and under `torch.autocast`
-bfloat16, the same prompts, as many intra-op threads as TensorFlow's default (the machine's cores), timed in the
-worker process and interleaved with the rest; "tfformer best / PyTorch best" compares each system's fastest row.
+bfloat16, the first round's prompts, as many intra-op threads as TensorFlow's default (the machine's cores),
+timed in the worker process and interleaved with the rest; "tfformer best / PyTorch best" compares each
+system's fastest row.
 
     python -m benchmarks.generation [--smoke] [--torch-python PYTHON]
 """
@@ -64,32 +65,34 @@ def main(argv=None):
         prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1,)
     max_length = 1024 if not args.smoke else 64
     rng = np.random.default_rng(0)
-    prompts = {batch: rng.integers(4, shape["vocab"], size=(batch, prompt_len)).astype("int32") for batch in batches}
+    # A new prompt each round, the same for every system in that round (warm-up included): a compile cache keyed
+    # by the prompt's values (tfformer's causal prefill before 2026-11: one XLA compilation per prompt) shows.
+    # The PyTorch worker, eager, runs the first.
+    prompts = {batch: rng.integers(4, shape["vocab"], size=(1 + repeats, batch, prompt_len)).astype("int32")
+               for batch in batches}  # (rounds, B, P)
     # The PyTorch worker builds its model while the Keras models are built.
     # As many intra-op threads as TensorFlow's default here: the machine's cores.
     spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": os.cpu_count()}
-    arrays = {f"batch_{b}": p for b, p in prompts.items()}
+    arrays = {f"batch_{b}": p[0] for b, p in prompts.items()}
     with torch_worker.start("generate", spec, arrays, args.torch_python) as pending:
         ours, theirs = build(shape, max_length)
         ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
         worker = pending.ready()
         rows, round_times = [], {}
         for batch in batches:
-            prompt = prompts[batch]
-            mask = np.ones_like(prompt, dtype=bool)
-            padded = np.pad(prompt, [[0, 0], [0, new_tokens]])
-            padded_mask = np.pad(mask, [[0, 0], [0, new_tokens]])
-            calls = {}
+            ids = prompts[batch]  # (rounds, B, P)
+            padded = [{"token_ids": np.pad(p, [[0, 0], [0, new_tokens]]),  # keras-hub's input: (B, P + N)
+                       "padding_mask": np.pad(np.ones_like(p, dtype=bool), [[0, 0], [0, new_tokens]])} for p in ids]
+            calls = {}  # name -> fn(round)
             for xla in (False, True):
-                calls[f"tfformer xla={xla}"] = (lambda xla=xla: generation.generate_ids(
-                    ours, prompt, new_tokens, jit_compile=xla, end_id=-1).numpy())
-                calls[f"keras-hub xla={xla}"] = (lambda xla=xla: theirs[xla].generate(
-                    {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None))
-            calls["tfformer bf16 xla=True"] = lambda: generation.generate_ids(
-                ours16, prompt, new_tokens, end_id=-1).numpy()
-            calls["keras-hub bf16 xla=True"] = lambda: theirs16[True].generate(
-                {"token_ids": padded, "padding_mask": padded_mask}, stop_token_ids=None)
-            calls = {name: common.timed(fn) for name, fn in calls.items()}
+                calls[f"tfformer xla={xla}"] = (lambda i, xla=xla: generation.generate_ids(
+                    ours, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
+                calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla: theirs[xla].generate(
+                    padded[i], stop_token_ids=None))
+            calls["tfformer bf16 xla=True"] = lambda i: generation.generate_ids(
+                ours16, ids[i], new_tokens, end_id=-1).numpy()
+            calls["keras-hub bf16 xla=True"] = lambda i: theirs16[True].generate(padded[i], stop_token_ids=None)
+            calls = {name: common.timed(common.rounds(fn)) for name, fn in calls.items()}
             if worker is not None:
                 for dtype in ("float32", "bfloat16"):
                     calls[f"pytorch {dtype}"] = lambda dtype=dtype, batch=batch: worker.run(f"{dtype} {batch}")

@@ -144,6 +144,25 @@ def test_generate_does_not_retrace(seq2seq, batch):
     assert fn.experimental_get_tracing_count() == before
 
 
+@pytest.mark.parametrize("fixture, batch, beam_size", [("lm", 1, None), ("lm", 2, None), ("lm", 2, 2),
+                                                       ("seq2seq", 2, None)])
+def test_xla_compiles_once_per_shape_not_per_prompt(request, fixture, batch, beam_size):
+    # A value-dependent slice (e.g. a prefill of the shortest prompt's length) makes XLA treat the ids as a
+    # compile-time constant: one compilation, seconds long, per new prompt and a cache that grows with them.
+    # The HLO XLA compiles for prompts of one shape with other values and other row lengths must be the same.
+    model = request.getfixturevalue(fixture)
+    first = np.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]], "int32")[:batch]
+    other = np.array([[4, 9, 0, 0, 0, 0], [7, 7, 8, 5, 6, 0]], "int32")[:batch]
+    generation.generate_ids(model, first, 6, beam_size=beam_size)
+    architecture = "causal_lm" if fixture == "lm" else "seq2seq"
+    method = ("beam", beam_size, 0.6) if beam_size else ("greedy", 1.0, None, None, 0)
+    layout = None if beam_size else "rows" if batch == 1 else "halves"
+    fn = model._tfformer_generate_fns[(architecture, 6, method, True, END_ID, layout)]
+    padded = [tf.pad(ids, [[0, 0], [0, 16 - ids.shape[1]]]) for ids in (first, other)]  # generate_ids' bucket
+    hlo = [fn.experimental_get_compiler_ir(ids)(stage="hlo") for ids in padded]
+    assert hlo[0] == hlo[1]
+
+
 def test_bad_arguments(seq2seq, lm):
     with pytest.raises(ValueError, match="max_new_tokens"):
         generation.generate_ids(seq2seq, SOURCE, 0)
@@ -218,6 +237,16 @@ def test_last_only_logits_equal_the_last_row(lm):
     assert tuple(last.shape) == (3, 1, CFG["vocabulary_size"])
     np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(last_cache), np.asarray(full_cache))
+
+
+def test_logits_index_equals_that_row(lm):
+    cache = lm.empty_cache(3, 8)
+    full, full_cache = lm.decode_step(PROMPTS, cache, 0)
+    for index in (0, 2, tf.constant(3)):
+        one, one_cache = lm.decode_step(PROMPTS, cache, 0, logits_index=index)
+        assert tuple(one.shape) == (3, 1, CFG["vocabulary_size"])
+        np.testing.assert_allclose(np.asarray(one), np.asarray(full)[:, int(index):int(index) + 1], atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(one_cache), np.asarray(full_cache))
 
 
 def _randomized(model, seed):

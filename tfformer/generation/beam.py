@@ -95,7 +95,9 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, P + N)
         start = tf.reduce_min(prompt_lengths)
         cache = layer_caches(model, batch * beam, prompt_length + segment_sizes(max_new_tokens)[0])
-        logits, cache = model.decode_step(tf.reshape(tokens, (batch * beam, -1))[:, :start], cache, 0, last_only=True)
+        # The whole (static-width) prompt: a slice to `start` would make XLA compile once per prompt (decode.py).
+        prompts = tf.reshape(tf.tile(prompt_ids[:, None, :], [1, beam, 1]), (batch * beam, -1))  # (B*K, P)
+        logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1)
         logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
         finished = tf.zeros([batch, beam], tf.bool)

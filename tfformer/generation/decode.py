@@ -126,8 +126,10 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
         start = tf.reduce_min(lengths)
         # Prompt + the first segment's slots; grows in the loop.
         cache = layer_caches(model, batch, prompt_length + segment_sizes(max_new_tokens)[0], split)
-        # Prefill the part every prompt shares, in one pass.
-        logits, cache = model.decode_step(tokens[:, :start], cache, 0, last_only=True)
+        # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
+        # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
+        # for that position overwrites them.
+        logits, cache = model.decode_step(prompt_ids, cache, 0, logits_index=start - 1)
         next_ids = sampler(logits[:, -1, :], start)
         done = tf.zeros([batch], tf.bool)
 

@@ -61,11 +61,14 @@ class CausalLM(base.TransformerModel):
         c = self.config
         return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
 
-    def decode_step(self, token_ids, cache, cache_index, last_only=False):
+    def decode_step(self, token_ids, cache, cache_index, last_only=False, logits_index=None):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.
 
         With `last_only=True` only the last position's logits are computed, `(B, 1, V)`: what a prefill
-        needs (the vocabulary projection of a whole prompt is most of a prefill's cost).
+        needs (the vocabulary projection of a whole prompt is most of a prefill's cost). `logits_index`
+        (an int scalar, may be a tensor) computes only the logits at that index of `token_ids`, `(B, 1, V)`:
+        for a prefill of a whole right-padded prompt, where slicing the prompt to a computed length would
+        make XLA compile once per prompt.
         """
         x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
         caches = []
@@ -75,7 +78,9 @@ class CausalLM(base.TransformerModel):
         for i, block in enumerate(self.decoder_blocks):
             x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
             caches.append(layer_cache)
-        if last_only:
+        if logits_index is not None:
+            x = ops.take(x, ops.reshape(logits_index, (1,)), axis=1)  # (B, T, D) -> (B, 1, D)
+        elif last_only:
             x = x[:, -1:]  # (B, 1, D)
         if self.final_norm:
             x = self.final_norm(x)
