@@ -145,7 +145,7 @@ def test_generate_does_not_retrace(seq2seq, batch):
 
 
 @pytest.mark.parametrize("fixture, batch, beam_size", [("lm", 1, None), ("lm", 2, None), ("lm", 2, 2),
-                                                       ("seq2seq", 2, None)])
+                                                       ("seq2seq", 2, None), ("seq2seq", 2, 2)])
 def test_xla_compiles_once_per_shape_not_per_prompt(request, fixture, batch, beam_size):
     # A value-dependent slice (e.g. a prefill of the shortest prompt's length) makes XLA treat the ids as a
     # compile-time constant: one compilation, seconds long, per new prompt and a cache that grows with them.
