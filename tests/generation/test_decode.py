@@ -247,6 +247,8 @@ def test_logits_index_equals_that_row(lm):
         assert tuple(one.shape) == (3, 1, CFG["vocabulary_size"])
         np.testing.assert_allclose(np.asarray(one), np.asarray(full)[:, int(index):int(index) + 1], atol=1e-6)
         np.testing.assert_array_equal(np.asarray(one_cache), np.asarray(full_cache))
+    with pytest.raises(ValueError, match="not both"):
+        lm.decode_step(PROMPTS, cache, 0, last_only=True, logits_index=1)
 
 
 def _randomized(model, seed):

@@ -70,6 +70,9 @@ class CausalLM(base.TransformerModel):
         for a prefill of a whole right-padded prompt, where slicing the prompt to a computed length would
         make XLA compile once per prompt.
         """
+        if last_only and logits_index is not None:
+            raise ValueError(f"Pass `last_only` or `logits_index`, not both. Received: last_only=True, "
+                             f"logits_index={logits_index!r}")
         x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
         caches = []
         # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
