@@ -7,6 +7,7 @@ import tensorflow as tf
 from tests.harness import spread as _spread
 from tests.harness import matmuls_fed_by
 from tfformer import generation, models
+from tfformer.generation import decode
 from tfformer.generation.decode import END_ID
 
 CFG = dict(vocabulary_size=24, hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1,
@@ -161,6 +162,30 @@ def test_xla_compiles_once_per_shape_not_per_prompt(request, fixture, batch, bea
     padded = [tf.pad(ids, [[0, 0], [0, 16 - ids.shape[1]]]) for ids in (first, other)]  # generate_ids' bucket
     hlo = [fn.experimental_get_compiler_ir(ids)(stage="hlo") for ids in padded]
     assert hlo[0] == hlo[1]
+
+
+@pytest.mark.parametrize("rows, bucket", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (33, 64), (64, 64), (65, 128),
+                                          (130, 192)])
+def test_batch_bucket(rows, bucket):
+    assert decode.batch_bucket(rows) == bucket
+
+
+@pytest.mark.parametrize("fixture", ["lm", "seq2seq"])
+def test_xla_batch_sizes_share_a_compilation(request, fixture):
+    # A batch of 3 runs the compiled function at the bucket's 4 rows (one compilation for batches of 3 and 4)
+    # and returns its own 3 rows: those of a batch of 4 that starts with them (rows decode independently).
+    model = request.getfixturevalue(fixture)
+    ids = np.array([[5, 6, 7, 0], [9, 10, 11, 12], [4, 9, 0, 0], [7, 7, 8, 5]], "int32")
+    four = generation.generate_ids(model, ids, 6).numpy()
+    key = ("causal_lm" if fixture == "lm" else "seq2seq", 6, ("greedy", 1.0, None, None, 0), True, END_ID, "halves")
+    fn, shapes = model._tfformer_generate_fns[key], []
+    model._tfformer_generate_fns[key] = lambda x: shapes.append(tuple(x.shape)) or fn(x)
+    try:
+        three = generation.generate_ids(model, ids[:3], 6).numpy()
+    finally:
+        model._tfformer_generate_fns[key] = fn
+    assert shapes == [(4, 16)]
+    np.testing.assert_array_equal(three, four[:3])
 
 
 def test_bad_arguments(seq2seq, lm):

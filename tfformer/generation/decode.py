@@ -195,10 +195,11 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     search with the GNMT `length_penalty`.
 
     XLA is on by default: on this CPU it makes batch-1 decoding about 4x faster (benchmarks/generation.py).
-    Inputs are right-padded to a multiple of 16 tokens so that XLA compiles a handful of shapes, not one per
-    length. A batch of one under XLA compiles its own function whose matmuls run in float32 also under a
-    mixed policy (`decode_fn`'s `kernel_layout`): a bfloat16 model can then decode a prompt alone slightly
-    differently from the same prompt in a batch.
+    Inputs are right-padded to a multiple of 16 tokens, and batches to `batch_bucket(B)` rows (copies of the
+    first row, dropped from the result), so that XLA compiles a handful of shapes, not one per length or
+    batch size (each compilation takes seconds and stays in memory). A batch of one under XLA compiles its
+    own function whose matmuls run in float32 also under a mixed policy (`decode_fn`'s `kernel_layout`): a
+    bfloat16 model can then decode a prompt alone slightly differently from the same prompt in a batch.
     """
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)
@@ -221,12 +222,16 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
             )
         if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
+    rows = int(token_ids.shape[0])
     if jit_compile:
         length = int(token_ids.shape[1])
         bucket = -(-length // 16) * 16
         if architecture == "causal_lm":
             bucket = min(bucket, limit - max_new_tokens)
         token_ids = tf.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
+        # And the batch: copies of the first row up to `batch_bucket` rows, sliced off the result.
+        extra = batch_bucket(rows) - rows if rows else 0
+        token_ids = tf.concat([token_ids, tf.repeat(token_ids[:1], extra, axis=0)], axis=0)  # (B', L)
     # Under XLA, kernels laid out for the decode loop; a batch of one gets its own compiled function.
     kernel_layout = None
     if jit_compile and not beam_size:
@@ -241,7 +246,12 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     if not jit_compile:
         return _compiled(model, key, make)(token_ids)
     with in_place_cache_writes():  # traced for XLA: cache writes cost O(new tokens), not O(cache size)
-        return _compiled(model, key, make)(token_ids)
+        return _compiled(model, key, make)(token_ids)[:rows]  # (B, max_new_tokens)
+
+
+def batch_bucket(rows):
+    """The batch size `generate_ids` compiles for under XLA: the next power of two up to 64, then a multiple of 64."""
+    return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
 def strip_after_end(ids):
