@@ -96,7 +96,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         start = tf.reduce_min(prompt_lengths)
         cache = layer_caches(model, batch * beam, prompt_length + segment_sizes(max_new_tokens)[0])
         # The whole (static-width) prompt: a slice to `start` would make XLA compile once per prompt (decode.py).
-        prompts = tf.reshape(tf.tile(prompt_ids[:, None, :], [1, beam, 1]), (batch * beam, -1))  # (B*K, P)
+        prompts = tf.reshape(tokens, (batch * beam, -1))[:, :prompt_length]  # (B*K, P)
         logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1)
         logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
