@@ -134,11 +134,19 @@ def test_exhaustive_search_equals_wide_beam():
     assert tuple(_trim(beam)[0]) == best
 
 
+GREEDY = ("greedy", 1.0, None, None, 0)  # Sampler().key()
+
+
+def _fn_key(model, max_new_tokens, layout, method=GREEDY):
+    """The key of the XLA function `generate_ids` caches in `model._tfformer_generate_fns`."""
+    return model.config.architecture, max_new_tokens, method, True, END_ID, layout
+
+
 @pytest.mark.parametrize("batch", [1, 2])  # a batch of one has its own function (kernel layout "rows")
 def test_generate_does_not_retrace(seq2seq, batch):
     generation.generate_ids(seq2seq, SOURCE[:batch], 5)
     layout = "rows" if batch == 1 else "halves"
-    fn = seq2seq._tfformer_generate_fns[("seq2seq", 5, ("greedy", 1.0, None, None, 0), True, END_ID, layout)]
+    fn = seq2seq._tfformer_generate_fns[_fn_key(seq2seq, 5, layout)]
     before = fn.experimental_get_tracing_count()
     for length in (3, 7, 9):
         generation.generate_ids(seq2seq, np.ones((batch, length), "int32") * 5, 5)
@@ -155,10 +163,9 @@ def test_xla_compiles_once_per_shape_not_per_prompt(request, fixture, batch, bea
     first = np.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]], "int32")[:batch]
     other = np.array([[4, 9, 0, 0, 0, 0], [7, 7, 8, 5, 6, 0]], "int32")[:batch]
     generation.generate_ids(model, first, 6, beam_size=beam_size)
-    architecture = "causal_lm" if fixture == "lm" else "seq2seq"
-    method = ("beam", beam_size, 0.6) if beam_size else ("greedy", 1.0, None, None, 0)
+    method = ("beam", beam_size, 0.6) if beam_size else GREEDY
     layout = None if beam_size else "rows" if batch == 1 else "halves"
-    fn = model._tfformer_generate_fns[(architecture, 6, method, True, END_ID, layout)]
+    fn = model._tfformer_generate_fns[_fn_key(model, 6, layout, method)]
     padded = [tf.pad(ids, [[0, 0], [0, 16 - ids.shape[1]]]) for ids in (first, other)]  # generate_ids' bucket
     hlo = [fn.experimental_get_compiler_ir(ids)(stage="hlo") for ids in padded]
     assert hlo[0] == hlo[1]
@@ -177,7 +184,7 @@ def test_xla_batch_sizes_share_a_compilation(request, fixture):
     model = request.getfixturevalue(fixture)
     ids = np.array([[5, 6, 7, 0], [9, 10, 11, 12], [4, 9, 0, 0], [7, 7, 8, 5]], "int32")
     four = generation.generate_ids(model, ids, 6).numpy()
-    key = ("causal_lm" if fixture == "lm" else "seq2seq", 6, ("greedy", 1.0, None, None, 0), True, END_ID, "halves")
+    key = _fn_key(model, 6, "halves")
     fn, shapes = model._tfformer_generate_fns[key], []
     model._tfformer_generate_fns[key] = lambda x: shapes.append(tuple(x.shape)) or fn(x)
     try:
