@@ -1,5 +1,6 @@
 """Shared timing helpers: interleaved repeats, medians, JSON lines, the matmul limit of this machine."""
 
+import itertools
 import json
 import os
 import platform
@@ -46,7 +47,7 @@ def timed(fn):
 
 def rounds(fn):
     """`fn(i)` as a callable of no arguments whose `i`-th call passes `i`: a new input each round of `interleaved`."""
-    count = iter(range(1 << 62))
+    count = itertools.count()
     return lambda: fn(next(count))
 
 
