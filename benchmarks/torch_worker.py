@@ -226,11 +226,15 @@ def add_python_option(parser, system):
 
 
 class TorchWorker:
-    """One PyTorch system in a worker process. `arrays` (numpy, by name) reach it through an .npz file."""
+    """One PyTorch system in a worker process. `arrays` (numpy, by name) reach it through an .npz file.
 
-    def __init__(self, python, system, spec, arrays):
+    `script`: the worker's program, this file by default (`keras_worker` runs tfformer systems with the same
+    protocol)."""
+
+    def __init__(self, python, system, spec, arrays, script=None):
         import numpy as np
 
+        self.name = "PyTorch" if script is None else os.path.splitext(os.path.basename(script))[0]
         self.closed = False
         self.info = None
         self.peak_rss_mb = None
@@ -242,7 +246,7 @@ class TorchWorker:
             self._arrays.close()
             spec = dict(spec, arrays=self._arrays.name)
             self.proc = subprocess.Popen(
-                [python, os.path.abspath(__file__), system, json.dumps(spec)],
+                [python, script or os.path.abspath(__file__), system, json.dumps(spec)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                 env=dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false"),
             )
@@ -254,7 +258,7 @@ class TorchWorker:
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            raise RuntimeError(f"PyTorch worker died:\n{self.log.read()[-3000:]}")
+            raise RuntimeError(f"{self.name} worker died:\n{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def wait_ready(self):

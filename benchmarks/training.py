@@ -23,6 +23,13 @@ FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted to
 attention sub-layer; achieved GFLOP/s is reported against the float32 and bfloat16 matmul limits measured in
 the same run.
 
+Also timed, rows ending in "+cpu_threads": tfformer float32 and bfloat16 as above, in a worker process
+(`benchmarks.keras_worker`) that gave each micro-batch its own share of the cores first
+(`training.configure_cpu_threads(MICRO_BATCHES)`: one intra-op thread per micro-batch on 2 cores), against
+"keras-hub float32" in this process with TensorFlow's default threads (keras-hub's faster setting). The
+setting is process-wide, hence the process of their own; it is timed interleaved with the rest, as the
+PyTorch worker is.
+
 Also timed, interleaved with the systems: the matmul floor of each workload, in float32 and bfloat16
 (`matmul_floor`): every matmul of one training step, forward and both gradients, at its shape and nothing
 else, in one tf.function. Its `ratio_vs_keras_hub` is a ceiling: the most any system could reach in that run
@@ -49,7 +56,7 @@ import keras_hub
 import numpy as np
 import tensorflow as tf
 
-from benchmarks import common, torch_worker
+from benchmarks import common, keras_worker, torch_worker
 from tfformer import models, training
 
 
@@ -240,7 +247,10 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     # The PyTorch worker builds its model while the Keras systems trace.
     # As many intra-op threads as TensorFlow's default here: the machine's cores.
     spec = {"shape": s, "steps": steps, "threads": os.cpu_count()}
-    with torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python) as pending:
+    # tfformer with one intra-op thread per micro-batch (`training.configure_cpu_threads`), a process-wide
+    # setting: in a worker process of its own, which builds its systems meanwhile too.
+    threaded = keras_worker.start(f"train_{workload}", dict(spec, micro_batches=MICRO_BATCHES), ids)
+    with threaded, torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python) as pending:
         built = {}
         for name, (build, policy) in builders.items():
             keras.config.set_dtype_policy(policy)
@@ -263,6 +273,12 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             floor = matmul_floor(step_matmuls(s, workload), dtype)
             floor_steps = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
             callables[f"matmul floor {dtype}"] = floor_steps
+        threaded_worker = threaded.worker
+        if threaded_worker is None:
+            raise RuntimeError(threaded.skipped)
+        threaded_worker.wait_ready()  # its failure is an error, not a skip: these are tfformer's own systems
+        for dtype in ("float32", "bfloat16"):
+            callables[f"tfformer {dtype} +cpu_threads"] = lambda dtype=dtype: threaded_worker.run(dtype)
         worker = pending.ready()
         if worker is not None:
             for dtype in ("float32", "bfloat16"):
@@ -284,6 +300,9 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             rss = {"peak_rss_mb": worker.peak_rss_mb, "peak_rss_mb_with_floors": worker.peak_rss_mb}
             extra = {"torch": worker.info["torch"], "parameters": worker.info["parameters"],
                      "threads": worker.info["threads"]}
+        elif name.endswith("+cpu_threads"):  # the worker's own peak, both its models built
+            rss = {"peak_rss_mb": threaded_worker.peak_rss_mb, "peak_rss_mb_with_floors": threaded_worker.peak_rss_mb}
+            extra = {key: threaded_worker.info[key] for key in ("parameters", "micro_batches", "intra_op_threads")}
         elif name in built:
             extra = {"parameters": built[name][0].count_params()}
             if hasattr(built[name][0], "micro_batches"):  # tfformer's
@@ -323,7 +342,9 @@ def main(argv=None):
                                     "ratio_vs_keras_hub", "per_round"]))
     print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
           "everything but its matmuls were free. Rows ending in +metrics: each library compiled as its documentation "
-          "does (tfformer's recipes' loss and metrics, keras-hub's task defaults), against keras-hub float32 +metrics.")
+          "does (tfformer's recipes' loss and metrics, keras-hub's task defaults), against keras-hub float32 +metrics. "
+          "Rows ending in +cpu_threads: tfformer in a process of its own with one share of the cores per "
+          "micro-batch (training.configure_cpu_threads), against keras-hub float32 with TensorFlow's default threads.")
     for r in rows:
         if "system" not in r:
             print(f"{r['bench']} {r['dtype']}: tfformer / PyTorch = {r['ratio']:.2f}; per round "

@@ -45,6 +45,12 @@ def test_runner_smoke():
         # tfformer's systems train in two micro-batches (the smoke batch of 4 in parts of 2).
         assert {name for name, r in rows.items() if r.get("micro_batches") == 2} == {
             name for name in rows if name.startswith("tfformer")}
+        # tfformer in a worker process with one share of the cores per micro-batch (training.configure_cpu_threads).
+        cores = len(os.sched_getaffinity(0))
+        for dtype in ("float32", "bfloat16"):
+            threaded = rows[f"tfformer {dtype} +cpu_threads"]
+            assert threaded["intra_op_threads"] == max(1, cores // 2) and threaded["micro_batches"] == 2
+            assert threaded["parameters"] == rows[f"tfformer {dtype}"]["parameters"]
         for name, r in rows.items():
             assert r["baseline"] == ("keras-hub float32 +metrics" if name.endswith("+metrics") else "keras-hub float32")
             base = rows[r["baseline"]]["tokens_per_s"]

@@ -6,7 +6,7 @@ from tfformer.training.losses import MaskedSparseCrossEntropy
 from tfformer.training.metrics import MaskedAccuracy, Perplexity, TokenStatistics, corpus_bleu
 from tfformer.training.optimizers import FusedAdam, FusedAdamW
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
-from tfformer.training.strategy import get_strategy, mixed_precision_policy
+from tfformer.training.strategy import configure_cpu_threads, get_strategy, mixed_precision_policy
 
 __all__ = [
     "AtomicBackupAndRestore",
@@ -24,6 +24,7 @@ __all__ = [
     "Perplexity",
     "TransformerSchedule",
     "WarmupCosine",
+    "configure_cpu_threads",
     "corpus_bleu",
     "get_strategy",
     "mixed_precision_policy",

@@ -42,6 +42,52 @@ def get_strategy(replicas=None):
     return tf.distribute.get_strategy()
 
 
+def configure_cpu_threads(micro_batches, replicas=1):
+    """Give each part of a CPU training step that runs side by side its own share of the cores.
+
+    With `compile(..., micro_batches=k)` (see `models.TransformerModel.compile`) TensorFlow runs the k parts of
+    each step at once, and by default every op may use all cores (as many intra-op threads as cores), so two
+    parts' matmuls split each core between them. This sets TensorFlow's intra-op threads to
+    `max(1, cores // (micro_batches * replicas))` (`replicas`: a CPU `MirroredStrategy`'s, see `get_strategy`),
+    so that each part keeps cores of its own. On a 2-core CPU, `micro_batches=2` (one thread per part): the
+    benchmark's seq2seq and LM training steps ran 6-8% faster, float32 and mixed_bfloat16 (benchmarks/RESULTS.md,
+    "Training: one intra-op thread per micro-batch"). Ops that have nothing running beside them then use fewer
+    cores: `Model.evaluate` (which does not cut batches), prediction and generation, or a step with
+    `micro_batches=1` (the LM's 25% slower); `evaluate` of the benchmark LM took 1.7x as long. So call it in a
+    process that mostly trains, first thing.
+
+    It is process-wide and must run before TensorFlow's runtime starts (the first tensor, model or strategy).
+
+    Args:
+        micro_batches: int >= 1. The parts of each step, as given to `compile(micro_batches=...)`.
+        replicas: int >= 1. Replicas of a CPU `MirroredStrategy` (each runs its own parts). Defaults to 1.
+
+    Returns:
+        The intra-op thread count set, or None when GPUs are visible (then nothing is changed: a GPU runs a
+        step's kernels one after another, and the CPU's threads only feed it).
+
+    Raises:
+        ValueError: `micro_batches` or `replicas` is not an int >= 1.
+        RuntimeError: TensorFlow's runtime has already started with another intra-op thread count.
+    """
+    for name, value in (("micro_batches", micro_batches), ("replicas", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    if tf.config.list_physical_devices("GPU"):  # lists devices without starting the runtime
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // (micro_batches * replicas))
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"configure_cpu_threads(micro_batches={micro_batches}, replicas={replicas}) must run before TensorFlow "
+            f"creates any tensor, model or strategy (it sets {threads} intra-op thread(s) for {cores} cores), or set "
+            f"TF_NUM_INTRAOP_THREADS={threads} in the environment before Python starts: {error}"
+        ) from error
+    return threads
+
+
 def mixed_precision_policy():
     """`mixed_float16` on GPU (with loss scaling by Keras), `mixed_bfloat16` on CPU."""
     return "mixed_float16" if tf.config.list_physical_devices("GPU") else "mixed_bfloat16"
