@@ -50,7 +50,9 @@ def _train(args):
         translation.train_translation(args.out, preset=args.preset or "transformer-tiny",
                                       target_language=args.target_language, data_file=args.data, **common)
     else:
-        language_model.train_lm(args.out, preset=args.preset or "gpt-mini", text_files=args.text, **common)
+        # This process only trains: one share of the cores per micro-batch (training.configure_cpu_threads).
+        language_model.train_lm(args.out, preset=args.preset or "gpt-mini", text_files=args.text, cpu_threads=True,
+                                **common)
     return 0
 
 

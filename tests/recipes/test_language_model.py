@@ -30,3 +30,55 @@ def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
     assert metrics["steps"] > 0 and 0 < metrics["train_seconds"] <= metrics["seconds"]
     assert metrics["val_perplexity"] > 1
     assert metrics["dtype_policy"] == "float32"
+
+
+def _train_lm_in_a_fresh_process(tmp_path, before=""):
+    """`train_lm(cpu_threads=True, micro_batches=2)` on a tiny corpus in a new interpreter; its JSON result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    text = tmp_path / "corpus.py"
+    text.write_text("\n".join(f"value_{i} = compute(value_{i - 1}) + {i}" for i in range(1, 400)) + "\n")
+    code = textwrap.dedent(f"""
+        import json
+        import tensorflow as tf
+        from tfformer.recipes import language_model
+        {before}
+        try:
+            metrics = language_model.train_lm(
+                {str(tmp_path / "run")!r}, text_files=[{str(text)!r}], time_budget="8s", batch_size=4,
+                sequence_length=16, vocabulary_size=128, warmup_steps=10, eval_every=10, micro_batches=2,
+                cpu_threads=True, hidden_dim=16, num_heads=2, intermediate_dim=32, num_decoder_layers=1)
+            result = {{"steps": metrics["steps"], "val_perplexity": metrics["val_perplexity"]}}
+        except RuntimeError as error:
+            result = {{"error": str(error)}}
+        result["threads"] = tf.config.threading.get_intra_op_parallelism_threads()
+        print(json.dumps(result))
+        """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_NUM_INTRAOP_THREADS", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_train_lm_cpu_threads_gives_each_micro_batch_its_share(tmp_path):
+    import os
+
+    result = _train_lm_in_a_fresh_process(tmp_path)
+    assert result["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)  # 2 micro-batches, 1 replica
+    assert result["steps"] > 0 and result["val_perplexity"] > 1
+
+
+def test_train_lm_cpu_threads_refuses_once_tensorflow_runs(tmp_path):
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the thread count it would set is the default")
+    result = _train_lm_in_a_fresh_process(tmp_path, before="tf.constant(0.0)  # the runtime starts")
+    assert "must run before TensorFlow creates any tensor" in result["error"]
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made

@@ -158,6 +158,40 @@ def test_micro_batches_train_as_the_whole_batch(rng, spy, architecture, policy, 
                 np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5 if policy == "float32" else 1e-2)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("architecture", ["causal_lm", "seq2seq"])
+def test_micro_batches_evaluate_as_the_whole_batch(rng, monkeypatch, architecture, policy):
+    """`evaluate` of a model compiled with `micro_batches=k` runs the forward pass once per part (k = 2: 1 + 2
+    examples, k = 4: one part empty) and reports the loss and metrics of the whole batch, padding included;
+    prediction does not cut."""
+    from keras.src.models import functional
+
+    keras.config.set_dtype_policy(policy)
+    config, (x, y) = _config(architecture), _batch(architecture, rng)
+    calls = []
+    original = functional.Functional.call
+    monkeypatch.setattr(functional.Functional, "call", lambda self, inputs, *a, **k: (
+        calls.append(keras.tree.flatten(inputs)[0].shape[0]), original(self, inputs, *a, **k))[1])
+    results = {}
+    for micro_batches in (1, 2, 4):
+        keras.utils.set_random_seed(7)
+        model = models.build_model(config)
+        model.compile(optimizer="sgd", loss=LOSS(0.1), micro_batches=micro_batches,
+                      metrics=[training.MaskedAccuracy(), training.Perplexity(),
+                               keras.metrics.SparseCategoricalAccuracy()])
+        del calls[:]
+        results[micro_batches] = model.evaluate(x, y, batch_size=3, verbose=0, return_dict=True)
+        assert calls == ([3] if micro_batches == 1 else [1, 2] if micro_batches == 2 else [0, 1, 1, 1]), calls
+        del calls[:]
+        model.predict(x, batch_size=3, verbose=0)
+        assert calls == [3], calls
+    assert results[1]["loss"] > 0
+    for micro_batches in (2, 4):
+        assert results[micro_batches].keys() == results[1].keys()
+        for key, value in results[1].items():
+            np.testing.assert_allclose(results[micro_batches][key], value, rtol=1e-6 if policy == "float32" else 1e-2)
+
+
 @pytest.mark.parametrize("micro_batches", [0, -1, 2.0, True, "2", None])
 def test_micro_batches_must_be_a_positive_int(micro_batches):
     model = models.build_model(_config("causal_lm"))

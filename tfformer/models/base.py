@@ -114,10 +114,10 @@ class TransformerModel(keras.Model):
     (`accepts_token_statistics`: `training.MaskedAccuracy`, `training.Perplexity`), else the float32 logits; without
     compiled metrics no float32 logits are made. With `compile(..., micro_batches=k)`, k > 1, the fused step cuts
     the batch into k contiguous parts that run the model, the loss and their gradients independently, so that
-    TensorFlow's executor runs them side by side (see `compile`). Evaluation and prediction are unchanged. This
-    relies on private parts of Keras 3.15 (the Functional graph walk `_run_through_graph` with
-    `functional.operation_fn`, the losses' `reduce_values`, and `_compile_config`);
-    tests/training/test_fused_projection.py fails if an update changes them.
+    TensorFlow's executor runs them side by side (see `compile`); evaluation (`test_step`) runs its forward pass in
+    the same parts, prediction does not cut batches. This relies on private parts of Keras 3.15 (the Functional
+    graph walk `_run_through_graph` with `functional.operation_fn`, the losses' `reduce_values`, and
+    `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
     """
 
     def __init__(self, config, **kwargs):
@@ -147,7 +147,9 @@ class TransformerModel(keras.Model):
                 dropout draws each part's masks separately. Measured on a 2-core CPU (benchmarks/RESULTS.md):
                 2 makes the benchmark LM's steps (32 x 128 tokens) 5-10% faster and the seq2seq model's
                 (64 x 64) 1-5%, and `transformer-tiny`'s (64 x 16) 5% slower; on a GPU, whose kernels run
-                one after another, expect no gain. Steps that do not fuse ignore it. Default 1 (no cut).
+                one after another, expect no gain. Steps that do not fuse ignore it. `evaluate` runs each
+                batch's forward pass in the same parts (so it keeps both cores busy after
+                `training.configure_cpu_threads`). Default 1 (no cut).
         """
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"`micro_batches` must be an int >= 1. Received: micro_batches={micro_batches!r}")
@@ -214,7 +216,26 @@ class TransformerModel(keras.Model):
         finally:
             del steps[id(self)]
 
+    def test_step(self, data):
+        """Keras' evaluation step; with `compile(..., micro_batches=k)`, k > 1, the forward pass runs on k
+        contiguous parts of the batch, independent of each other, whose outputs are concatenated before the loss
+        and the metrics (so they are the whole batch's), as the training step's parts run side by side."""
+        if self.micro_batches == 1:
+            return super().test_step(data)
+        evaluating = _TRACING.__dict__.setdefault("evaluating", set())
+        evaluating.add(id(self))
+        try:
+            return super().test_step(data)
+        finally:
+            evaluating.discard(id(self))
+
     def call(self, inputs, training=None, mask=None):
+        # Keras hands `call` its inputs' masks as a structure of Nones when they have none.
+        no_masks = all(m is None for m in keras.tree.flatten(mask))
+        if no_masks and id(self) in getattr(_TRACING, "evaluating", ()):
+            parts = _split_batch(inputs, self.micro_batches)  # the inputs' own structure, which Functional.call takes
+            outputs = [super(TransformerModel, self).call(part, training=training) for part in parts]
+            return keras.tree.map_structure(lambda *pieces: _concatenate(list(pieces)), *outputs)  # (B, ...)
         if self._fused_step is not None:
             # The graph up to the projection's inputs, walked as Functional.call walks the whole graph: the
             # nodes recorded their layers' default `training`, which the walk overrides.

@@ -20,12 +20,15 @@ def default_micro_batches(tokens_per_replica, on_gpu):
 @rundir.restores_dtype_policy
 def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
              vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
-             eval_every=200, seed=0, printer=print, micro_batches=None, **overrides):
+             eval_every=200, seed=0, printer=print, micro_batches=None, cpu_threads=False, **overrides):
     """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`.
 
     `time_budget` covers vocabulary learning and training, with 5% of it left for the final evaluations and the
     sample (which may run over). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
-    `default_micro_batches`. The returned metrics hold the validation and test perplexities (`test_perplexity`
+    `default_micro_batches`. `cpu_threads=True` first calls `training.configure_cpu_threads` for those micro-batches
+    and replicas (one share of the cores per part, about 6-8% faster steps on 2 cores; process-wide, so only in a
+    process whose TensorFlow runtime has not started: it raises otherwise; the `tfformer train lm` command passes
+    it). The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
     (the optimizer's, a resumed run's earlier ones included), `train_seconds` (this call's `fit`) and
     `dtype_policy` (the model's). The caller's global dtype policy is back when it returns (the run's is set by
@@ -33,6 +36,12 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
+    if cpu_threads:  # before rundir.begin: its strategy starts TensorFlow's runtime
+        parts = micro_batches
+        if parts is None:  # what the default below picks; on a CPU each replica is one logical device
+            parts = default_micro_batches(batch_size // (replicas or 1) * sequence_length,
+                                          on_gpu=bool(tf.config.list_physical_devices("GPU")))
+        training.configure_cpu_threads(parts, replicas=replicas or 1)
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     lines = data.text_corpus(text_files)
     splits = {"train": [], "validation": [], "test": []}
