@@ -1,9 +1,11 @@
-"""Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights.
+"""Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights and
+the `evaluate` results on one batch after them (WEIGHTS_OUT.evaluate.json).
 
     replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam] [fused|unfused] [MICRO_BATCHES]
     (SGD by default; the loss's `fuse_projection` on by default; compile's `micro_batches` 1 by default)
 """
 
+import json
 import sys
 
 import numpy as np
@@ -49,3 +51,7 @@ if weights_in == "-":
     sys.exit(0)
 model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)
 model.save_weights(weights_out)
+# Evaluation after the steps (in `micro_batches` parts per replica), for the caller to compare.
+results = model.evaluate(dataset, steps=1, verbose=0, return_dict=True)
+with open(weights_out + ".evaluate.json", "w") as handle:
+    json.dump({key: float(value) for key, value in results.items()}, handle)

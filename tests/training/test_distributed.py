@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -54,6 +55,12 @@ def test_fused_projection_on_two_replicas_equals_unfused_on_one(tmp_path):
     for fused_weights in (w1, _weights(split)):
         for a, b in zip(fused_weights, w2):
             np.testing.assert_allclose(a, b, atol=1e-5)
+    # Evaluation in 3 parts per replica (of 1, 1 and 2 examples) reports the whole batch's loss and metrics.
+    results = {path: json.loads(open(f"{path}.evaluate.json").read()) for path in (fused, split, unfused)}
+    assert results[split].keys() == results[unfused].keys() and results[unfused]["loss"] > 0
+    for key, value in results[unfused].items():
+        np.testing.assert_allclose(results[split][key], value, rtol=1e-4)
+        np.testing.assert_allclose(results[fused][key], value, rtol=1e-4)
 
 
 def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(tmp_path):
