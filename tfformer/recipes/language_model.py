@@ -37,11 +37,10 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     if cpu_threads:  # before rundir.begin: its strategy starts TensorFlow's runtime
-        parts = micro_batches
-        if parts is None:  # what the default below picks; on a CPU each replica is one logical device
-            parts = default_micro_batches(batch_size // (replicas or 1) * sequence_length,
-                                          on_gpu=bool(tf.config.list_physical_devices("GPU")))
-        training.configure_cpu_threads(parts, replicas=replicas or 1)
+        if micro_batches is None:  # chosen here, once, so that the model compiles with what the threads are set for
+            micro_batches = default_micro_batches(batch_size // (replicas or 1) * sequence_length,  # CPU replicas
+                                                  on_gpu=bool(tf.config.list_physical_devices("GPU")))
+        training.configure_cpu_threads(micro_batches, replicas=replicas or 1)
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     lines = data.text_corpus(text_files)
     splits = {"train": [], "validation": [], "test": []}
