@@ -3,7 +3,10 @@
 import inspect
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import keras
 import numpy as np
@@ -95,3 +98,17 @@ def matmuls_fed_by(op, fn, *args):
     ops_by_name = {n.name: n.op for n in nodes}
     return sum(n.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3")
                and any(ops_by_name.get(i.split(":")[0].lstrip("^")) == op for i in n.input) for n in nodes)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def run_in_fresh_interpreter(code, timeout=300):
+    """The JSON on the last line `code` (dedented) prints, run in a new interpreter from the repository's root:
+    TensorFlow's runtime not started yet, no GPU, `TF_NUM_INTRAOP_THREADS` unset."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_NUM_INTRAOP_THREADS", None)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -34,15 +34,11 @@ def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
 
 def _train_lm_in_a_fresh_process(tmp_path, before=""):
     """`train_lm(cpu_threads=True, micro_batches=2)` on a tiny corpus in a new interpreter; its JSON result."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
+    from tests.harness import run_in_fresh_interpreter
 
     text = tmp_path / "corpus.py"
     text.write_text("\n".join(f"value_{i} = compute(value_{i - 1}) + {i}" for i in range(1, 400)) + "\n")
-    code = textwrap.dedent(f"""
+    return run_in_fresh_interpreter(f"""
         import json
         import tensorflow as tf
         from tfformer.recipes import language_model
@@ -57,13 +53,7 @@ def _train_lm_in_a_fresh_process(tmp_path, before=""):
             result = {{"error": str(error)}}
         result["threads"] = tf.config.threading.get_intra_op_parallelism_threads()
         print(json.dumps(result))
-        """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    env.pop("TF_NUM_INTRAOP_THREADS", None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        """, timeout=600)
 
 
 def test_train_lm_cpu_threads_gives_each_micro_batch_its_share(tmp_path):

@@ -1,31 +1,16 @@
 """`training.configure_cpu_threads`: TensorFlow's intra-op threads per micro-batch, set before the runtime starts."""
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import tensorflow as tf
 
+from tests.harness import run_in_fresh_interpreter
 from tfformer import training
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _fresh_process(code):
-    """The JSON the last line of `code`'s output holds, run in a new interpreter (TensorFlow not started)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    env.pop("TF_NUM_INTRAOP_THREADS", None)
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_sets_intra_op_threads_before_the_runtime_starts_and_refuses_after():
-    result = _fresh_process("""
+    result = run_in_fresh_interpreter("""
         import json
         import numpy as np
         import tensorflow as tf
@@ -59,7 +44,7 @@ def test_sets_intra_op_threads_before_the_runtime_starts_and_refuses_after():
 
 @pytest.mark.parametrize("micro_batches, replicas", [(1, 1), (4, 1), (1, 2), (2, 2)])
 def test_thread_count_is_the_cores_per_part(micro_batches, replicas):
-    result = _fresh_process(f"""
+    result = run_in_fresh_interpreter(f"""
         import json
         import tensorflow as tf
         from tfformer import training
