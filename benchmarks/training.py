@@ -125,7 +125,8 @@ def tfformer_lm(s):
     config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=s["vocab"], hidden_dim=s["hidden"],
                                       num_heads=s["heads"], intermediate_dim=s["intermediate"], num_encoder_layers=0,
                                       num_decoder_layers=s["layers"], dropout=0.1, max_sequence_length=s["length"],
-                                      activation="gelu", norm_first=True, position="learned", scale_embeddings=False)
+                                      activation="gelu_approximate", norm_first=True, position="learned",
+                                      scale_embeddings=False)
     return _compile(models.build_causal_lm(config), training.FusedAdam(1e-4), micro_batches=MICRO_BATCHES)
 
 

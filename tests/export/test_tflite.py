@@ -37,6 +37,18 @@ def test_float32_tflite_matches_keras(tmp_path, rng, architecture):
 
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_approximate"])
+def test_gelu_tflite_matches_keras_with_builtin_ops(tmp_path, rng, activation):
+    """Both GELUs convert to LiteRT's GELU builtin (no Flex/select-TF ops) and match Keras."""
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=50, **dict(CFG, activation=activation))
+    model = spread(models.build_causal_lm(config))
+    path = export.tflite(model, str(tmp_path / "m.tflite"))
+    inputs = _inputs(model, rng)
+    np.testing.assert_allclose(_run(path, inputs)["logits"], np.asarray(model(inputs)), atol=1e-4)
+    ops = {op["op_name"] for op in Interpreter(model_path=path)._get_ops_details()}
+    assert "GELU" in ops and not any(name.startswith("Flex") for name in ops), ops
+
+
 @pytest.mark.parametrize("architecture", ["seq2seq", "causal_lm"])
 def test_static_shape_tflite_matches_keras_without_shape_ops(tmp_path, rng, architecture):
     model = spread(models.build_model(models.TransformerConfig(architecture=architecture, vocabulary_size=50, **CFG)))

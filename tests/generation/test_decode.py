@@ -295,6 +295,7 @@ def _randomized(model, seed):
 
 ONE_ROW_MODELS = {
     "causal tied gelu": dict(architecture="causal_lm", tie_embeddings=True, activation="gelu"),
+    "causal tied gelu_approximate": dict(architecture="causal_lm", tie_embeddings=True, activation="gelu_approximate"),
     "causal untied swiglu": dict(architecture="causal_lm", tie_embeddings=False, activation="swiglu"),
     "seq2seq untied relu": dict(architecture="seq2seq", tie_embeddings=False, activation="relu"),
 }

@@ -32,7 +32,7 @@ class EncoderBlock(keras.layers.Layer):
         num_heads: int. Attention heads; must divide the input width.
         intermediate_dim: int. Feed-forward inner width (`d_ff`).
         dropout: float. Residual and attention dropout. Defaults to `0.0`.
-        activation: str. FFN activation, `"relu"`, `"gelu"` or `"swiglu"`.
+        activation: str. FFN activation, `"relu"`, `"gelu"`, `"gelu_approximate"` or `"swiglu"`.
         norm_first: bool. Pre-LN if True, post-LN (the paper) if False.
         layer_norm_epsilon: float. Defaults to `1e-5`.
         score: str. Attention score function, see `MultiHeadAttention`.

@@ -15,7 +15,7 @@ from tfformer.layers.attention import (
 )
 from tfformer.layers.dropout import Dropout
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
 
 def _in_float32(fn, x):
@@ -46,21 +46,54 @@ def _gelu_backward(x, dy):
     return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), dy.dtype)  # d/dx x Phi(x) = Phi(x) + x phi(x)
 
 
+_TANH_SCALE = 2 * math.sqrt(2 / math.pi)  # sigmoid(2u) = (1 + tanh(u)) / 2
+_CUBIC = 0.044715
+
+
+@tf.custom_gradient
+def _gelu_approximate_with_gradient(x):
+    """GPT-2's tanh GELU, `x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2`, written as `x s` with
+    `s = sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`, in float32, as one XLA computation each way. The forward pass
+    keeps `s` (float32, the size of `x`), so the gradient `s + x s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2)` has
+    no transcendental left to compute: forward and backward together take about 40% less time than the exact
+    GELU's (an erf forward; an erf and an exp backward) at (2048, 1024) on a 2-core CPU."""
+    y, s = _gelu_approximate_forward(x)
+    return y, lambda dy: _gelu_approximate_backward(x, s, dy)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _gelu_approximate_forward(x):
+    x32 = tf.cast(x, tf.float32)
+    s = tf.sigmoid(_TANH_SCALE * (x32 + _CUBIC * x32 * x32 * x32))  # (1 + tanh(u)) / 2
+    return tf.cast(x32 * s, x.dtype), s
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _gelu_approximate_backward(x, s, dy):
+    x32 = tf.cast(x, tf.float32)
+    spread = s * (1.0 - s)  # sigmoid's derivative
+    slope = s + x32 * spread * _TANH_SCALE * (1.0 + 3 * _CUBIC * x32 * x32)  # d/dx x s(x)
+    slope = tf.where(spread > 0, slope, s)  # saturated (|x| > ~10): 0 or 1, not 0 * inf for |x| > 1e19
+    return tf.cast(tf.cast(dy, tf.float32) * slope, dy.dtype)
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class FeedForward(keras.layers.Layer):
     """Position-wise feed-forward network: `W_2 act(W_1 x + b_1) + b_2`.
 
     The paper's FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 with `activation="relu"`;
-    `"gelu"` as in BERT/GPT; `"swiglu"` (Shazeer, 2020) computes
+    `"gelu"` (exact, erf) as in BERT; `"gelu_approximate"` (the tanh form) as in
+    GPT-2 and keras-hub's `GPT2Backbone`; `"swiglu"` (Shazeer, 2020) computes
     `W_2 (silu(x W_g) * x W_1)` with `W_g` and `W_1` in one fused kernel.
-    Masks pass through unchanged. Under a gradient tape (training) the exact
-    GELU and its gradient are XLA computations, compiled once per input shape
+    Masks pass through unchanged. Under a gradient tape (training) either GELU
+    and its gradient are XLA computations, compiled once per input shape
     (about 0.1-0.2 s each on a 2-core CPU).
 
     Args:
         hidden_dim: int. Output width (`d_model`).
         intermediate_dim: int. Inner width (`d_ff`).
-        activation: str. One of `"relu"`, `"gelu"`, `"swiglu"`. Defaults to `"relu"`.
+        activation: str. One of `"relu"`, `"gelu"`, `"gelu_approximate"`, `"swiglu"`. Defaults to
+            `"relu"`.
         dropout: float. Dropout on the inner activations. Defaults to `0.0`.
         kernel_initializer: initializer for both kernels.
         **kwargs: Base layer arguments.
@@ -109,7 +142,7 @@ class FeedForward(keras.layers.Layer):
         # A decode step under XLA takes `dense`'s prepared kernels instead (attention.decode_kernels).
         prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         own_calls = any(quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
-        if not training and self.activation in ("gelu", "relu") and not prepared and not own_calls:
+        if not training and self.activation != "swiglu" and not prepared and not own_calls:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
         x = self._project(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
@@ -117,8 +150,11 @@ class FeedForward(keras.layers.Layer):
             x = _in_float32(ops.silu, gate) * x
         elif self.activation == "gelu" and gradient_recording():
             x = _gelu_with_gradient(x)
-        elif self.activation == "gelu":
-            x = _in_float32(lambda h: ops.gelu(h, approximate=False), x)
+        elif self.activation == "gelu_approximate" and gradient_recording():
+            x = _gelu_approximate_with_gradient(x)
+        elif self.activation in ("gelu", "gelu_approximate"):
+            approximate = self.activation == "gelu_approximate"
+            x = _in_float32(lambda h: ops.gelu(h, approximate=approximate), x)
         else:
             x = ops.relu(x)
         x = self._dropout_layer(x, training=training)
@@ -134,9 +170,14 @@ class FeedForward(keras.layers.Layer):
     def _fused_intermediate(self, inputs):
         # Inference: a 2-D matmul -> bias_add -> relu/gelu chain, the pattern grappler rewrites into one
         # oneDNN kernel with the activation as a post-op (about 1.5x faster in float32 and 3x in bfloat16
-        # at (4096, 384) x (384, 1536) than the 3-D matmul, add and a separate erfc-based gelu).
+        # at (4096, 384) x (384, 1536) than the 3-D matmul, add and a separate erfc-based gelu; the tanh
+        # GELU fuses too).
         layer = self.intermediate_dense
-        activation = (lambda h: tf.nn.gelu(h, approximate=False)) if self.activation == "gelu" else tf.nn.relu
+        if self.activation == "relu":
+            activation = tf.nn.relu
+        else:
+            approximate = self.activation == "gelu_approximate"
+            activation = lambda h: tf.nn.gelu(h, approximate=approximate)  # noqa: E731
         kernel, bias = ops.cast(layer.kernel, inputs.dtype), ops.cast(layer.bias, inputs.dtype)
         return _matmul_bias(inputs, kernel, bias, activation)  # (B, T, d_ff)
 

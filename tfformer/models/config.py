@@ -4,9 +4,10 @@ import dataclasses
 import json
 from typing import Optional
 
+from tfformer.layers.feedforward import ACTIVATIONS
+
 ARCHITECTURES = ("seq2seq", "encoder", "causal_lm", "regressor")
 POSITIONS = ("sinusoidal", "learned")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
 

@@ -48,7 +48,7 @@ PRESETS = {
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
     ),
-    # A GPT-2-shaped small LM (pre-LN, GELU, learned positions, tied output).
+    # A GPT-2-shaped small LM (pre-LN, GPT-2's tanh GELU, learned positions, tied output).
     "gpt-mini": TransformerConfig(
         architecture="causal_lm",
         vocabulary_size=8192,
@@ -58,7 +58,7 @@ PRESETS = {
         num_encoder_layers=0,
         num_decoder_layers=4,
         max_sequence_length=256,
-        activation="gelu",
+        activation="gelu_approximate",
         norm_first=True,
         position="learned",
         scale_embeddings=False,
