@@ -1,10 +1,10 @@
 """Perplexity after the same wall-clock budget: tfformer's language-model recipe vs keras-hub's GPT2CausalLM.
 
-Both train the issue's GPT-2-shaped LM (tfformer's `gpt-mini`: 4 layers, hidden 256, 4 heads, intermediate
-1024, dropout 0.1, learned positions, tied embeddings) on the same windows of the same text (default: the Python
-standard library's sources, the recipe's line split; 32 windows of 128 tokens per batch; the SentencePiece
-vocabulary of 8192 that tfformer's float32 run learns inside its budget) for the same training time. Perplexity
-is exp(mean cross-entropy per token) on the test split, computed for every system by one function
+Both train the issue's GPT-2-shaped LM (tfformer's `gpt-mini`: 4 layers, hidden 256, 4 heads, intermediate 1024,
+GPT-2's tanh GELU, dropout 0.1, learned positions, tied embeddings) on the same windows of the same text (default:
+the Python standard library's sources, the recipe's line split; 32 windows of 128 tokens per batch; the
+SentencePiece vocabulary of 8192 that tfformer's float32 run learns inside its budget) for the same training time.
+Perplexity is exp(mean cross-entropy per token) on the test split, computed for every system by one function
 (`perplexity_on`: `training.Perplexity` on each model's float32 logits).
 
     python -m benchmarks.lm_perplexity [--minutes 10] [--out DIR [--overwrite]] [--smoke]
