@@ -153,8 +153,8 @@ def write_checkpoint(path, tensors, overrides=None, vocab_lines=None):
     return path
 
 
-def _numpy_bert(t, ids):
-    """BERT forward pass in numpy with PyTorch's (out, in) weight layout."""
+def _numpy_bert(t, ids, hidden_act="gelu"):
+    """BERT forward pass in numpy with PyTorch's (out, in) weight layout; `hidden_act` as transformers names it."""
 
     def norm(x, name):
         mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -181,18 +181,23 @@ def _numpy_bert(t, ids):
         context = (weights @ v).transpose(0, 2, 1, 3).reshape(1, length, d)  # (B, T, D)
         x = norm(x + linear(context, p + "attention.output.dense"), p + "attention.output.LayerNorm")
         inner = linear(x, p + "intermediate.dense")
-        inner = 0.5 * inner * (1 + np.vectorize(math.erf)(inner / np.sqrt(2)))  # exact GELU
+        if hidden_act == "gelu":
+            inner = 0.5 * inner * (1 + np.vectorize(math.erf)(inner / np.sqrt(2)))  # exact GELU
+        else:  # "gelu_new", "gelu_pytorch_tanh": the tanh approximation
+            inner = 0.5 * inner * (1 + np.tanh(np.sqrt(2 / np.pi) * (inner + 0.044715 * inner**3)))
         x = norm(x + linear(inner, p + "output.dense"), p + "output.LayerNorm")
     return x, np.tanh(linear(x[:, 0], "pooler.dense"))
 
 
-def test_tiny_checkpoint_matches_numpy_bert(tmp_path, rng):
+@pytest.mark.parametrize("hidden_act, activation", [("gelu", "gelu"), ("gelu_new", "gelu_approximate"),
+                                                    ("gelu_pytorch_tanh", "gelu_approximate")])
+def test_tiny_checkpoint_matches_numpy_bert(tmp_path, rng, hidden_act, activation):
     tensors = _tiny_tensors(rng)
-    model = convert.from_huggingface(write_checkpoint(tmp_path / "tiny", tensors))
-    assert isinstance(model, models.TransformerEncoder)
+    model = convert.from_huggingface(write_checkpoint(tmp_path / "tiny", tensors, dict(hidden_act=hidden_act)))
+    assert isinstance(model, models.TransformerEncoder) and model.config.activation == activation
     ids = np.array([[2, 7, 9, 11, 3, 0, 0]], "int32")
     outputs = model({"token_ids": ids, "segment_ids": np.zeros_like(ids)})
-    sequence, pooled = _numpy_bert({k: v.astype("float64") for k, v in tensors.items()}, ids)
+    sequence, pooled = _numpy_bert({k: v.astype("float64") for k, v in tensors.items()}, ids, hidden_act)
     np.testing.assert_allclose(np.asarray(outputs["sequence_output"])[:, :5], sequence[:, :5], atol=1e-4)
     np.testing.assert_allclose(np.asarray(outputs["pooled_output"]), pooled, atol=1e-5)
 

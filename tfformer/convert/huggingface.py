@@ -16,6 +16,9 @@ from tfformer.convert.bert_tokenizer import read_vocabulary
 from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import build_encoder
 
+# `hidden_act` values of transformers' BERT and the FeedForward activation that computes the same function:
+# "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation.
+HIDDEN_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_approximate", "gelu_pytorch_tanh": "gelu_approximate"}
 # Buffers that PyTorch saves with the weights; they carry no parameters.
 IGNORED_TENSORS = ("embeddings.position_ids",)
 # safetensors dtypes we accept for weights (cast to float32).
@@ -41,7 +44,7 @@ def read_config(path):
             "only BERT checkpoints (model_type 'bert', architectures 'Bert*') can be converted."
         )
     checks = {
-        "hidden_act": ("gelu",),
+        "hidden_act": tuple(HIDDEN_ACTIVATIONS),
         "position_embedding_type": ("absolute",),
         "pad_token_id": (0,),  # tfformer encoders treat id 0 as padding
     }
@@ -63,7 +66,7 @@ def read_config(path):
             num_decoder_layers=0,
             dropout=hf.get("hidden_dropout_prob", 0.1),
             max_sequence_length=hf["max_position_embeddings"],
-            activation="gelu",
+            activation=HIDDEN_ACTIVATIONS[hf["hidden_act"]],
             norm_first=False,
             layer_norm_epsilon=hf["layer_norm_eps"],
             position="learned",
