@@ -78,6 +78,10 @@ def _gelu_approximate_backward(x, s, dy):
     return tf.cast(tf.cast(dy, tf.float32) * slope, dy.dtype)
 
 
+# Each GELU's training form: the activation and its gradient as XLA computations.
+_GELUS = {"gelu": _gelu_with_gradient, "gelu_approximate": _gelu_approximate_with_gradient}
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class FeedForward(keras.layers.Layer):
     """Position-wise feed-forward network: `W_2 act(W_1 x + b_1) + b_2`.
@@ -149,11 +153,9 @@ class FeedForward(keras.layers.Layer):
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
             x = _in_float32(ops.silu, gate) * x
-        elif self.activation == "gelu" and gradient_recording():
-            x = _gelu_with_gradient(x)
-        elif self.activation == "gelu_approximate" and gradient_recording():
-            x = _gelu_approximate_with_gradient(x)
-        elif self.activation in ("gelu", "gelu_approximate"):
+        elif self.activation in _GELUS and gradient_recording():
+            x = _GELUS[self.activation](x)
+        elif self.activation in _GELUS:
             approximate = self.activation == "gelu_approximate"
             x = _in_float32(lambda h: ops.gelu(h, approximate=approximate), x)
         else:

@@ -231,8 +231,7 @@ class TransformerModel(keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         # Keras hands `call` its inputs' masks as a structure of Nones when they have none.
-        no_masks = all(m is None for m in keras.tree.flatten(mask))
-        if no_masks and id(self) in getattr(_TRACING, "evaluating", ()):
+        if id(self) in getattr(_TRACING, "evaluating", ()) and all(m is None for m in keras.tree.flatten(mask)):
             parts = _split_batch(inputs, self.micro_batches)  # the inputs' own structure, which Functional.call takes
             outputs = [super(TransformerModel, self).call(part, training=training) for part in parts]
             return keras.tree.map_structure(lambda *pieces: _concatenate(list(pieces)), *outputs)  # (B, ...)

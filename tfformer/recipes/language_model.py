@@ -36,10 +36,14 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
+
+    def default_for(replica_count):
+        tokens_per_replica = batch_size // replica_count * sequence_length
+        return default_micro_batches(tokens_per_replica, on_gpu=bool(tf.config.list_physical_devices("GPU")))
+
     if cpu_threads:  # before rundir.begin: its strategy starts TensorFlow's runtime
         if micro_batches is None:  # chosen here, once, so that the model compiles with what the threads are set for
-            micro_batches = default_micro_batches(batch_size // (replicas or 1) * sequence_length,  # CPU replicas
-                                                  on_gpu=bool(tf.config.list_physical_devices("GPU")))
+            micro_batches = default_for(replicas or 1)  # CPU replicas
         training.configure_cpu_threads(micro_batches, replicas=replicas or 1)
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     lines = data.text_corpus(text_files)
@@ -62,8 +66,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     val_ds = data.make_lm_dataset(splits["validation"] or splits["train"][:50], tokenizer, sequence_length,
                                   batch_size, shuffle=False)
     if micro_batches is None:
-        tokens_per_replica = batch_size // strategy.num_replicas_in_sync * sequence_length
-        micro_batches = default_micro_batches(tokens_per_replica, on_gpu=bool(tf.config.list_physical_devices("GPU")))
+        micro_batches = default_for(strategy.num_replicas_in_sync)
     with strategy.scope():
         model = models.build_model(config)
         model.compile(
