@@ -38,7 +38,7 @@ def main(argv=None):
     run.add_argument("--smoke", action="store_true")
     run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder)")
     args = parser.parse_args(argv)
-    for name in args.workloads or DEFAULT:
+    for name in dict.fromkeys(args.workloads or DEFAULT):  # each once, in the order given
         print(f"## {name}", flush=True)
         # A fresh interpreter per workload: TF's thread settings only take before its runtime starts (the
         # encoder pins 2 intra-op / 1 inter-op threads), and no workload inherits another's memory.

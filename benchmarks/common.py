@@ -4,20 +4,27 @@ import itertools
 import json
 import os
 import platform
-import resource
 import statistics
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's own peak, VmHWM)
 
-def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def cores():
+    """The cores this process may run on: TensorFlow's default intra-op thread count (`os.cpu_count()` counts
+    the host's, which a container or `taskset` can restrict)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def interleaved(callables, repeats=5, warmup=1, self_timed=False):
     """{name: [seconds...]} running each callable in turn, `repeats` rounds after `warmup` rounds.
+
+    Round `r` starts at the `r`-th callable (mod their number) and goes round: no system always runs right
+    after the same other one (e.g. a worker process whose threads still spin), so such an effect spreads
+    over all of them instead of biasing one pair's ratio in every round.
 
     With `self_timed`, each callable returns its own duration in seconds (e.g. one measured in a worker
     process, without the IPC around it) and that is recorded instead of the wall time of the call.
@@ -25,9 +32,12 @@ def interleaved(callables, repeats=5, warmup=1, self_timed=False):
     for _ in range(warmup):
         for fn in callables.values():
             fn()
-    times = {name: [] for name in callables}
-    for _ in range(repeats):
-        for name, fn in callables.items():
+    names = list(callables)
+    times = {name: [] for name in names}
+    for round_ in range(repeats):
+        first = round_ % len(names)
+        for name in names[first:] + names[:first]:
+            fn = callables[name]
             start = time.perf_counter()
             seconds = fn()
             times[name].append(seconds if self_timed else time.perf_counter() - start)
@@ -81,22 +91,31 @@ def ratio_text(ratio):
 
 
 def emit(record):
-    record = {"host": platform.node(), "cpus": os.cpu_count(), **record}
+    record = {"host": platform.node(), "cpus": os.cpu_count(), "cores": cores(), **record}
     print(json.dumps(record), flush=True)
     return record
 
 
-def matmul_limit(size=2048, dtype=tf.float32, repeats=5, jit_compile=False):
-    """Achieved GFLOP/s of a `size`^3 matmul (2*n^3 FLOPs), median of `repeats`: the machine's limit."""
-    a = tf.constant(np.random.default_rng(0).normal(size=(size, size)), dtype)
-    fn = tf.function(lambda x: tf.matmul(x, x), jit_compile=jit_compile)
-    fn(a).numpy()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(a).numpy()
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / median(times) / 1e9
+LIMIT_DTYPES = ("float32", "bfloat16")
+
+
+def matmul_limit_calls(size=2048, calls=3):
+    """`{"matmul limit float32": fn, "matmul limit bfloat16": fn}` to time among a benchmark's systems in
+    `interleaved`: each runs `calls` `size`^3 matmuls (2 * size^3 FLOPs each) on the process's threads, so the
+    machine's limit is measured in the same rounds, i.e. the same minutes, as the systems it is compared with
+    (these VMs' speed drifts by up to 2x between minutes). `matmul_limits` turns their times into GFLOP/s."""
+    fns = {}
+    for dtype in LIMIT_DTYPES:
+        a = tf.constant(np.random.default_rng(0).normal(size=(size, size)), dtype)
+        fn = tf.function(lambda x: tf.matmul(x, x))
+        fn(a).numpy()  # trace
+        fns[f"matmul limit {dtype}"] = timed(lambda fn=fn, a=a: [fn(a).numpy() for _ in range(calls)])
+    return fns
+
+
+def matmul_limits(times, size=2048, calls=3):
+    """`{dtype: GFLOP/s}` from the median time of `matmul_limit_calls`' callables; removes them from `times`."""
+    return {dtype: calls * 2 * size**3 / median(times.pop(f"matmul limit {dtype}")) / 1e9 for dtype in LIMIT_DTYPES}
 
 
 def table(rows, columns):
@@ -104,3 +123,19 @@ def table(rows, columns):
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def matmul_limits_now(size=2048, repeats=5):
+    """`{dtype: GFLOP/s}` of `matmul_limit_calls`, measured now: `repeats` interleaved rounds after a warm-up."""
+    return matmul_limits(interleaved(matmul_limit_calls(size), repeats=repeats, self_timed=True), size)
+
+
+def with_matmul_limits(run, size=2048):
+    """`run()`'s row (a dict) with `matmul_limit_gflops`: `{dtype: [before, after]}`, the limits measured right
+    before and right after it. For the benchmarks whose systems train one after another for a wall-clock budget
+    each: a drift of the machine's speed between systems, which changes what a budget buys, shows there."""
+    before = matmul_limits_now(size)
+    row = run()
+    after = matmul_limits_now(size)
+    return dict(row, matmul_limit_gflops={dtype: [round(before[dtype], 1), round(after[dtype], 1)]
+                                          for dtype in LIMIT_DTYPES})

@@ -16,10 +16,12 @@ and sentence-transformers' `SentenceTransformer.encode` of the same 512 English 
 catalogs' English->German training split, 4-114 tokens, ~10 on average), tokenization included, batches of 32,
 float32 and bfloat16 as above (keras-hub has no sentence-embedding task, so no row).
 
-Keras models run through a `tf.function` (no XLA). Repeats are interleaved across all six systems (the
+Keras models run through a `tf.function` (no XLA). Repeats are interleaved across all systems (the
 PyTorch worker waits on a pipe while the others run), after warm-up; medians are reported. Prints one JSON
 line per system and a markdown table with the ratios tfformer / keras-hub and tfformer / PyTorch
-(> 1: tfformer is faster).
+(> 1: tfformer is faster). The forward rows also give achieved GFLOP/s (`forward_flops`: the matmuls of one
+pass, the same for every system) and its fraction of the matmul limit of their dtype, a 2048^3 matmul timed in
+the same interleaved rounds (`common.matmul_limit_calls`).
 
     python -m benchmarks.encoder [--smoke] [--repeats 5]
 
@@ -64,6 +66,14 @@ def _smoke_tokenizer(vocab):
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "to", "of", "and", "in", "is", "file", "not"]
     return convert.BertTokenizer(words + [f"##{i}" for i in range(vocab - len(words))], max_length=64)
+
+
+def forward_flops(shape, batch, length):
+    """Matmul FLOPs of one forward pass: 2 FLOPs per multiply-add; per layer and token the q, k, v and output
+    projections (4 h^2) and the feed-forward (2 h i), per layer and sequence the scores and the mixing
+    (2 length^2 h). Biases, norms, softmax and pooling are left out."""
+    h, i, layers = shape["hidden"], shape["intermediate"], shape["layers"]
+    return 2 * batch * length * layers * (4 * h * h + 2 * h * i) + 4 * layers * batch * length**2 * h
 
 
 def _token_ids(vocab, batch, length, seed=0):
@@ -160,6 +170,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     torch_worker.add_python_option(parser, "encoder")
     args = parser.parse_args(argv)
+    if args.repeats < 5 or args.warmup < 1:
+        parser.error(f"--repeats must be >= 5 and --warmup >= 1 (medians of >= 5 repeats after warm-up). "
+                     f"Received: --repeats {args.repeats} --warmup {args.warmup}")
 
     batch, length = (2, 8) if args.smoke else (32, 128)
     repeats, warmup = (1, 1) if args.smoke else (args.repeats, args.warmup)
@@ -187,7 +200,13 @@ def main(argv=None):
                 systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
                 if texts:
                     systems[("pytorch encode", dtype)] = lambda dtype=dtype: worker.run(f"encode {dtype}")
+        limit_size = 256 if args.smoke else 2048
+        systems.update(common.matmul_limit_calls(limit_size))
         times = common.interleaved(systems, repeats=repeats, warmup=warmup, self_timed=True)
+    limits = common.matmul_limits(times, limit_size)
+    # PyTorch always runs the real checkpoint (with --smoke too, where the Keras models are tiny).
+    flops = {"keras": forward_flops(SMOKE_SHAPE if args.smoke else SHAPE, batch, length),
+             "pytorch": forward_flops(SHAPE, batch, length)}
 
     rows = {}
     for (system, dtype), values in times.items():
@@ -196,9 +215,13 @@ def main(argv=None):
         sentences = len(texts) if encode else batch
         record = {"bench": "encoder", "system": system, "dtype": dtype, "batch": ENCODE_BATCH if encode else batch,
                   "sequence_length": "longest in batch" if encode else length, "sentences": sentences,
-                  "sentences_per_s": round(sentences / seconds, 1), "seconds": round(seconds, 4),
+                  "sentences_per_s": common.significant(sentences / seconds), "seconds": round(seconds, 4),
                   "repeats": [round(v, 4) for v in values], "threads": THREADS if threads_set else "preset",
                   "peak_rss_mb": round(common.peak_rss_mb())}
+        if not encode:  # the encode rows' lengths vary by batch: no FLOP count
+            gflops = flops["pytorch" if system == "pytorch" else "keras"] / seconds / 1e9
+            record.update(gflops=common.significant(gflops), limit_gflops=round(limits[dtype], 1),
+                          fraction_of_own_limit=round(gflops / limits[dtype], 2))
         if system.startswith("pytorch"):
             record.update(torch=worker.info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
         rows[(system, dtype)] = common.emit(record)
@@ -209,7 +232,7 @@ def main(argv=None):
         suffix = system[len("tfformer"):]  # "" or " encode"
         for other in ("keras-hub", "pytorch"):
             if system.startswith("tfformer") and (other + suffix, dtype) in rows:
-                ratio = record["sentences_per_s"] / rows[(other + suffix, dtype)]["sentences_per_s"]
+                ratio = common.median(times[(other + suffix, dtype)]) / common.median(times[(system, dtype)])
                 per_round = common.paired_ratio(times[(system, dtype)], times[(other + suffix, dtype)])
                 common.emit({"bench": "encoder_ratio", "system": system, "dtype": dtype, "tfformer_vs": other,
                              "ratio": common.significant(ratio),
@@ -219,11 +242,13 @@ def main(argv=None):
         table_rows.append(row)
     print()
     print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",
-                                    "tfformer/keras-hub", "tfformer/keras-hub per round", "tfformer/pytorch",
+                                    "gflops", "fraction_of_own_limit", "tfformer/keras-hub", "tfformer/keras-hub per round", "tfformer/pytorch",
                                     "tfformer/pytorch per round"]))
     print(f"\nbatch {batch}, sequence {length} (encode rows: {len(texts or [])} sentences, tokenization included), "
-          f"{THREADS} threads, medians of {repeats} interleaved repeats after {warmup} warm-up round(s); ratios are "
-          "sentences/s, > 1 means tfformer is faster.")
+          f"{f'{THREADS} threads' if threads_set else 'the threads TensorFlow already had'}, medians of {repeats} "
+          f"interleaved repeats after {warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is "
+          f"faster; matmul limits ({limit_size}^3 in these rounds) float32 {limits['float32']:.1f}, bfloat16 "
+          f"{limits['bfloat16']:.1f} GFLOP/s.")
     if worker is None:
         print(f"PyTorch rows skipped: {pending.skipped}")
     return 0

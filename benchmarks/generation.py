@@ -3,13 +3,17 @@
 Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024; 16-token prompts,
 128 new tokens, batch 1 and 8; a new random prompt each round; random weights, no early stop. Each system
 with and without XLA, and with XLA under the mixed_bfloat16 policy (what a model trained with
-`--mixed-precision` runs in; logits stay float32). "Best" is each system's fastest row.
-Also: tfformer's per-token time at position ~500 vs ~50. Each tfformer/keras-hub ratio is printed twice: of
-the medians, and per round (median, min-max of each round's own pair, `common.paired_ratio`), which shows
-its spread.
+`--mixed-precision` runs in; logits stay float32; at batch 1 tfformer's decode step multiplies by float32 copies
+of its kernels under either policy, `layers.attention.decode_kernels`, so its "bf16" row differs from its float32
+one in the prefill and the caches only). "Best" is each system's fastest row.
+Also: tfformer's per-token time at positions 50 and 500, from two calls per position that generate 16 and 48
+tokens after a prompt of `position - 32` tokens: their difference is the time of the 32 tokens written at
+`position - 16` to `position + 15`, centred on the position, with the prefill cancelled out. Each tfformer/keras-hub
+ratio is printed twice: of the medians, and per round (median, min-max of each round's own pair,
+`common.paired_ratio`), which shows its spread. Decoding is bound by memory traffic, not FLOPs, so no GFLOP/s here.
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): transformers'
 `GPT2LMHeadModel` of the same shape, `generate` greedy with its KV cache, float32 and under `torch.autocast`
-bfloat16, the first round's prompts, as many intra-op threads as TensorFlow's default (the machine's cores),
+bfloat16, the first round's prompts, as many intra-op threads as TensorFlow's default (the cores it may use),
 timed in the worker process and interleaved with the rest; "tfformer best / PyTorch best" compares each
 system's fastest row.
 
@@ -17,7 +21,6 @@ system's fastest row.
 """
 
 import argparse
-import os
 
 import keras
 import keras_hub
@@ -62,7 +65,7 @@ def main(argv=None):
     prompt_len, new_tokens, repeats, batches = 16, 128, 5, (1, 8)
     if args.smoke:
         shape = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
-        prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1,)
+        prompt_len, new_tokens, repeats, batches = 4, 8, 1, (1, 2)  # batch 2: the batch > 1 paths
     max_length = 1024 if not args.smoke else 64
     rng = np.random.default_rng(0)
     # A new prompt each round, the same for every system in that round (warm-up included): a compile cache keyed
@@ -71,8 +74,8 @@ def main(argv=None):
     prompts = {batch: rng.integers(4, shape["vocab"], size=(1 + repeats, batch, prompt_len)).astype("int32")
                for batch in batches}  # (rounds, B, P)
     # The PyTorch worker builds its model while the Keras models are built.
-    # As many intra-op threads as TensorFlow's default here: the machine's cores.
-    spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": os.cpu_count()}
+    # As many intra-op threads as TensorFlow's default here: the cores this process may use.
+    spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": common.cores()}
     arrays = {f"batch_{b}": p[0] for b, p in prompts.items()}
     with torch_worker.start("generate", spec, arrays, args.torch_python) as pending:
         ours, theirs = build(shape, max_length)
@@ -110,37 +113,33 @@ def main(argv=None):
     def best(system, b):  # the fastest setting (by median) of one system at batch b
         return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)), key=lambda r: r["tokens_per_s"])
 
-    def speed(name, b):
-        return next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["system"] == name)
+    ratio_rows = []  # the table's: tfformer's speed / the other's, of the medians and per round
 
-    def compare(ours_name, theirs_name, b):  # ratio of medians, and (median, min, max) of the per-round ratios
-        return (speed(ours_name, b) / speed(theirs_name, b),
-                common.paired_ratio(round_times[b][ours_name], round_times[b][theirs_name]))
+    def compare(b, compared, ours_name, theirs_name, bench, other_key):
+        ours_times, theirs_times = round_times[b][ours_name], round_times[b][theirs_name]
+        of_medians = common.median(theirs_times) / common.median(ours_times)
+        per_round = common.paired_ratio(ours_times, theirs_times)  # (median, min, max) of each round's pair
+        ratio_rows.append({"batch": b, "compared": compared, "tfformer": ours_name, "versus": theirs_name,
+                           "ratio": f"{of_medians:.2f}", "per round": common.ratio_text(per_round)})
+        common.emit({"bench": bench, "batch": b, "tfformer": ours_name, other_key: theirs_name,
+                     "ratio": common.significant(of_medians), "per_round": [common.significant(x) for x in per_round]})
 
-    torch_ratios = {}  # batch -> (tfformer's best, PyTorch's best, ratio of medians, per round)
-    ratios = {}  # (batch, label) -> tfformer's speed / keras-hub's: ratio of medians, then (median, min, max) per round
     for b in batches:
         pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
                  **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=True", "bf16 xla=True")}}
         for label, (ours_name, theirs_name) in pairs.items():
-            of_medians, per_round = ratios[(b, label)] = compare(ours_name, theirs_name, b)
-            common.emit({"bench": "generation_ratio", "batch": b, "tfformer": ours_name, "keras_hub": theirs_name,
-                         "ratio": common.significant(of_medians),
-                         "per_round": [common.significant(x) for x in per_round]})
+            compare(b, label, ours_name, theirs_name, "generation_ratio", "keras_hub")
         if worker is not None:
-            ours_name, theirs_name = best("tfformer", b)["system"], best("pytorch", b)["system"]
-            of_medians, per_round = compare(ours_name, theirs_name, b)
-            torch_ratios[b] = ours_name, theirs_name, of_medians, per_round
-            common.emit({"bench": "generation_ratio_pytorch", "batch": b, "tfformer": ours_name,
-                         "pytorch": theirs_name, "ratio": common.significant(of_medians),
-                         "per_round": [common.significant(x) for x in per_round]})
-    # Per-token time at position ~500 vs ~50: difference of two lengths, so prefill cancels out. All four
-    # calls share the same interleaved rounds, so a change in machine speed hits both positions alike.
-    positions = (50, 500) if not args.smoke else (4, 16)
-    short, long_ = 16, 48
+            compare(b, "best vs PyTorch", best("tfformer", b)["system"], best("pytorch", b)["system"],
+                    "generation_ratio_pytorch", "pytorch")
+    # Per-token time at positions 50 and 500: difference of two lengths, so prefill cancels out; the prompt ends
+    # where the measured tokens, `short`..`long_` after it, are centred on the position. All four calls share the
+    # same interleaved rounds, so a change in machine speed hits both positions alike.
+    positions, short, long_ = ((50, 500), 16, 48) if not args.smoke else ((8, 32), 2, 6)
     calls = {}
     for position in positions:
-        prompt = rng.integers(4, shape["vocab"], size=(1, position)).astype("int32")
+        prompt_length = position - (short + long_) // 2
+        prompt = rng.integers(4, shape["vocab"], size=(1, prompt_length)).astype("int32")
         for n in (short, long_):
             calls[(position, n)] = (lambda prompt=prompt, n=n: generation.generate_ids(
                 ours, prompt, n, jit_compile=True, end_id=-1).numpy())
@@ -152,6 +151,7 @@ def main(argv=None):
         per_token[position] = (common.median(times[(position, long_)]) - common.median(times[(position, short)])) / (
             long_ - short)
         common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
+                     "prompt_length": position - (short + long_) // 2, "new_tokens": [short, long_],
                      "ms_per_token": round(per_token[position] * 1000, 3)})
     # No per-round form for this one: a round's difference of two short calls can be ~0 or negative (one run's
     # per-round ratios spanned 0.10-5.31), so only the ratio of the medians means something.
@@ -160,11 +160,8 @@ def main(argv=None):
                  "rounds": len(times[(positions[0], short)])})
     print()
     print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
-    for (b, label), (of_medians, per_round) in ratios.items():
-        print(f"batch {b}: tfformer {label} / keras-hub {label} = {of_medians:.2f}; per round {common.ratio_text(per_round)}")
-    for b, (ours_name, theirs_name, of_medians, per_round) in torch_ratios.items():
-        print(f"batch {b}: tfformer best ({ours_name}) / PyTorch best ({theirs_name}) = {of_medians:.2f}; per round "
-              f"{common.ratio_text(per_round)}")
+    print()  # > 1: tfformer generates faster
+    print(common.table(ratio_rows, ["batch", "compared", "tfformer", "versus", "ratio", "per round"]))
     print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f} "
           f"({len(times[(positions[0], short)])} rounds)")
 

@@ -55,13 +55,13 @@ def worker_main(system, spec):
         for _ in range(spec["steps"]):
             models[command].train_on_batch(x, y)
         print(json.dumps({"seconds": time.perf_counter() - start,
-                          "peak_rss_mb": round(torch_worker._peak_rss_mb())}), flush=True)
+                          "peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
 
 
 def start(system, spec, ids):
     """A `torch_worker.Pending` for `system` (`train_seq2seq` or `train_lm`) in this interpreter; `spec` holds the
     `shape`, `steps` and `micro_batches`, `ids` the benchmark's token ids."""
-    spec = dict(spec, threads=os.cpu_count())
+    spec = dict(spec, threads=len(os.sched_getaffinity(0)))  # TensorFlow's default: the cores it may use
     try:
         return torch_worker.Pending(torch_worker.TorchWorker(sys.executable, system, spec, {"ids": ids},
                                                              script=os.path.abspath(__file__)))

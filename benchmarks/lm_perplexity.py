@@ -24,6 +24,10 @@ only with `--overwrite`.
   "keras.io": `"adam"` (1e-3), as keras.io's "GPT text generation from scratch with KerasHub" trains.
   Ratios are against the better keras-hub run (the lower test perplexity); < 1 means tfformer's is lower.
 
+The systems train one after another (a budget each, not interleaved), so a drift of the machine's speed between
+them changes what a budget buys: each row records the float32 and bfloat16 matmul limits measured right before
+and right after its system (`matmul_limit_gflops`, `common.with_matmul_limits`).
+
 `--smoke`: one small text file, a one-layer model of width 16 and a few seconds each (CI runs it; its numbers mean
 nothing).
 """
@@ -39,6 +43,7 @@ import keras
 import keras_hub
 import tensorflow as tf
 
+from benchmarks import common
 from tfformer import data, training
 from tfformer.recipes import language_model
 from tfformer.recipes.translation import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
@@ -138,19 +143,20 @@ def main(argv=None):
     rows = []
 
     def emit(row):
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(common.emit(row))
+
+    limit_size = 256 if args.smoke else 2048
 
     out = args.out or tempfile.mkdtemp(prefix="lm-bench-")
     for path in (out, out + "-bf16"):  # checked before any training, not after the first run's 10 minutes
         if not args.overwrite and os.path.isdir(path) and os.listdir(path):
             parser.error(f"--out: {path!r} already holds a run; pass --overwrite to replace it, or choose --out.")
     print(f"run directories: {out}, {out}-bf16", flush=True)
-    ours = run_tfformer(out, shape, mixed_precision=False, overwrite=args.overwrite)
+    ours = common.with_matmul_limits(lambda: run_tfformer(out, shape, False, args.overwrite), limit_size)
     emit(ours)
     for name in KERAS_HUB_OPTIMIZERS:
-        emit(run_keras_hub(out, name, ours["train_seconds"], shape))
-    bf16 = run_tfformer(out + "-bf16", shape, mixed_precision=True, overwrite=args.overwrite)
+        emit(common.with_matmul_limits(lambda: run_keras_hub(out, name, ours["train_seconds"], shape), limit_size))
+    bf16 = common.with_matmul_limits(lambda: run_tfformer(out + "-bf16", shape, True, args.overwrite), limit_size)
     bf16["same_vocabulary"] = filecmp.cmp(os.path.join(out, TOKENIZER_FILE),
                                           os.path.join(out + "-bf16", TOKENIZER_FILE), shallow=False)
     if not bf16["same_vocabulary"]:

@@ -1,5 +1,9 @@
 """Batch-1 latency of the same model as a SavedModel (predict_ids) and as TFLite (ai_edge_litert), same threads.
 
+Both run on as many threads as the cores this process may use (`common.cores()`): TensorFlow's intra-op threads
+are set to that count (its default) and each LiteRT interpreter gets `num_threads` of it; each row records it.
+The model is `gpt-mini` (random weights, dropout off), 64 token ids in, logits out; 20 interleaved rounds.
+
     python -m benchmarks.tflite_latency [--smoke]
 """
 
@@ -19,6 +23,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    threads = _set_tf_threads(common.cores())
     overrides = dict(num_decoder_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64) if args.smoke else {}
     model = models.from_preset("gpt-mini", dropout=0.0, **overrides)
     length = 8 if args.smoke else 64
@@ -33,7 +38,7 @@ def main(argv=None):
             for batch_size in (None, 1):  # dynamic batch, and every shape static
                 path = export.tflite(model, os.path.join(tmp, f"{quantize}-{batch_size}.tflite"), quantize=quantize,
                                      sequence_length=length, batch_size=batch_size)
-                runner = Interpreter(model_path=path, num_threads=2).get_signature_runner("predict_ids")
+                runner = Interpreter(model_path=path, num_threads=threads).get_signature_runner("predict_ids")
                 name = f"tflite {quantize or 'float32'}" + (" batch=1 static" if batch_size else "")
                 calls[name] = lambda runner=runner: runner(token_ids=ids)["logits"]
         times = common.interleaved(calls, repeats=1 if args.smoke else 20, warmup=2)
@@ -42,11 +47,24 @@ def main(argv=None):
         # Latency ratio (< 1: faster than the SavedModel); per round: this file's time / the SavedModel's.
         per_round = common.paired_ratio(times["saved_model"], values)
         rows.append(common.emit({"bench": "latency_batch1", "system": name, "ms": round(common.median(values) * 1000, 2),
-                                 "ratio_vs_saved_model": round(common.median(values) / base, 2),
+                                 "ratio_vs_saved_model": round(common.median(values) / base, 2), "threads": threads,
                                  "per_round": [common.significant(x) for x in per_round]}))
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
     print(common.table(table_rows, ["system", "ms", "ratio_vs_saved_model", "per_round"]))
+
+
+def _set_tf_threads(threads):
+    """`threads` intra-op threads for TensorFlow, as the interpreters get; an error if its runtime already runs
+    with another count."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    except RuntimeError:  # the runtime is up: fine if it has the same count (0: its default, the cores)
+        current = tf.config.threading.get_intra_op_parallelism_threads()
+        if current not in (0, threads):
+            raise RuntimeError(f"TensorFlow already runs {current} intra-op threads; the interpreters would get "
+                               f"{threads}. Run the benchmark in a fresh process.") from None
+    return threads
 
 
 def _ids_only_saved_model(model, path):

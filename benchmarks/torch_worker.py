@@ -29,7 +29,7 @@ import time
 TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
 
 
-def _peak_rss_mb():
+def peak_rss_mb():
     """This process's own peak: Linux's `VmHWM`. `ru_maxrss` would not do: it survives fork + exec, so a worker
     started by a process that held 4 GB reports at least 4 GB."""
     try:
@@ -184,7 +184,7 @@ def worker_main(system, spec):
             break
         start = time.perf_counter()
         run(command)
-        print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mb": round(_peak_rss_mb())}), flush=True)
+        print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
 
 
 # === The benchmark process's side ===

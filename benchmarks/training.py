@@ -20,8 +20,9 @@ over), the LM as keras-hub's own `GPT2CausalLM`. Both keep the benchmark's optim
 Steps are timed one `train_on_batch` at a time (not whole `fit()` calls; see the pitfalls note on tf.data).
 FLOPs per step = 6 * N_params_non_embedding * tokens (+ 6 * V * d * predicted tokens for the output projection)
 + 12 * layers * T^2 * d * batch for attention scores and mixing (forward 2x, backward 4x), counted for every
-attention sub-layer; achieved GFLOP/s is reported against the float32 and bfloat16 matmul limits measured in
-the same run.
+attention sub-layer; achieved GFLOP/s is reported against the float32 and bfloat16 matmul limits (2048^3,
+`common.matmul_limit_calls`) timed in the same interleaved rounds as the systems: `fraction_of_f32_limit`, and
+`fraction_of_own_limit` against the limit of the dtype the row's matmuls run in (bfloat16 for the bfloat16 rows).
 
 Also timed, rows ending in "+cpu_threads": tfformer float32 and bfloat16 as above, in a worker process
 (`benchmarks.keras_worker`) that gave each micro-batch its own share of the cores first
@@ -41,15 +42,14 @@ PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.
 transformers' `GPT2LMHeadModel`, the seq2seq model as `torch.nn.Transformer` with keras-hub's layout (learned
 positions, untied output projection), both with dropout 0.1, `F.cross_entropy` on float32 logits and
 `torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, with as many
-intra-op threads as TensorFlow's default (the machine's cores), timed in their worker process and interleaved
-with the rest. Their `peak_rss_mb` is the worker's, their FLOPs tfformer's model's of the same shape;
+intra-op threads as TensorFlow's default (the cores this process may use), timed in their worker process and
+interleaved with the rest. Their `peak_rss_mb` is the worker's, their FLOPs tfformer's model's of the same shape;
 `train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
 
     python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON]
 """
 
 import argparse
-import os
 
 import keras
 import keras_hub
@@ -246,8 +246,8 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     # keras-hub's preprocessors hand its tasks the labels' padding mask as sample weights (no padding here).
     sample_weight = {"keras-hub float32 +metrics": np.ones(y.shape, "float32")}
     # The PyTorch worker builds its model while the Keras systems trace.
-    # As many intra-op threads as TensorFlow's default here: the machine's cores.
-    spec = {"shape": s, "steps": steps, "threads": os.cpu_count()}
+    # As many intra-op threads as TensorFlow's default here: the cores this process may use.
+    spec = {"shape": s, "steps": steps, "threads": common.cores()}
     # tfformer with one intra-op thread per micro-batch (`training.configure_cpu_threads`), a process-wide
     # setting: in a worker process of its own, which builds its systems meanwhile too.
     threaded = keras_worker.start(f"train_{workload}", dict(spec, micro_batches=MICRO_BATCHES), ids)
@@ -284,9 +284,11 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
         if worker is not None:
             for dtype in ("float32", "bfloat16"):
                 callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
+        limit_size = 256 if smoke else 2048
+        callables.update(common.matmul_limit_calls(limit_size))
         times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1, self_timed=True)
-    limit32 = common.matmul_limit(256 if smoke else 2048)
-    limit16 = common.matmul_limit(256 if smoke else 2048, dtype="bfloat16")
+    limits = common.matmul_limits(times, limit_size)
+    limit32, limit16 = limits["float32"], limits["bfloat16"]
     rows = []
     flops = {name: _flops(s, attention_layers, _dense_params(model, s["vocab"]), predicted, tokens)
              for name, (model, _) in built.items()}
@@ -309,10 +311,12 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             if hasattr(built[name][0], "micro_batches"):  # tfformer's
                 extra["micro_batches"] = built[name][0].micro_batches
         step_flops = flops.get(name, flops["tfformer float32"])  # a floor row: the same FLOPs
+        gflops = step_flops / seconds / 1e9
         rows.append(common.emit({
             "bench": f"train_{workload}", "system": name, "tokens_per_s": round(predicted / seconds, 1),
-            "ms_per_step": round(seconds * 1000, 1), "gflops": round(step_flops / seconds / 1e9, 1),
-            "fraction_of_f32_limit": round(step_flops / seconds / 1e9 / limit32, 2),
+            "ms_per_step": round(seconds * 1000, 1), "gflops": common.significant(gflops),
+            "fraction_of_f32_limit": round(gflops / limit32, 2),
+            "fraction_of_own_limit": round(gflops / (limit16 if "bfloat16" in name else limit32), 2),
             "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1), **rss,
             "ratio_vs_keras_hub": round(base / seconds, 2), "baseline": baseline,
             "per_round": [common.significant(x) for x in per_round],
@@ -340,7 +344,7 @@ def main(argv=None):
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows if "system" in r]
     print(common.table(table_rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
-                                    "ratio_vs_keras_hub", "per_round"]))
+                                    "fraction_of_own_limit", "ratio_vs_keras_hub", "per_round"]))
     print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
           "everything but its matmuls were free. Rows ending in +metrics: each library compiled as its documentation "
           "does (tfformer's recipes' loss and metrics, keras-hub's task defaults), against keras-hub float32 +metrics. "

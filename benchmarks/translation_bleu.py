@@ -21,12 +21,16 @@ decoding with keras_hub.samplers.GreedySampler (no cache, full re-run per token)
 It trains in float32 (the goal's reference) for as many seconds as tfformer
 float32's `fit` took. Each row records its system's dtype policy.
 
+The systems train one after another (a budget each, not interleaved), so a drift of the machine's speed between
+them changes what a budget buys: each row records the float32 and bfloat16 matmul limits measured right before
+and right after its system (`matmul_limit_gflops`, `common.with_matmul_limits`).
+
 `--data FILE.tsv`: source<TAB>target pairs instead of the gettext catalogs (both systems). `--smoke`: 1000
 generated word-for-word pairs, both models of width 16 and 15 seconds each (CI runs it; its numbers mean nothing).
 """
 
 import argparse
-import json
+import functools
 import os
 import random
 import tempfile
@@ -36,6 +40,7 @@ import keras
 import keras_hub
 import tensorflow as tf
 
+from benchmarks import common
 from tfformer import data, training
 from tfformer.recipes import translation
 
@@ -96,6 +101,18 @@ def keras_hub_translate(model, tokenizer, sources, max_length, batch_size=64):
     return [t.decode("utf-8") for t in texts]
 
 
+def run_tfformer(out, shape, data_file, mixed_precision, overwrite):
+    metrics = translation.train_translation(
+        out, data_file=data_file, time_budget=f"{shape['minutes']}m", batch_size=shape["batch_size"],
+        max_length=shape["max_length"], vocabulary_size=shape["vocabulary_size"],
+        warmup_steps=shape["warmup_steps"], overwrite=overwrite, mixed_precision=mixed_precision,
+        eval_every=shape["eval_every"], printer=lambda *_: None, **shape["overrides"])
+    return {"bench": "translation_bleu", "system": "tfformer " + ("bfloat16" if mixed_precision else "float32"),
+            "bleu_test": metrics["bleu_test"], "steps": metrics["steps"], "train_seconds": metrics["train_seconds"],
+            "seconds_total": metrics["seconds"], "parameters": metrics["parameters"],
+            "test_pairs": metrics["test_pairs"], "dtype_policy": metrics["dtype_policy"]}
+
+
 def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
     """Train the keras.io recipe on tfformer's run's tokenizer and pairs for `train_seconds`; its JSON row."""
     keras.config.set_dtype_policy("float32")  # not the policy a bfloat16 run before it left behind
@@ -111,7 +128,7 @@ def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
     trained = time.monotonic() - start
     steps = int(model.optimizer.iterations.numpy())
     hypotheses = keras_hub_translate(model, tokenizer, [s for s, _ in splits["test"]], max_length, batch_size)
-    return {"system": "keras-hub", "bleu_test": training.corpus_bleu(hypotheses, [t for _, t in splits["test"]]),
+    return {"bench": "translation_bleu", "system": "keras-hub", "bleu_test": training.corpus_bleu(hypotheses, [t for _, t in splits["test"]]),
             "steps": steps, "train_seconds": round(trained, 1), "parameters": model.count_params(),
             "test_pairs": len(splits["test"]), "dtype_policy": model.dtype_policy.name}
 
@@ -142,21 +159,14 @@ def main(argv=None):
         data_file = write_smoke_pairs(os.path.join(tempfile.mkdtemp(prefix="bleu-smoke-"), "pairs.tsv"))
     print(f"run directories: {base}" + (f", {base}-bf16" if args.mixed_precision else ""), flush=True)
     rows = []
+    limit_size = 256 if args.smoke else 2048
     for mixed in dtypes:
         out = base + ("-bf16" if mixed else "")
-        metrics = translation.train_translation(
-            out, data_file=data_file, time_budget=f"{shape['minutes']}m", batch_size=shape["batch_size"],
-            max_length=shape["max_length"], vocabulary_size=shape["vocabulary_size"],
-            warmup_steps=shape["warmup_steps"], overwrite=args.overwrite, mixed_precision=mixed,
-            eval_every=shape["eval_every"], printer=lambda *_: None, **shape["overrides"])
-        rows.append({"system": "tfformer " + ("bfloat16" if mixed else "float32"), "bleu_test": metrics["bleu_test"],
-                     "steps": metrics["steps"], "train_seconds": metrics["train_seconds"],
-                     "seconds_total": metrics["seconds"], "parameters": metrics["parameters"],
-                     "test_pairs": metrics["test_pairs"], "dtype_policy": metrics["dtype_policy"]})
-        print(json.dumps(rows[-1]), flush=True)
+        run = functools.partial(run_tfformer, out, shape, data_file, mixed, args.overwrite)
+        rows.append(common.emit(common.with_matmul_limits(run, limit_size)))
     # keras-hub trains as long as tfformer float32's fit took, on its tokenizer (learned inside tfformer's budget).
-    rows.append(run_baseline(base, rows[0]["train_seconds"], shape, data_file))
-    print(json.dumps(rows[-1]), flush=True)
+    run = functools.partial(run_baseline, base, rows[0]["train_seconds"], shape, data_file)
+    rows.append(common.emit(common.with_matmul_limits(run, limit_size)))
     theirs = rows[-1]["bleu_test"]
     print("\n| system | BLEU (test) | steps | train seconds | BLEU vs keras-hub |\n|---|---|---|---|---|")
     for row in rows:

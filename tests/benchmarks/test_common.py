@@ -1,8 +1,16 @@
-"""benchmarks.common's paired ratios: per-round ratios cancel a drift of machine speed between rounds."""
+"""benchmarks.common: per-round ratios cancel a drift of machine speed between rounds; rounds rotate their order;
+matmul limits are timed among the systems; peak memory is the process's own."""
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
 from benchmarks import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_paired_ratio_cancels_drift_between_rounds():
@@ -23,3 +31,35 @@ def test_paired_ratio_needs_paired_rounds():
         common.paired_ratio([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="same, non-zero number of rounds"):
         common.paired_ratio([], [])
+
+
+def test_interleaved_rotates_the_order_of_each_round():
+    calls = []
+    callables = {name: (lambda name=name: calls.append(name) or 0.5) for name in "abc"}
+    times = common.interleaved(callables, repeats=4, warmup=1, self_timed=True)
+    assert calls == list("abc" "abc" "bca" "cab" "abc")  # warm-up, then rounds starting at a, b, c, a
+    assert times == {name: [0.5] * 4 for name in "abc"}  # each callable's own rounds, in the callables' order
+    # Every system runs right after every other one in some round (a fixed order would always put c after b).
+    follows = {(x, y) for x, y in zip(calls[3:], calls[4:])}
+    assert {("a", "c"), ("b", "a"), ("c", "b"), ("a", "b"), ("b", "c"), ("c", "a")} <= follows
+
+
+def test_matmul_limits_come_from_the_interleaved_calls():
+    fns = common.matmul_limit_calls(size=64, calls=2)
+    assert set(fns) == {"matmul limit float32", "matmul limit bfloat16"}
+    times = common.interleaved({"system": lambda: 1.0, **fns}, repeats=3, self_timed=True)
+    expected = {dtype: 2 * 2 * 64**3 / common.median(times[f"matmul limit {dtype}"]) / 1e9
+                for dtype in ("float32", "bfloat16")}
+    assert common.matmul_limits(times, size=64, calls=2) == pytest.approx(expected)
+    assert set(times) == {"system"}  # the limits' times are taken out, the systems' left
+
+
+def test_peak_rss_is_the_process_own_not_its_parent():
+    # `ru_maxrss` survives fork + exec: a small child of a large process would report the parent's peak.
+    ballast = np.ones(3 * 2**30 // 8)  # 3 GB, touched
+    code = "from benchmarks import common; print(common.peak_rss_mb())"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    child = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                                 check=True).stdout)
+    assert ballast.sum() == ballast.size and common.peak_rss_mb() > 3 * 1024
+    assert 1 < child < 2 * 1024, child  # an interpreter that imported TensorFlow: ~0.6 GB

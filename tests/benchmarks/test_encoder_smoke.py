@@ -24,10 +24,19 @@ def test_encoder_benchmark_smoke():
     torch_rows = {(s, d) for s in ("pytorch", "pytorch encode") for d in ("float32", "bfloat16")}
     # The PyTorch rows are there when an interpreter with torch exists, else the skip is said.
     assert torch_rows <= systems or ("PyTorch rows skipped" in out.stdout and not systems & torch_rows)
+    # A worker that exists but fails is an error, not a skip.
+    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
     assert all(r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
     for r in records:  # encode rows: the 16 smoke sentences; forward rows: the smoke batch
         assert r["sentences"] == (16 if r["system"].endswith(" encode") else 2), r
         assert r["seconds"] == pytest.approx(r["sentences"] / r["sentences_per_s"], rel=0.01, abs=1e-4)  # rounding
+    # GFLOP/s of the forward rows (the encode rows' lengths vary: none) against their dtype's limit.
+    for r in records:
+        if r["system"].endswith(" encode"):
+            assert "gflops" not in r
+        else:
+            assert r["gflops"] > 0 and r["fraction_of_own_limit"] == pytest.approx(
+                r["gflops"] / r["limit_gflops"], abs=0.011)
     speed = {(r["system"], r["dtype"]): r["sentences_per_s"] for r in records}
     pairs = [("tfformer", "keras-hub", "keras-hub")]
     if torch_rows <= systems:

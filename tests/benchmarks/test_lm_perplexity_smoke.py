@@ -29,6 +29,9 @@ def test_lm_perplexity_smoke(tmp_path):
         # Trained models beat the uniform guess (perplexity = the vocabulary size) on held-out text.
         assert 1 < row["test_perplexity"] < 0.5 * vocabulary, row
         assert row["steps"] > 10 and row["parameters"] > 0
+        # The systems run one after another: the machine's matmul limits right before and after each.
+        assert row["bench"] == "lm_perplexity" and set(row["matmul_limit_gflops"]) == {"float32", "bfloat16"}, row
+        assert all(len(pair) == 2 and min(pair) > 0 for pair in row["matmul_limit_gflops"].values()), row
     for system in ("tfformer float32", "tfformer bfloat16"):
         # The saved model, evaluated by the benchmark's loop, gives what the recipe's `evaluate` reported.
         assert rows[system]["test_perplexity"] == pytest.approx(rows[system]["recipe_test_perplexity"], rel=1e-3)

@@ -17,6 +17,7 @@ def test_runner_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     benches = {r["bench"] for r in records}
+    cores = len(os.sched_getaffinity(0))
     assert {"train_seq2seq", "train_lm", "generation", "generation_ratio", "per_token", "per_token_ratio",
             "latency_batch1"} <= benches
     # PyTorch rows are there when an interpreter with torch + transformers exists, else the skip is said; a
@@ -25,6 +26,7 @@ def test_runner_smoke():
     assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
     # Ratios agree with the rows they come from; with one round (smoke), per round = the ratio of the medians.
     speed = {(r["batch"], r["system"]): r["tokens_per_s"] for r in records if r["bench"] == "generation"}
+    assert {batch for batch, _ in speed} == {1, 2}  # batch 2: the batch > 1 decode paths run too
     for r in (r for r in records if r["bench"] == "generation_ratio"):
         assert r["ratio"] == pytest.approx(speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["keras_hub"])], rel=0.01)
         assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
@@ -46,12 +48,15 @@ def test_runner_smoke():
         assert {name for name, r in rows.items() if r.get("micro_batches") == 2} == {
             name for name in rows if name.startswith("tfformer")}
         # tfformer in a worker process with one share of the cores per micro-batch (training.configure_cpu_threads).
-        cores = len(os.sched_getaffinity(0))
         for dtype in ("float32", "bfloat16"):
             threaded = rows[f"tfformer {dtype} +cpu_threads"]
             assert threaded["intra_op_threads"] == max(1, cores // 2) and threaded["micro_batches"] == 2
             assert threaded["parameters"] == rows[f"tfformer {dtype}"]["parameters"]
         for name, r in rows.items():
+            # GFLOP/s against the limit of the row's own dtype, timed in the same rounds.
+            limit = r["bf16_limit_gflops"] if "bfloat16" in name else r["f32_limit_gflops"]
+            assert r["gflops"] > 0 and r["fraction_of_own_limit"] == pytest.approx(r["gflops"] / limit, abs=0.011)
+            assert r["fraction_of_f32_limit"] == pytest.approx(r["gflops"] / r["f32_limit_gflops"], abs=0.011)
             assert r["baseline"] == ("keras-hub float32 +metrics" if name.endswith("+metrics") else "keras-hub float32")
             base = rows[r["baseline"]]["tokens_per_s"]
             assert r["ratio_vs_keras_hub"] == pytest.approx(r["tokens_per_s"] / base, abs=0.011)
@@ -69,8 +74,19 @@ def test_runner_smoke():
         # LayerNorm to its encoder and its decoder (2 x 2 x hidden) to keras-hub's seq2seq layout.
         extra = 0 if bench == "train_lm" else 4 * 16  # the smoke shape's hidden size
         assert rows["pytorch float32"]["parameters"] == rows["keras-hub float32"]["parameters"] + extra
-    (saved,) = [r for r in records if r["bench"] == "latency_batch1" and r["system"] == "saved_model"]
-    assert saved["per_round"] == [1.0, 1.0, 1.0]
+    # Per-token time: the tokens measured (those between the smoke's 2 and 6 new ones) are centred on each
+    # position, so the prompts end (2 + 6) / 2 tokens before it.
+    per_token = {r["position"]: r for r in records if r["bench"] == "per_token"}
+    assert {p: (r["prompt_length"], r["new_tokens"]) for p, r in per_token.items()} == {8: (4, [2, 6]),
+                                                                                           32: (28, [2, 6])}
+    # TFLite and the SavedModel on the same threads: this process's cores; each ratio is its own time / the
+    # SavedModel's (one round: per round = of the medians).
+    latency = {r["system"]: r for r in records if r["bench"] == "latency_batch1"}
+    assert set(latency) == {"saved_model", "tflite float32", "tflite float32 batch=1 static", "tflite dynamic",
+                            "tflite dynamic batch=1 static"}
+    assert {r["threads"] for r in latency.values()} == {cores} == {r["cores"] for r in records}
+    for r in latency.values():
+        assert r["ratio_vs_saved_model"] == pytest.approx(r["per_round"][0], abs=0.006) and r["ms"] > 0
     assert "over rounds" in out.stdout
     assert all(r.get("tokens_per_s", 1) > 0 for r in records)
     assert "| system |" in out.stdout or "| bench |" in out.stdout

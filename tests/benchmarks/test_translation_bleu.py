@@ -26,6 +26,9 @@ def test_translation_bleu_smoke(tmp_path):
     for row in rows.values():
         assert 0 <= row["bleu_test"] <= 100 + 1e-9 and row["steps"] > 10 and row["parameters"] > 0, row
         assert row["test_pairs"] == rows["keras-hub"]["test_pairs"] > 0  # one test split for every system
+        # The systems run one after another: the machine's matmul limits right before and after each.
+        assert row["bench"] == "translation_bleu" and set(row["matmul_limit_gflops"]) == {"float32", "bfloat16"}, row
+        assert all(len(pair) == 2 and min(pair) > 0 for pair in row["matmul_limit_gflops"].values()), row
     budget = rows["tfformer float32"]["train_seconds"]
     assert budget - 0.5 <= rows["keras-hub"]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
     assert "| system | BLEU (test) |" in out.stdout
