@@ -2,10 +2,10 @@
 
 Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024; 16-token prompts,
 128 new tokens, batch 1 and 8; a new random prompt each round; random weights, no early stop. Each system
-with and without XLA, and with XLA under the mixed_bfloat16 policy (what a model trained with
-`--mixed-precision` runs in; logits stay float32; at batch 1 tfformer's decode step multiplies by float32 copies
-of its kernels under either policy, `layers.attention.decode_kernels`, so its "bf16" row differs from its float32
-one in the prefill and the caches only). "Best" is each system's fastest row.
+with and without XLA, in float32 and under the mixed_bfloat16 policy (what a model trained with
+`--mixed-precision` runs in; logits stay float32; at batch 1 under XLA tfformer's decode step multiplies by
+float32 copies of its kernels under either policy, `layers.attention.decode_kernels`, so there its "bf16" row
+differs from its float32 one in the prefill and the caches only). "Best" is each system's fastest row.
 Also: tfformer's per-token time at positions 50 and 500, from two calls per position that generate 16 and 48
 tokens after a prompt of `position - 32` tokens: their difference is the time of the 32 tokens written at
 `position - 16` to `position + 15`, centred on the position, with the prefill cancelled out. Each tfformer/keras-hub
@@ -33,7 +33,7 @@ from tfformer import generation, models
 def build(shape, max_length, policy="float32"):
     keras.config.set_dtype_policy(policy)
     try:
-        return _build(shape, max_length, xla_settings=(True,) if policy != "float32" else (False, True))
+        return _build(shape, max_length, xla_settings=(False, True))
     finally:
         keras.config.set_dtype_policy("float32")
 
@@ -92,9 +92,11 @@ def main(argv=None):
                     ours, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
                 calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla: theirs[xla].generate(
                     padded[i], stop_token_ids=None))
-            calls["tfformer bf16 xla=True"] = lambda i: generation.generate_ids(
-                ours16, ids[i], new_tokens, end_id=-1).numpy()
-            calls["keras-hub bf16 xla=True"] = lambda i: theirs16[True].generate(padded[i], stop_token_ids=None)
+            for xla in (False, True):
+                calls[f"tfformer bf16 xla={xla}"] = (lambda i, xla=xla: generation.generate_ids(
+                    ours16, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
+                calls[f"keras-hub bf16 xla={xla}"] = (lambda i, xla=xla: theirs16[xla].generate(
+                    padded[i], stop_token_ids=None))
             calls = {name: common.timed(common.rounds(fn)) for name, fn in calls.items()}
             if worker is not None:
                 for dtype in ("float32", "bfloat16"):
@@ -126,7 +128,7 @@ def main(argv=None):
 
     for b in batches:
         pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
-                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=True", "bf16 xla=True")}}
+                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=False", "xla=True", "bf16 xla=False", "bf16 xla=True")}}
         for label, (ours_name, theirs_name) in pairs.items():
             compare(b, label, ours_name, theirs_name, "generation_ratio", "keras_hub")
         if worker is not None:
