@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -22,9 +23,10 @@ def cores():
 def interleaved(callables, repeats=5, warmup=1, self_timed=False):
     """{name: [seconds...]} running each callable in turn, `repeats` rounds after `warmup` rounds.
 
-    Round `r` starts at the `r`-th callable (mod their number) and goes round: no system always runs right
-    after the same other one (e.g. a worker process whose threads still spin), so such an effect spreads
-    over all of them instead of biasing one pair's ratio in every round.
+    Each round runs the callables in its own order, shuffled with a fixed seed (warm-up rounds: in the given
+    order): no system always runs right after the same other one (whose memory traffic or threads could slow
+    what follows it), so such an effect spreads over all systems instead of biasing one pair's ratio in every
+    round. (`paired_ratio` cancels drifts between rounds; this, effects of the order within a round.)
 
     With `self_timed`, each callable returns its own duration in seconds (e.g. one measured in a worker
     process, without the IPC around it) and that is recorded instead of the wall time of the call.
@@ -34,9 +36,9 @@ def interleaved(callables, repeats=5, warmup=1, self_timed=False):
             fn()
     names = list(callables)
     times = {name: [] for name in names}
-    for round_ in range(repeats):
-        first = round_ % len(names)
-        for name in names[first:] + names[:first]:
+    order = random.Random(0)
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             fn = callables[name]
             start = time.perf_counter()
             seconds = fn()

@@ -242,8 +242,8 @@ def main(argv=None):
         table_rows.append(row)
     print()
     print(common.table(table_rows, ["system", "dtype", "batch", "sequence_length", "sentences_per_s", "seconds",
-                                    "gflops", "fraction_of_own_limit", "tfformer/keras-hub", "tfformer/keras-hub per round", "tfformer/pytorch",
-                                    "tfformer/pytorch per round"]))
+                                    "gflops", "fraction_of_own_limit", "tfformer/keras-hub",
+                                    "tfformer/keras-hub per round", "tfformer/pytorch", "tfformer/pytorch per round"]))
     print(f"\nbatch {batch}, sequence {length} (encode rows: {len(texts or [])} sentences, tokenization included), "
           f"{f'{THREADS} threads' if threads_set else 'the threads TensorFlow already had'}, medians of {repeats} "
           f"interleaved repeats after {warmup} warm-up round(s); ratios are sentences/s, > 1 means tfformer is "

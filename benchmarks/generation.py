@@ -128,7 +128,8 @@ def main(argv=None):
 
     for b in batches:
         pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
-                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}") for tag in ("xla=False", "xla=True", "bf16 xla=False", "bf16 xla=True")}}
+                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}")
+                    for tag in ("xla=False", "xla=True", "bf16 xla=False", "bf16 xla=True")}}
         for label, (ours_name, theirs_name) in pairs.items():
             compare(b, label, ours_name, theirs_name, "generation_ratio", "keras_hub")
         if worker is not None:

@@ -47,7 +47,8 @@ def main(argv=None):
         # Latency ratio (< 1: faster than the SavedModel); per round: this file's time / the SavedModel's.
         per_round = common.paired_ratio(times["saved_model"], values)
         rows.append(common.emit({"bench": "latency_batch1", "system": name, "ms": round(common.median(values) * 1000, 2),
-                                 "ratio_vs_saved_model": round(common.median(values) / base, 2), "threads": threads,
+                                 "ratio_vs_saved_model": round(common.median(values) / base, 2),
+                                 "threads": threads,
                                  "per_round": [common.significant(x) for x in per_round]}))
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]

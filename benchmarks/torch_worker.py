@@ -27,6 +27,10 @@ import tempfile
 import time
 
 TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
+# A worker sleeps this long after each timed run before it replies: PyTorch's OpenMP threads (libgomp) spin for a
+# few milliseconds after their last parallel region, on the cores the next system in the round is about to use.
+# The parent waits on the pipe meanwhile; no system's time includes it.
+SETTLE_SECONDS = 0.05
 
 
 def peak_rss_mb():
@@ -184,7 +188,9 @@ def worker_main(system, spec):
             break
         start = time.perf_counter()
         run(command)
-        print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
+        seconds = time.perf_counter() - start
+        time.sleep(SETTLE_SECONDS)
+        print(json.dumps({"seconds": seconds, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
 
 
 # === The benchmark process's side ===

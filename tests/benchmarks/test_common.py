@@ -33,15 +33,26 @@ def test_paired_ratio_needs_paired_rounds():
         common.paired_ratio([], [])
 
 
-def test_interleaved_rotates_the_order_of_each_round():
+def test_interleaved_shuffles_the_order_of_each_round():
+    names = [f"system {i}" for i in range(8)]
     calls = []
-    callables = {name: (lambda name=name: calls.append(name) or 0.5) for name in "abc"}
-    times = common.interleaved(callables, repeats=4, warmup=1, self_timed=True)
-    assert calls == list("abc" "abc" "bca" "cab" "abc")  # warm-up, then rounds starting at a, b, c, a
-    assert times == {name: [0.5] * 4 for name in "abc"}  # each callable's own rounds, in the callables' order
-    # Every system runs right after every other one in some round (a fixed order would always put c after b).
-    follows = {(x, y) for x, y in zip(calls[3:], calls[4:])}
-    assert {("a", "c"), ("b", "a"), ("c", "b"), ("a", "b"), ("b", "c"), ("c", "a")} <= follows
+    callables = {name: (lambda name=name: calls.append(name) or 0.5) for name in names}
+    times = common.interleaved(callables, repeats=10, warmup=1, self_timed=True)
+    assert calls[:8] == names  # warm-up in the given order
+    rounds = [calls[8 + 8 * r: 16 + 8 * r] for r in range(10)]
+    assert all(sorted(r) == sorted(names) for r in rounds)  # every system once per round
+    assert len({tuple(r) for r in rounds}) == 10  # each round its own order
+    # No system always follows the same other one (a fixed or rotated order would: a rotation keeps each
+    # system's predecessor within the round).
+    for name in names:
+        predecessors = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
+        assert len(predecessors) >= 3, (name, predecessors)
+    assert times == {name: [0.5] * 10 for name in names}  # each callable's own rounds, in the callables' order
+    # The same seed each call: two runs of a benchmark order their rounds alike.
+    again = []
+    common.interleaved({name: (lambda name=name: again.append(name) or 0.5) for name in names}, repeats=10,
+                       warmup=1, self_timed=True)
+    assert again == calls
 
 
 def test_matmul_limits_come_from_the_interleaved_calls():
