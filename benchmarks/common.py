@@ -120,13 +120,6 @@ def matmul_limits(times, size=2048, calls=3):
     return {dtype: calls * 2 * size**3 / median(times.pop(f"matmul limit {dtype}")) / 1e9 for dtype in LIMIT_DTYPES}
 
 
-def table(rows, columns):
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
-    return "\n".join(lines)
-
-
 def matmul_limits_now(size=2048, repeats=5):
     """`{dtype: GFLOP/s}` of `matmul_limit_calls`, measured now: `repeats` interleaved rounds after a warm-up."""
     return matmul_limits(interleaved(matmul_limit_calls(size), repeats=repeats, self_timed=True), size)
@@ -141,3 +134,11 @@ def with_matmul_limits(run, size=2048):
     after = matmul_limits_now(size)
     return dict(row, matmul_limit_gflops={dtype: [round(before[dtype], 1), round(after[dtype], 1)]
                                           for dtype in LIMIT_DTYPES})
+
+
+def table(rows, columns):
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
