@@ -139,10 +139,10 @@ def main(argv=None):
     # where the measured tokens, `short`..`long_` after it, are centred on the position. All four calls share the
     # same interleaved rounds, so a change in machine speed hits both positions alike.
     positions, short, long_ = ((50, 500), 16, 48) if not args.smoke else ((8, 32), 2, 6)
+    prompt_lengths = {position: position - (short + long_) // 2 for position in positions}
     calls = {}
     for position in positions:
-        prompt_length = position - (short + long_) // 2
-        prompt = rng.integers(4, shape["vocab"], size=(1, prompt_length)).astype("int32")
+        prompt = rng.integers(4, shape["vocab"], size=(1, prompt_lengths[position])).astype("int32")
         for n in (short, long_):
             calls[(position, n)] = (lambda prompt=prompt, n=n: generation.generate_ids(
                 ours, prompt, n, jit_compile=True, end_id=-1).numpy())
@@ -154,7 +154,7 @@ def main(argv=None):
         per_token[position] = (common.median(times[(position, long_)]) - common.median(times[(position, short)])) / (
             long_ - short)
         common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
-                     "prompt_length": position - (short + long_) // 2, "new_tokens": [short, long_],
+                     "prompt_length": prompt_lengths[position], "new_tokens": [short, long_],
                      "ms_per_token": round(per_token[position] * 1000, 3)})
     # No per-round form for this one: a round's difference of two short calls can be ~0 or negative (one run's
     # per-round ratios spanned 0.10-5.31), so only the ratio of the medians means something.

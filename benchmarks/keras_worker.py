@@ -20,7 +20,7 @@ import time
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import torch_worker  # noqa: E402
+from benchmarks import common, torch_worker  # noqa: E402
 
 
 def worker_main(system, spec):
@@ -62,7 +62,7 @@ def worker_main(system, spec):
 def start(system, spec, ids):
     """A `torch_worker.Pending` for `system` (`train_seq2seq` or `train_lm`) in this interpreter; `spec` holds the
     `shape`, `steps` and `micro_batches`, `ids` the benchmark's token ids."""
-    spec = dict(spec, threads=len(os.sched_getaffinity(0)))  # TensorFlow's default: the cores it may use
+    spec = dict(spec, threads=common.cores())
     try:
         return torch_worker.Pending(torch_worker.TorchWorker(sys.executable, system, spec, {"ids": ids},
                                                              script=os.path.abspath(__file__)))

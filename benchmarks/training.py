@@ -2,7 +2,8 @@
 
 Workloads (the issue's):
 - seq2seq: vocab 8192, hidden 256, 4 heads, intermediate 1024, 3+3 layers, length 64, batch 64 (target tokens/s)
-- lm: GPT-2-shaped, vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024, length 128, batch 32, GPT-2's tanh GELU
+- lm: GPT-2-shaped, vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 1024, length 128, batch 32,
+  GPT-2's tanh GELU
 
 Every Keras system trains with Adam(1e-4) and tfformer's loss (`training.MaskedSparseCrossEntropy`); tfformer's
 systems with its `training.FusedAdam` (the same update as one kernel per variable, what its recipes use),

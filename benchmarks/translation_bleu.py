@@ -128,7 +128,8 @@ def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
     trained = time.monotonic() - start
     steps = int(model.optimizer.iterations.numpy())
     hypotheses = keras_hub_translate(model, tokenizer, [s for s, _ in splits["test"]], max_length, batch_size)
-    return {"bench": "translation_bleu", "system": "keras-hub", "bleu_test": training.corpus_bleu(hypotheses, [t for _, t in splits["test"]]),
+    return {"bench": "translation_bleu", "system": "keras-hub",
+            "bleu_test": training.corpus_bleu(hypotheses, [t for _, t in splits["test"]]),
             "steps": steps, "train_seconds": round(trained, 1), "parameters": model.count_params(),
             "test_pairs": len(splits["test"]), "dtype_policy": model.dtype_policy.name}
 

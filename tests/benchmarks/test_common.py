@@ -1,5 +1,5 @@
-"""benchmarks.common: per-round ratios cancel a drift of machine speed between rounds; rounds rotate their order;
-matmul limits are timed among the systems; peak memory is the process's own."""
+"""benchmarks.common: per-round ratios cancel a drift of machine speed between rounds; each round shuffles its
+order; matmul limits are timed among the systems; peak memory is the process's own."""
 
 import os
 import subprocess
