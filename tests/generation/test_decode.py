@@ -206,6 +206,15 @@ def test_bad_arguments(seq2seq, lm):
         generation.generate_ids(lm, np.array([[5, 6], [0, 0]], "int32"), 3)
     with pytest.raises(ValueError, match="kind"):
         generation.Sampler("nucleus")
+    # Float ids used to be truncated to int32 silently; out-of-range ids clamped by XLA's gather.
+    with pytest.raises(ValueError, match="integer ids.*float64"):
+        generation.generate_ids(lm, np.array([[5.5, 6.0]]), 3)
+    with pytest.raises(ValueError, match=r"2-D.*\(3,\)"):
+        generation.generate_ids(lm, np.array([5, 6, 7]), 3)
+    vocab = lm.config.vocabulary_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"\[0, vocabulary_size={vocab}\)"):
+            generation.generate_ids(lm, np.array([[5, bad]]), 3, jit_compile=True)
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

@@ -10,6 +10,7 @@ retrace.
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
@@ -186,6 +187,24 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
+def _as_ids(token_ids, vocabulary_size):
+    """`token_ids` as a checked `(B, L)` int32 numpy array.
+
+    Checked and padded in numpy: each eager TensorFlow op costs as much as a few decode
+    steps (2.4 ms of a 35 ms batch-1 call, benchmarks/RESULTS.md). Out-of-range ids are
+    an error here: under XLA a gather clamps them to the table's edge silently.
+    """
+    ids = token_ids.numpy() if tf.is_tensor(token_ids) else np.asarray(token_ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"`token_ids` must be integer ids. Received: token_ids of dtype {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"`token_ids` must be 2-D, (batch, length). Received: token_ids of shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
+        raise ValueError(f"`token_ids` must lie in [0, vocabulary_size={vocabulary_size}). "
+                         f"Received: ids from {ids.min()} to {ids.max()}")
+    return ids.astype(np.int32, copy=False)
+
+
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
                  jit_compile=True, end_id=END_ID):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
@@ -205,13 +224,13 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     sampler = as_sampler(sampler)
     if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
         raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
-    token_ids = tf.convert_to_tensor(token_ids, tf.int32)
+    token_ids = _as_ids(token_ids, model.config.vocabulary_size)  # (B, L) int32
     limit = model.config.max_sequence_length
     architecture = model.config.architecture
     if architecture == "seq2seq":
         if max_new_tokens > limit and model.config.position == "learned":
             raise ValueError(f"`max_new_tokens`={max_new_tokens} exceeds max_sequence_length={limit}.")
-        if token_ids.shape[1] is not None and token_ids.shape[1] > limit:
+        if token_ids.shape[1] > limit:
             warnings.warn(f"Source of {token_ids.shape[1]} tokens truncated to max_sequence_length={limit}.")
             token_ids = token_ids[:, :limit]
     elif architecture == "causal_lm":
@@ -220,18 +239,19 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
                 f"Prompt of {token_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds "
                 f"max_sequence_length={limit}; shorten the prompt or ask for fewer tokens."
             )
-        if not bool(tf.reduce_all(tf.reduce_any(token_ids != PAD_ID, axis=1))):
+        if not (token_ids != PAD_ID).any(axis=1).all():
             raise ValueError("Every prompt needs at least one token; received an empty prompt.")
-    rows = int(token_ids.shape[0])
+    rows = token_ids.shape[0]
     if jit_compile:
-        length = int(token_ids.shape[1])
+        length = token_ids.shape[1]
         bucket = -(-length // 16) * 16
         if architecture == "causal_lm":
             bucket = min(bucket, limit - max_new_tokens)
-        token_ids = tf.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
         # And the batch: copies of the first row up to `batch_bucket` rows, sliced off the result.
         extra = batch_bucket(rows) - rows if rows else 0
-        token_ids = tf.concat([token_ids, tf.repeat(token_ids[:1], extra, axis=0)], axis=0)  # (B', L)
+        if bucket > length or extra:
+            token_ids = np.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
+            token_ids = np.concatenate([token_ids, np.repeat(token_ids[:1], extra, axis=0)], axis=0)  # (B', L')
     # Under XLA, kernels laid out for the decode loop; a batch of one gets its own compiled function.
     kernel_layout = None
     if jit_compile and not beam_size:
@@ -246,7 +266,8 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     if not jit_compile:
         return _compiled(model, key, make)(token_ids)
     with in_place_cache_writes():  # traced for XLA: cache writes cost O(new tokens), not O(cache size)
-        return _compiled(model, key, make)(token_ids)[:rows]  # (B, max_new_tokens)
+        new_ids = _compiled(model, key, make)(token_ids)  # (B', max_new_tokens)
+    return new_ids if new_ids.shape[0] == rows else new_ids[:rows]  # (B, max_new_tokens)
 
 
 def batch_bucket(rows):
