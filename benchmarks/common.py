@@ -12,12 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's own peak, VmHWM)
-
-
-def cores():
-    """The cores this process may run on: TensorFlow's default intra-op thread count (`os.cpu_count()` counts
-    the host's, which a container or `taskset` can restrict)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from tfformer.training.strategy import cpu_cores as cores  # the cores this process may run on
 
 
 def interleaved(callables, repeats=5, warmup=1, self_timed=False):

@@ -76,7 +76,7 @@ def configure_cpu_threads(micro_batches, replicas=1):
             raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
     if tf.config.list_physical_devices("GPU"):  # lists devices without starting the runtime
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cpu_cores()
     threads = max(1, cores // (micro_batches * replicas))
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -87,6 +87,12 @@ def configure_cpu_threads(micro_batches, replicas=1):
             f"TF_NUM_INTRAOP_THREADS={threads} in the environment before Python starts: {error}"
         ) from error
     return threads
+
+
+def cpu_cores():
+    """The cores this process may run on, TensorFlow's default intra-op thread count: its CPU affinity, which a
+    container or `taskset` can restrict (`os.cpu_count()` counts the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def mixed_precision_policy():
