@@ -96,6 +96,11 @@ def emit(record):
 LIMIT_DTYPES = ("float32", "bfloat16")
 
 
+def limit_size(smoke):
+    """The matmul limits' size: 2048^3, or 256^3 in a smoke run."""
+    return 256 if smoke else 2048
+
+
 def matmul_limit_calls(size=2048, calls=3):
     """`{"matmul limit float32": fn, "matmul limit bfloat16": fn}` to time among a benchmark's systems in
     `interleaved`: each runs `calls` `size`^3 matmuls (2 * size^3 FLOPs each) on the process's threads, so the
@@ -136,4 +141,3 @@ def table(rows, columns):
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
-

@@ -200,7 +200,7 @@ def main(argv=None):
                 systems[("pytorch", dtype)] = lambda dtype=dtype: worker.run(dtype)
                 if texts:
                     systems[("pytorch encode", dtype)] = lambda dtype=dtype: worker.run(f"encode {dtype}")
-        limit_size = 256 if args.smoke else 2048
+        limit_size = common.limit_size(args.smoke)
         systems.update(common.matmul_limit_calls(limit_size))
         times = common.interleaved(systems, repeats=repeats, warmup=warmup, self_timed=True)
     limits = common.matmul_limits(times, limit_size)

@@ -54,9 +54,7 @@ def worker_main(system, spec):
         start = time.perf_counter()
         for _ in range(spec["steps"]):
             models[command].train_on_batch(x, y)
-        seconds = time.perf_counter() - start
-        time.sleep(torch_worker.SETTLE_SECONDS)  # its threads go idle before the next system starts
-        print(json.dumps({"seconds": seconds, "peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
+        torch_worker.reply(time.perf_counter() - start)
 
 
 def start(system, spec, ids):

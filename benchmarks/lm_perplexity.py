@@ -145,7 +145,7 @@ def main(argv=None):
     def emit(row):
         rows.append(common.emit(row))
 
-    limit_size = 256 if args.smoke else 2048
+    limit_size = common.limit_size(args.smoke)
 
     out = args.out or tempfile.mkdtemp(prefix="lm-bench-")
     for path in (out, out + "-bf16"):  # checked before any training, not after the first run's 10 minutes

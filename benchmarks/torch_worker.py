@@ -188,9 +188,14 @@ def worker_main(system, spec):
             break
         start = time.perf_counter()
         run(command)
-        seconds = time.perf_counter() - start
-        time.sleep(SETTLE_SECONDS)
-        print(json.dumps({"seconds": seconds, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
+        reply(time.perf_counter() - start)
+
+
+def reply(seconds):
+    """A worker's answer to one timed command: its `seconds` and the process's peak memory, after
+    `SETTLE_SECONDS` (its threads go idle before the next system in the round starts)."""
+    time.sleep(SETTLE_SECONDS)
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
 
 
 # === The benchmark process's side ===

@@ -285,7 +285,7 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
         if worker is not None:
             for dtype in ("float32", "bfloat16"):
                 callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
-        limit_size = 256 if smoke else 2048
+        limit_size = common.limit_size(smoke)
         callables.update(common.matmul_limit_calls(limit_size))
         times = common.interleaved(callables, repeats=1 if smoke else repeats, warmup=1, self_timed=True)
     limits = common.matmul_limits(times, limit_size)

@@ -160,7 +160,7 @@ def main(argv=None):
         data_file = write_smoke_pairs(os.path.join(tempfile.mkdtemp(prefix="bleu-smoke-"), "pairs.tsv"))
     print(f"run directories: {base}" + (f", {base}-bf16" if args.mixed_precision else ""), flush=True)
     rows = []
-    limit_size = 256 if args.smoke else 2048
+    limit_size = common.limit_size(args.smoke)
     for mixed in dtypes:
         out = base + ("-bf16" if mixed else "")
         run = functools.partial(run_tfformer, out, shape, data_file, mixed, args.overwrite)
