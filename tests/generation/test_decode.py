@@ -234,6 +234,49 @@ def test_segment_sizes():
     assert segment_sizes(1) == [1]
 
 
+def test_split_slots():
+    """Split caches from 3/4 of XLA's one-core edge (128 KiB per head) up are allocated past it, a multiple of 8."""
+    from tfformer.generation.decode import split_slots
+
+    # float32, H = 64: a head holds 128 KiB at 512 slots, so 384-512 become 520.
+    assert [split_slots(s, 64) for s in (1, 383, 384, 500, 512, 513, 1000)] == [1, 383, 520, 520, 520, 513, 1000]
+    # H = 32, or bfloat16 at H = 64: the edge is at 1024 slots, 768-1024 become 1032.
+    assert [split_slots(s, 32) for s in (767, 768, 1024, 1025)] == [767, 1032, 1032, 1025]
+    assert [split_slots(s, 64, itemsize=2) for s in (767, 768, 1024, 1025)] == [767, 1032, 1032, 1025]
+    # The tensor form (prompt widths are tensors while tracing) gives the same numbers.
+    slots = np.arange(300, 1100)
+    expected = [split_slots(int(s), 64) for s in slots]
+    np.testing.assert_array_equal(split_slots(tf.constant(slots, tf.int32), 64).numpy(), expected)
+
+
+def test_batch_one_decoding_on_caches_grown_past_the_edge():
+    """A batch-1 XLA decode whose split caches hold 400 slots gets 520 (H = 64): same tokens as without XLA."""
+    config = models.TransformerConfig(architecture="causal_lm", **dict(
+        CFG, hidden_dim=64, num_heads=1, intermediate_dim=64, num_decoder_layers=1, max_sequence_length=448))
+    model = _spread(models.build_causal_lm(config), seed=2, scale=0.3)
+    assert [tuple(c.shape) for c in decode.layer_caches(model, 1, 400, split=True)[0]] == [(1, 520, 64)] * 2
+    assert tuple(decode.layer_caches(model, 1, 400)[0].shape) == (1, 2, 1, 400, 64)  # stacked ones are not grown
+    prompt = np.random.default_rng(3).integers(4, CFG["vocabulary_size"], size=(1, 380)).astype("int32")
+    slots = []
+    step = model.decode_step
+
+    def spy(token_ids, cache, cache_index, *args, **kwargs):
+        slots.append(int(cache[0][0].shape[-2]))
+        return step(token_ids, cache, cache_index, *args, **kwargs)
+
+    model.decode_step = spy
+    try:
+        eager = np.asarray(decode.decode_fn(model, 8, end_id=-1, kernel_layout="rows")(prompt))  # the loop, eagerly
+    finally:
+        del model.decode_step
+    assert set(slots) == {520}  # 380 + 8 slots, grown
+    xla = np.asarray(generation.generate_ids(model, prompt, max_new_tokens=8, end_id=-1))  # bucket 384 + 8 slots
+    reference = np.asarray(generation.generate_ids(model, prompt, max_new_tokens=8, end_id=-1, jit_compile=False))
+    np.testing.assert_array_equal(eager, reference)
+    np.testing.assert_array_equal(xla, reference)
+    assert len(set(reference.ravel())) > 2  # not one repeated token
+
+
 @pytest.mark.parametrize("beam_size, kernel_layout", [(None, None), (None, "rows"), (2, None)])
 @pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
 def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, kernel_layout, monkeypatch):

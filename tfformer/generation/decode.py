@@ -22,6 +22,11 @@ START_ID, END_ID, PAD_ID = 2, 3, 0
 # buffer. A segment smaller than MIN_SEGMENT slots saves less than its extra loop costs to trace and compile.
 CACHE_SEGMENTS = 4
 MIN_SEGMENT = 16
+# XLA's CPU backend emits each one-query attention dot over a split cache, (B*N, 1, H) x (B*N, S, H), as one kernel
+# that spreads the heads over the cores only when one head's buffer is larger than this; up to it, one core reads
+# every head. A split cache of 3/4 of that size or more is allocated past it: up to a third more (masked) slots, read
+# on every core (benchmarks/RESULTS.md, "Decoding": up to 25% less time per step at 384-512 slots, H = 64).
+PARALLEL_HEAD_BYTES = 128 * 1024
 
 
 def _check_max_new_tokens(max_new_tokens):
@@ -47,10 +52,24 @@ def segment_sizes(max_new_tokens):
     return [size for size in sizes if size >= MIN_SEGMENT] + [max_new_tokens]
 
 
+def split_slots(slots, head_dim, itemsize=4):
+    """The slots to allocate for a split cache that must hold `slots` (an int or an int32 scalar tensor).
+
+    `slots` itself, or, from 3/4 of `PARALLEL_HEAD_BYTES` per head on, the first multiple of 8 slots past it.
+    """
+    edge = PARALLEL_HEAD_BYTES // (head_dim * itemsize)  # the most slots whose heads XLA reads on one core
+    past = -(-(edge + 1) // 8) * 8
+    if isinstance(slots, int):
+        return past if edge * 3 // 4 <= slots <= edge else slots
+    return tf.where(tf.logical_and(slots >= edge * 3 // 4, slots <= edge), past, slots)
+
+
 def _grown(cache, size):
-    """Per-layer caches (split, `(B*N, S, H)` pairs, or stacked) zero-padded along S to `size` slots."""
+    """Per-layer caches (split, `(B*N, S, H)` pairs, or stacked) zero-padded along S to `size` slots (split ones to
+    `split_slots(size)`)."""
     def pad(c):  # S is the second-to-last axis in both forms
-        return tf.pad(c, [[0, 0]] * (len(c.shape) - 2) + [[0, size - tf.shape(c)[-2]], [0, 0]])
+        target = split_slots(size, c.shape[-1], c.dtype.size) if len(c.shape) == 3 else size
+        return tf.pad(c, [[0, 0]] * (len(c.shape) - 2) + [[0, target - tf.shape(c)[-2]], [0, 0]])
 
     return tf.nest.map_structure(pad, cache)
 
@@ -59,9 +78,9 @@ def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
     """`tf.while_loop(cond, body, loop_vars)` over growing caches.
 
     `loop_vars` is `(i, ...)` with the per-layer caches at index `cache_at`; step `i` writes cache slot `i`.
-    Segment k runs while `i < prefix + segment_sizes(N)[k]` on caches of that many slots; between segments
-    the caches are zero-padded to the next size. Sizes come from static shapes, so XLA compiles each loop
-    with a fixed cache length.
+    Segment k runs while `i < prefix + segment_sizes(N)[k]` on caches of that many slots (split ones:
+    `split_slots` of them); between segments the caches are zero-padded to the next size. Sizes come from
+    static shapes, so XLA compiles each loop with a fixed cache length.
     """
     for size in segment_sizes(max_new_tokens):
         stop = prefix + size
@@ -83,7 +102,10 @@ def _with_kernels(fn, model, kernel_layout):
 
 
 def layer_caches(model, batch, slots, split=False, dtype="float32"):
-    """Per-layer empty caches (no re-stacking each step): split (`split_cache`) or stacked `(B, 2, N, S, H)`."""
+    """Per-layer empty caches (no re-stacking each step): split (`split_cache`, `split_slots(slots)` of them) or
+    stacked `(B, 2, N, S, H)`."""
+    if split:
+        slots = split_slots(slots, model.config.head_dim, tf.as_dtype(dtype).size)
     caches = tf.unstack(model.empty_cache(batch, slots, dtype=dtype))
     return tuple(split_cache(c) for c in caches) if split else tuple(caches)
 
