@@ -25,7 +25,7 @@ MIN_SEGMENT = 16
 # XLA's CPU backend emits each one-query attention dot over a split cache, (B*N, 1, H) x (B*N, S, H), as one kernel
 # that spreads the heads over the cores only when one head's buffer is larger than this; up to it, one core reads
 # every head. A split cache of 3/4 of that size or more is allocated past it: up to a third more (masked) slots, read
-# on every core (benchmarks/RESULTS.md, "Decoding": up to 25% less time per step at 384-512 slots, H = 64).
+# on every core (benchmarks/RESULTS.md, "Decoding": 12-21% less time per step at 384-512 slots, H = 64).
 PARALLEL_HEAD_BYTES = 128 * 1024
 
 
