@@ -15,13 +15,37 @@ from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's o
 from tfformer.training.strategy import cpu_cores as cores  # the cores this process may run on
 
 
-def interleaved(callables, repeats=5, warmup=1, self_timed=False):
+# On these VMs a core that has idled for ~0.3 s runs the next ~50 ms of work ~1.7x slower (0.1 s of idling: no
+# effect; benchmarks/RESULTS.md, "Cold cores"). A call timed right after a mostly single-threaded system, or after
+# a worker process's run, would pay that, and most of all a system that spreads short kernels over both cores
+# (tfformer's batch-1 decoding: 29 -> 53 ms; keras-hub's: 57 -> 67 ms). So `interleaved` keeps every core busy
+# this long before each timed call: the same untimed TensorFlow work before every system.
+WARM_SECONDS = 0.06
+
+
+def warm_cores(seconds=WARM_SECONDS):
+    """Keep every core busy for `seconds`: 512^3 float32 matmuls on TensorFlow's intra-op threads."""
+    if seconds <= 0:
+        return
+    if not _WARM:
+        _WARM.append((tf.function(lambda x: tf.matmul(x, x)), tf.ones((512, 512))))
+    fn, x = _WARM[0]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn(x).numpy()
+
+
+_WARM = []  # the traced matmul and its operand, made on first use
+
+
+def interleaved(callables, repeats=5, warmup=1, self_timed=False, warm_seconds=WARM_SECONDS):
     """{name: [seconds...]} running each callable in turn, `repeats` rounds after `warmup` rounds.
 
     Each round runs the callables in its own order, shuffled with a fixed seed (warm-up rounds: in the given
     order): no system always runs right after the same other one (whose memory traffic or threads could slow
     what follows it), so such an effect spreads over all systems instead of biasing one pair's ratio in every
     round. (`paired_ratio` cancels drifts between rounds; this, effects of the order within a round.)
+    Before each timed call, `warm_cores(warm_seconds)` (untimed): every call starts on busy cores.
 
     With `self_timed`, each callable returns its own duration in seconds (e.g. one measured in a worker
     process, without the IPC around it) and that is recorded instead of the wall time of the call.
@@ -35,6 +59,7 @@ def interleaved(callables, repeats=5, warmup=1, self_timed=False):
     for _ in range(repeats):
         for name in order.sample(names, len(names)):
             fn = callables[name]
+            warm_cores(warm_seconds)
             start = time.perf_counter()
             seconds = fn()
             times[name].append(seconds if self_timed else time.perf_counter() - start)

@@ -4,6 +4,7 @@ order; matmul limits are timed among the systems; peak memory is the process's o
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def test_interleaved_shuffles_the_order_of_each_round():
     names = [f"system {i}" for i in range(8)]
     calls = []
     callables = {name: (lambda name=name: calls.append(name) or 0.5) for name in names}
-    times = common.interleaved(callables, repeats=10, warmup=1, self_timed=True)
+    times = common.interleaved(callables, repeats=10, warmup=1, self_timed=True, warm_seconds=0)
     assert calls[:8] == names  # warm-up in the given order
     rounds = [calls[8 + 8 * r: 16 + 8 * r] for r in range(10)]
     assert all(sorted(r) == sorted(names) for r in rounds)  # every system once per round
@@ -51,8 +52,51 @@ def test_interleaved_shuffles_the_order_of_each_round():
     # The same seed each call: two runs of a benchmark order their rounds alike.
     again = []
     common.interleaved({name: (lambda name=name: again.append(name) or 0.5) for name in names}, repeats=10,
-                       warmup=1, self_timed=True)
+                       warmup=1, self_timed=True, warm_seconds=0)
     assert again == calls
+
+
+def test_interleaved_warms_the_cores_before_each_timed_call(monkeypatch):
+    events = []
+    monkeypatch.setattr(common, "warm_cores", lambda seconds: events.append(("warm", seconds)))
+    callables = {name: (lambda name=name: events.append(name) or 0.5) for name in ("a", "b")}
+    times = common.interleaved(callables, repeats=3, warmup=1, self_timed=True, warm_seconds=0.02)
+    assert events[:2] == ["a", "b"]  # warm-up round: nothing timed, no warming
+    timed = events[2:]
+    assert len(timed) == 12 and timed[0::2] == [("warm", 0.02)] * 6 and sorted(timed[1::2]) == ["a"] * 3 + ["b"] * 3
+    assert times == {"a": [0.5] * 3, "b": [0.5] * 3}
+    # The default is `WARM_SECONDS`.
+    events.clear()
+    common.interleaved({"a": callables["a"]}, repeats=1, warmup=0, self_timed=True)
+    assert events == [("warm", common.WARM_SECONDS), "a"]
+
+
+def test_warm_cores_keeps_every_core_busy():
+    # Threads that ran during the call, from each thread's own CPU time (robust to other processes on the
+    # cores, e.g. pytest-xdist's other worker: a busy thread still gets a share of a core).
+    def cpu_seconds_per_thread():
+        ticks = os.sysconf("SC_CLK_TCK")
+        seconds = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            seconds[tid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        return seconds
+
+    common.warm_cores(0.01)  # traces the matmul
+    before, start = cpu_seconds_per_thread(), time.perf_counter()
+    common.warm_cores(0.4)
+    wall = time.perf_counter() - start
+    after = cpu_seconds_per_thread()
+    assert 0.4 <= wall < 0.8
+    busy = [tid for tid, seconds in after.items() if seconds - before.get(tid, 0.0) >= 0.1]
+    assert len(busy) >= min(common.cores(), 2), {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    start = time.perf_counter()
+    common.warm_cores(0)  # nothing
+    assert time.perf_counter() - start < 0.01
 
 
 def test_matmul_limits_come_from_the_interleaved_calls():

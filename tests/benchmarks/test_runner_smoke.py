@@ -35,6 +35,15 @@ def test_runner_smoke():
         assert r["ratio"] == pytest.approx(ratio, rel=0.01)
         assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
     assert with_torch == any(r["bench"] == "generation_ratio_pytorch" for r in records)
+    # Batch 1 on cold cores: each system's fastest setting (by its median above), its ratio from those rows.
+    cold = {r["system"]: r for r in records if r["bench"] == "generation_cold"}
+    fastest = {system: max((s for b, s in speed if b == 1 and s.startswith(system)), key=lambda s: speed[(1, s)])
+               for system in ("tfformer", "keras-hub")}
+    assert set(cold) == set(fastest.values()) and all(r["idle_seconds"] == 0.3 for r in cold.values())
+    (cold_ratio,) = [r for r in records if r["bench"] == "generation_cold_ratio"]
+    assert (cold_ratio["tfformer"], cold_ratio["keras_hub"]) == (fastest["tfformer"], fastest["keras-hub"])
+    assert cold_ratio["ratio"] == pytest.approx(
+        cold[fastest["keras-hub"]]["seconds"] / cold[fastest["tfformer"]]["seconds"], rel=0.01)
     torch_systems = {"pytorch float32", "pytorch bfloat16"}
     for bench in ("train_seq2seq", "train_lm"):
         rows = {r["system"]: r for r in records if r["bench"] == bench}
