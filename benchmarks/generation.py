@@ -94,18 +94,19 @@ def main(argv=None):
             ids = prompts[batch]  # (rounds, B, P)
             padded = [{"token_ids": np.pad(p, [[0, 0], [0, new_tokens]]),  # keras-hub's input: (B, P + N)
                        "padding_mask": np.pad(np.ones_like(p, dtype=bool), [[0, 0], [0, new_tokens]])} for p in ids]
-            calls = {}  # name -> fn(round)
+            calls = {}  # name -> fn(round); `ids` and `padded` bound now: the cold rounds below call batch 1's again
             for xla in (False, True):
-                calls[f"tfformer xla={xla}"] = (lambda i, xla=xla: generation.generate_ids(
+                calls[f"tfformer xla={xla}"] = (lambda i, xla=xla, ids=ids: generation.generate_ids(
                     ours, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
-                calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla: theirs[xla].generate(
+                calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs[xla].generate(
                     padded[i], stop_token_ids=None))
             for xla in (False, True):
-                calls[f"tfformer bf16 xla={xla}"] = (lambda i, xla=xla: generation.generate_ids(
+                calls[f"tfformer bf16 xla={xla}"] = (lambda i, xla=xla, ids=ids: generation.generate_ids(
                     ours16, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
-                calls[f"keras-hub bf16 xla={xla}"] = (lambda i, xla=xla: theirs16[xla].generate(
+                calls[f"keras-hub bf16 xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs16[xla].generate(
                     padded[i], stop_token_ids=None))
-            calls = batch_calls[batch] = {name: common.timed(common.rounds(fn)) for name, fn in calls.items()}
+            calls = {name: common.timed(common.rounds(fn)) for name, fn in calls.items()}
+            batch_calls[batch] = dict(calls)
             if worker is not None:
                 for dtype in ("float32", "bfloat16"):
                     calls[f"pytorch {dtype}"] = lambda dtype=dtype, batch=batch: worker.run(f"{dtype} {batch}")
