@@ -33,7 +33,7 @@ import numpy as np
 from benchmarks import common, torch_worker
 from tfformer import generation, models
 
-COLD_IDLE_SECONDS = 0.3  # on these VMs 0.1 s of idle cores costs nothing, 0.3 s ~20 ms (benchmarks/RESULTS.md)
+COLD_IDLE_SECONDS = 0.3  # on these VMs 0.1 s of idle cores costs nothing, 0.3 s 20-30 ms of a ~30 ms call (RESULTS.md)
 
 
 def build(shape, max_length, policy="float32"):
@@ -90,6 +90,11 @@ def main(argv=None):
         ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
         worker = pending.ready()
         rows, round_times, batch_calls = [], {}, {}
+
+        def best(system, b):  # the fastest setting (by median) of one system at batch b
+            return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)),
+                       key=lambda r: r["tokens_per_s"])
+
         for batch in batches:
             ids = prompts[batch]  # (rounds, B, P)
             padded = [{"token_ids": np.pad(p, [[0, 0], [0, new_tokens]]),  # keras-hub's input: (B, P + N)
@@ -123,8 +128,7 @@ def main(argv=None):
         # Batch 1 on cold cores: each system's fastest setting, each call after the cores idled `COLD_IDLE_SECONDS`
         # (what a sparse stream of requests sees on these VMs; the rounds above start on busy cores,
         # `common.interleaved`), on new prompts.
-        fastest = {system: min((name for name in round_times[1] if name.startswith(system)),
-                               key=lambda name: common.median(round_times[1][name])) for system in ("tfformer", "keras-hub")}
+        fastest = {system: best(system, 1)["system"] for system in ("tfformer", "keras-hub")}
         cold = common.interleaved({name: _after_idle(batch_calls[1][name]) for name in fastest.values()},
                                   repeats=repeats, warmup=0, self_timed=True, warm_seconds=0)
         for name, values in cold.items():
@@ -135,9 +139,6 @@ def main(argv=None):
         common.emit({"bench": "generation_cold_ratio", "batch": 1, "tfformer": fastest["tfformer"],
                      "keras_hub": fastest["keras-hub"], "ratio": common.significant(cold_ratio),
                      "per_round": [common.significant(x) for x in cold_per_round]})
-
-    def best(system, b):  # the fastest setting (by median) of one system at batch b
-        return max((r for r in rows if r["batch"] == b and r["system"].startswith(system)), key=lambda r: r["tokens_per_s"])
 
     ratio_rows = []  # the table's: tfformer's speed / the other's, of the medians and per round
 
