@@ -131,10 +131,11 @@ def main(argv=None):
         fastest = {system: best(system, 1)["system"] for system in ("tfformer", "keras-hub")}
         cold = common.interleaved({name: _after_idle(batch_calls[1][name]) for name in fastest.values()},
                                   repeats=repeats, warmup=0, self_timed=True, warm_seconds=0)
-        for name, values in cold.items():
+        cold_seconds = {name: common.median(values) for name, values in cold.items()}
+        for name, seconds in cold_seconds.items():
             common.emit({"bench": "generation_cold", "system": name, "batch": 1, "idle_seconds": COLD_IDLE_SECONDS,
-                         "new_tokens": new_tokens, "seconds": common.significant(common.median(values))})
-        cold_ratio = common.median(cold[fastest["keras-hub"]]) / common.median(cold[fastest["tfformer"]])
+                         "new_tokens": new_tokens, "seconds": common.significant(seconds)})
+        cold_ratio = cold_seconds[fastest["keras-hub"]] / cold_seconds[fastest["tfformer"]]
         cold_per_round = common.paired_ratio(cold[fastest["tfformer"]], cold[fastest["keras-hub"]])
         common.emit({"bench": "generation_cold_ratio", "batch": 1, "tfformer": fastest["tfformer"],
                      "keras_hub": fastest["keras-hub"], "ratio": common.significant(cold_ratio),
@@ -193,8 +194,8 @@ def main(argv=None):
     print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f} "
           f"({len(times[(positions[0], short)])} rounds)")
     print(f"batch 1 after {COLD_IDLE_SECONDS} s of idle cores: {fastest['tfformer']} "
-          f"{common.median(cold[fastest['tfformer']]):.4f} s, {fastest['keras-hub']} "
-          f"{common.median(cold[fastest['keras-hub']]):.4f} s, ratio {cold_ratio:.2f}; per round "
+          f"{cold_seconds[fastest['tfformer']]:.4f} s, {fastest['keras-hub']} "
+          f"{cold_seconds[fastest['keras-hub']]:.4f} s, ratio {cold_ratio:.2f}; per round "
           f"{common.ratio_text(cold_per_round)}")
 
 
