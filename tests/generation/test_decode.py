@@ -411,11 +411,16 @@ def test_decode_step_on_prepared_kernels_equals_the_plain_step(name, layout):
 
 
 def test_one_row_decode_step_under_mixed_bfloat16():
-    """Under mixed_bfloat16 the one-row matmuls run in float32 (a cast of the weights would be hoisted out of
-    the loop with the transpose): same logits as the bfloat16 step, to bfloat16 precision."""
+    """Under mixed_bfloat16 the one-row matmuls read bfloat16 rows (the weights as the bfloat16 step multiplies
+    them) in float32 products: same logits as the bfloat16 step, to bfloat16 precision."""
+    from tfformer.layers.attention import prepared_kernels
+
     options = ONE_ROW_MODELS["causal untied swiglu"]
     reference, _ = _xla_step(_one_row_model(options), None)
     model = _one_row_model(options, "mixed_bfloat16")
+    head = id(model.get_layer("output_projection").kernel)
+    assert {rows.dtype.name for key, (rows, _) in prepared_kernels(model, "rows")[1].items() if key != head} == {
+        "bfloat16"}
     plain, _ = _xla_step(model, None)
     rows, transposed = _xla_step(model, "rows")
     assert transposed >= 4 * CFG["num_decoder_layers"] + 1
@@ -424,6 +429,51 @@ def test_one_row_decode_step_under_mixed_bfloat16():
     assert np.abs(plain - reference).max() < 0.05 * scale  # what bfloat16 costs here
     assert np.abs(rows - reference).max() < 0.05 * scale
     assert np.abs(rows - plain).max() < 0.05 * scale
+
+
+def test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel():
+    """A float32 layer inside a mixed_bfloat16 model (the untied output projection: float32 logits) keeps float32
+    rows, no silent rounding of its weights; the decoder blocks' are bfloat16. A float32 model's stay float32."""
+    from tfformer.layers.attention import prepared_kernels
+
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
+    head = model.get_layer("output_projection")
+    assert head.compute_dtype == "float32"
+    table = prepared_kernels(model, "rows")[1]
+    assert table[id(head.kernel)][0].dtype.name == "float32"
+    assert {rows.dtype.name for key, (rows, _) in table.items() if key != id(head.kernel)} == {"bfloat16"}
+    assert len(table) == 4 * CFG["num_decoder_layers"] + 1
+    plain = prepared_kernels(_one_row_model(ONE_ROW_MODELS["causal untied swiglu"]), "rows")[1]
+    assert {rows.dtype.name for rows, _ in plain.values()} == {"float32"}
+
+
+def _loop_states(hlo):
+    """The shapes in the state tuples of an optimized HLO module's while loops, e.g. "bf16[32,17]"."""
+    import re
+
+    states = re.findall(r"= \(([^)]*)\) while\(", hlo)
+    return [re.findall(r"(?:bf16|f32|f16|s32|pred)\[[0-9,]*\]", state) for state in states]
+
+
+def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
+    """The decode loop's state carries the bfloat16 rows (`carry_decode_kernels`): without the barrier XLA hoists
+    their conversion out of the loop and every step reads a float32 copy, twice the bytes. Tokens: the same as the
+    batch's, whose matmuls run in bfloat16 too."""
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
+    rows = np.asarray(generation.generate_ids(model, PROMPTS[1:2], max_new_tokens=6))
+    (fn,) = model._tfformer_generate_fns.values()
+    hlo = fn.experimental_get_compiler_ir(tf.constant(PROMPTS[1:2]))(stage="optimized_hlo")
+    d, f = CFG["hidden_dim"], CFG["intermediate_dim"]
+    # qkv, attention output, swiglu's doubled intermediate, output; each [units, input_dim + 1] with its bias column
+    shapes = [f"[{3 * d},{d + 1}]", f"[{d},{d + 1}]", f"[{2 * f},{d + 1}]", f"[{d},{f + 1}]"]
+    states = _loop_states(hlo)
+    assert states
+    for state in states:
+        for shape in shapes:
+            assert state.count("bf16" + shape) == CFG["num_decoder_layers"], (shape, state)
+            assert "f32" + shape not in state, (shape, state)
+    batch = np.asarray(generation.generate_ids(model, np.repeat(PROMPTS[1:2], 2, axis=0), max_new_tokens=6))
+    np.testing.assert_array_equal(rows[0], batch[0])
 
 
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))

@@ -14,7 +14,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.generation.samplers import as_sampler
-from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels, split_cache
+from tfformer.layers.attention import (
+    carry_decode_kernels,
+    decode_kernels,
+    in_place_cache_writes,
+    prepared_kernels,
+    split_cache,
+)
 
 START_ID, END_ID, PAD_ID = 2, 3, 0
 # The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
@@ -85,7 +91,8 @@ def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
     for size in segment_sizes(max_new_tokens):
         stop = prefix + size
         loop_vars = (*loop_vars[:cache_at], _grown(loop_vars[cache_at], stop), *loop_vars[cache_at + 1:])
-        loop_vars = tf.while_loop(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body, loop_vars)
+        loop_vars = carry_decode_kernels(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body,
+                                         loop_vars)
     return loop_vars
 
 
@@ -239,8 +246,9 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     Inputs are right-padded to a multiple of 16 tokens, and batches to `batch_bucket(B)` rows (copies of the
     first row, dropped from the result), so that XLA compiles a handful of shapes, not one per length or
     batch size (each compilation takes seconds and stays in memory). A batch of one under XLA compiles its
-    own function whose matmuls run in float32 also under a mixed policy (`decode_fn`'s `kernel_layout`): a
-    bfloat16 model can then decode a prompt alone slightly differently from the same prompt in a batch.
+    own function whose matmuls read the weights in the compute dtype but multiply and sum in float32
+    (`decode_fn`'s `kernel_layout`): a bfloat16 model can then decode a prompt alone slightly differently from
+    the same prompt in a batch.
     """
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)

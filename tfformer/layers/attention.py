@@ -62,9 +62,13 @@ def decode_kernels(kernels):
       output's weights contiguously and runs on both threads, while `x @ W + b` is
       a single-threaded matrix-vector call (~2x slower per step, benchmarks/
       RESULTS.md). The bias rides along as a last column: a separate add would
-      take the dot into an output fusion instead. float32 also under mixed
-      precision: a cast of the weights inside the loop is hoisted out of it
-      together with the transpose, and the fused form lost.
+      take the dot into an output fusion instead. The rows are in the compute dtype
+      of the layer that owns the kernel, as its forward pass multiplies them
+      (bfloat16 under mixed_bfloat16: half the bytes read a step); the product runs
+      in float32, the rows converted inside the fused loop. A decode loop must carry
+      non-float32 rows through an optimization barrier (`carry_decode_kernels`):
+      XLA would hoist the loop-invariant conversion out of the loop and read a
+      float32 copy every step.
     - `"halves"`, for larger batches: `concat([x @ W[:, :u/2], x @ W[:, u/2:]]) + b`,
       two independent dots that XLA's executor runs on both threads (one small
       dot runs on one; ~1.2x faster per step).
@@ -83,25 +87,56 @@ def prepared_kernels(model, layout):
 
     Every float 2-D weight of `model` named `*kernel`; its bias is the weight of the same layer named
     with `bias` for `kernel`. "rows": parts = `[kernel^T | bias]` `(units, input_dim + 1)` (zeros for a
-    missing bias); "halves": parts = `(kernel[:, :units // 2], kernel[:, units // 2:])`. Quantized
-    (integer) kernels are left out.
+    missing bias) in the compute dtype of the innermost layer holding the kernel; "halves": parts =
+    `(kernel[:, :units // 2], kernel[:, units // 2:])`. Quantized (integer) kernels are left out.
     """
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"`layout` must be one of {KERNEL_LAYOUTS}. Received: layout={layout!r}")
     by_path = {w.path: w for w in model.weights}
+    compute_dtype = {}
+    for layer in model._flatten_layers(include_self=True, recursive=True):  # outer layers first: the innermost wins
+        compute_dtype.update((id(w), layer.compute_dtype) for w in layer.weights)
     kernels = {}
     for w in model.weights:
         if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
             continue
         bias = by_path.get(w.path[: -len("kernel")] + "bias")
         if layout == "rows":
-            column = ops.zeros((w.shape[1],), w.dtype) if bias is None else ops.cast(bias, w.dtype)
-            parts = ops.concatenate([ops.transpose(w), column[:, None]], axis=1)  # (units, input_dim + 1)
+            dtype = compute_dtype.get(id(w), model.compute_dtype)
+            column = ops.zeros((w.shape[1],), dtype) if bias is None else ops.cast(bias, dtype)
+            parts = ops.concatenate([ops.transpose(ops.cast(w, dtype)), column[:, None]], axis=1)  # (units, input_dim + 1)
         else:
             half = w.shape[1] // 2
             parts = (tf.identity(w[:, :half]), tf.identity(w[:, half:]))  # (input_dim, units/2), (input_dim, rest)
         kernels[id(w)] = parts, None if bias is None else id(bias)
     return layout, kernels
+
+
+def carry_decode_kernels(cond, body, loop_vars):
+    """`tf.while_loop(cond, body, loop_vars)` that carries the active `decode_kernels`' non-float32 "rows" in its
+    state, each step through an XLA optimization barrier (XLA only).
+
+    The rows are loop-invariant, so XLA would hoist their conversion to float32 out of the loop and read a float32
+    copy every step; behind the barrier they are loop state, and each step's fused product reads the narrow rows
+    and converts them in registers. Anything else is a plain `tf.while_loop`.
+    """
+    active = _DECODE_KERNELS[0]
+    if active is None or active[0] != "rows":
+        return tf.while_loop(cond, body, loop_vars)
+    layout, table = active
+    carried = [key for key, (rows, _) in table.items() if rows.dtype != tf.float32]
+    if not carried:
+        return tf.while_loop(cond, body, loop_vars)
+    from tensorflow.compiler.tf2xla.python import xla  # XLA's OptimizationBarrier: no public TensorFlow name
+
+    def carrying_body(*state):
+        *state, rows = state
+        rows = list(xla.optimization_barrier(*rows))
+        with decode_kernels((layout, {**table, **{key: (r, table[key][1]) for key, r in zip(carried, rows)}})):
+            return (*body(*state), rows)
+
+    state = (*loop_vars, [table[key][0] for key in carried])
+    return tf.while_loop(lambda *state: cond(*state[:-1]), carrying_body, state)[:-1]
 
 
 def one_row_step(x):
@@ -125,13 +160,14 @@ def dense(x, kernel, bias=None, start=0, stop=None):
     part = (start, stop) != (0, kernel.shape[-1])
     layout = uses_decode_kernels(x, kernel, bias) and _DECODE_KERNELS[0][0]
     if layout == "rows":
-        rows = _DECODE_KERNELS[0][1][id(kernel)][0]  # (units, input_dim + 1), the bias last; float32
+        rows = _DECODE_KERNELS[0][1][id(kernel)][0]  # (units, input_dim + 1), the bias last; the compute dtype
         rows = rows[start:stop] if part else rows
-        row = ops.cast(x, rows.dtype)  # (B, 1, input_dim)
+        row = ops.cast(x, "float32")  # (B, 1, input_dim)
         if bias is None:
             rows = rows[:, :-1]
         else:
             row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
+        rows = ops.cast(rows, "float32")  # converted inside the fused product (carry_decode_kernels)
         return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
     bias = None if bias is None else ops.cast(bias[start:stop] if part else bias, x.dtype)
     if layout == "halves" and not part:
