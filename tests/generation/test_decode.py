@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -449,16 +450,15 @@ def test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel():
 
 def _loop_states(hlo):
     """The shapes in the state tuples of an optimized HLO module's while loops, e.g. "bf16[32,17]"."""
-    import re
-
     states = re.findall(r"= \(([^)]*)\) while\(", hlo)
     return [re.findall(r"(?:bf16|f32|f16|s32|pred)\[[0-9,]*\]", state) for state in states]
 
 
 def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
     """The decode loop's state carries the bfloat16 rows (`carry_decode_kernels`): without the barrier XLA hoists
-    their conversion out of the loop and every step reads a float32 copy, twice the bytes. Tokens: the same as the
-    batch's, whose matmuls run in bfloat16 too."""
+    their conversion out of the loop and every step reads a float32 copy, twice the bytes. Its caches are float32
+    split pairs (`SplitCache`: no cast to bfloat16 at each layer call). Tokens: the same as the batch's, whose
+    matmuls run in bfloat16 too."""
     model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
     rows = np.asarray(generation.generate_ids(model, PROMPTS[1:2], max_new_tokens=6))
     (fn,) = model._tfformer_generate_fns.values()
@@ -468,12 +468,29 @@ def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
     shapes = [f"[{3 * d},{d + 1}]", f"[{d},{d + 1}]", f"[{2 * f},{d + 1}]", f"[{d},{f + 1}]"]
     states = _loop_states(hlo)
     assert states
+    head_dim = d // CFG["num_heads"]
     for state in states:
         for shape in shapes:
             assert state.count("bf16" + shape) == CFG["num_decoder_layers"], (shape, state)
             assert "f32" + shape not in state, (shape, state)
+        caches = [x for x in state if re.fullmatch(rf"(bf16|f32)\[{CFG['num_heads']},[0-9]+,{head_dim}\]", x)]
+        assert caches == [caches[0]] * (2 * CFG["num_decoder_layers"]) and caches[0].startswith("f32"), state
+        assert not any(x.startswith("bf16[1,2,") for x in state), state  # no stacked bfloat16 cache
     batch = np.asarray(generation.generate_ids(model, np.repeat(PROMPTS[1:2], 2, axis=0), max_new_tokens=6))
     np.testing.assert_array_equal(rows[0], batch[0])
+
+
+@pytest.mark.parametrize("name", ["causal tied gelu_approximate", "seq2seq untied relu"])
+def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(name):
+    """Under mixed_bfloat16 a prompt alone (bfloat16 rows, float32 split caches) decodes the same tokens as in a
+    batch (bfloat16 matmuls, stacked caches)."""
+    model = _one_row_model(ONE_ROW_MODELS[name], "mixed_bfloat16")
+    inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
+    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0] for i in range(len(inputs))]
+    batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6))
+    assert sorted(key[-1] for key in model._tfformer_generate_fns) == ["halves", "rows"]
+    np.testing.assert_array_equal(np.stack(rows), batch)
+    assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
 
 
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))

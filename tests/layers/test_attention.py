@@ -275,6 +275,33 @@ def test_split_cache_decoding_equals_full_and_the_stacked_cache(rng, score, xla)
     np.testing.assert_array_equal(split[0].numpy()[:, T:], 0)  # the unfilled slots stay empty
 
 
+@pytest.mark.parametrize("xla", [False, True])
+def test_split_cache_object_keeps_its_float32_buffers_under_mixed_bfloat16(rng, xla):
+    """Keras casts a pair of float32 tensors passed to a mixed_bfloat16 layer to bfloat16; a `SplitCache` of the
+    same tensors reaches `call` as it is and comes back as a float32 pair with the same contents (the keys and
+    values are bfloat16 numbers either way) and the same outputs."""
+    import contextlib
+
+    import tensorflow as tf
+
+    from tfformer.layers.attention import SplitCache, in_place_cache_writes, split_cache
+
+    x = rng.normal(size=(B, 3, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, dtype="mixed_bfloat16")
+    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=xla)
+    with in_place_cache_writes() if xla else contextlib.nullcontext():
+        pair = split_cache(tf.zeros((B, 2, N, 4, H)))
+        out_pair, pair = step(x, pair, tf.constant(0))
+        wrapped = split_cache(tf.zeros((B, 2, N, 4, H)))
+        out_wrapped, wrapped = step(x, SplitCache(*wrapped), tf.constant(0))
+    assert [h.dtype for h in pair] == [tf.bfloat16] * 2  # Keras' autocast: the reason for SplitCache
+    assert isinstance(wrapped, tuple) and [h.dtype for h in wrapped] == [tf.float32] * 2
+    for got, expected in zip(wrapped, pair):
+        np.testing.assert_array_equal(got.numpy(), tf.cast(expected, tf.float32).numpy())
+    assert np.abs(wrapped[0].numpy()[:, :3]).max() > 0.1  # the three written slots hold keys, not zeros
+    np.testing.assert_allclose(np.asarray(out_wrapped, "float32"), np.asarray(out_pair, "float32"), rtol=2e-2, atol=2e-2)
+
+
 def test_split_cache_needs_a_pair_and_cache_index(rng):
     from tfformer.layers.attention import split_cache
 

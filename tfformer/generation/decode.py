@@ -9,7 +9,6 @@ retrace.
 
 import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -123,7 +122,7 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
         first = segment_sizes(max_new_tokens)[0]
-        cache = layer_caches(model, batch, first, split, dtype=cross.dtype)  # grows in the loop
+        cache = layer_caches(model, batch, first, split, dtype="float32" if split else cross.dtype)  # grows in the loop
         cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
@@ -193,18 +192,19 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     beam search ignores it) is for code compiled with XLA: the decode steps' matmuls
     then use kernels laid out once before the loop (`layers.attention.decode_kernels`;
     benchmarks/RESULTS.md: batch-1 decoding ~1.5x, batch 8 ~1.2x faster on these CPUs).
-    "rows" also carries split caches (`layers.attention.split_cache`) for a float32
-    model: the attention reads keys and values with batched matmuls (per-token time at
-    position 500 ~7% lower). At batch 8, and for the bfloat16 caches of a mixed-precision
-    model (Keras casts them to the compute dtype; a matmul would need a float32 copy
-    each step), the split form measured 0.92-0.96x and 0.82-0.88x of the stacked
-    cache's fused form, which they keep (benchmarks/RESULTS.md).
+    "rows" also carries split caches (`layers.attention.split_cache`), float32 under
+    any policy and handed to the layers as `SplitCache` (Keras would cast a pair of
+    tensors to the compute dtype at every call): the attention reads keys and values
+    with batched matmuls (per-token time at position 500 ~7% lower; a mixed_bfloat16
+    model's batch-1 call ~8% faster than on its stacked bfloat16 cache). At batch 8 the
+    split form measured 0.92-0.96x of the stacked cache's fused form, which it keeps
+    (benchmarks/RESULTS.md).
     """
     from tfformer.generation import beam
 
     sampler = as_sampler(sampler)
     architecture = model.config.architecture
-    split = kernel_layout == "rows" and keras.backend.standardize_dtype(model.compute_dtype) == "float32"
+    split = kernel_layout == "rows"
     if architecture == "seq2seq":
         if beam_size:
             return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)

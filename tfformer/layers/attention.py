@@ -278,6 +278,27 @@ def split_cache(cache):
     return tuple(ops.reshape(cache[:, i], (b * n, s, h)) for i in range(2))  # 2 x (B*N, S, H)
 
 
+class SplitCache:
+    """A split cache `(keys, values)` (`split_cache`) as one object, which Keras hands to a layer's call as it is.
+
+    Keras casts every float tensor among a layer call's arguments, tuples included, to the layer's compute
+    dtype. A float32 split cache of a mixed_bfloat16 model would be cast to bfloat16 at every block and attention
+    call, a copy of every cached key and value each decode step, and back to float32 for the attention's products
+    (benchmarks/RESULTS.md, "Decoding"). `MultiHeadAttention` and `DecoderBlock` take it where they take a pair and
+    return a plain pair.
+    """
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+def uncast(cache):
+    """`cache` for a layer call: a split pair as a `SplitCache` (kept in its dtype), anything else as it is."""
+    return SplitCache(*cache) if isinstance(cache, (tuple, list)) and len(cache) == 2 else cache
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention (Vaswani et al., 2017), with a key/value cache.
@@ -333,8 +354,9 @@ class MultiHeadAttention(keras.layers.Layer):
             Implicit `value_mask`/`key_mask` are ignored when a cache is used;
             pass padding through `attention_mask`. With `cache_index`, the
             cache may also be split (`split_cache`): a pair `(keys, values)`,
-            each `(B*N, S_max, H)`, returned in the same form (faster in XLA
-            decode loops).
+            each `(B*N, S_max, H)`, or the same as a `SplitCache` (which Keras
+            does not cast to the compute dtype), returned as a pair (faster in
+            XLA decode loops).
         cache_index: int scalar, where the `T` new positions start.
         training: bool, enables dropout.
 
@@ -544,6 +566,8 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
     ):
         query_length = ops.shape(query)[1]
+        if isinstance(cache, SplitCache):
+            cache = (cache.keys, cache.values)
         split = isinstance(cache, (tuple, list))
         if split and (cache_index is None or len(cache) != 2):
             raise ValueError(

@@ -40,7 +40,8 @@ class DecoderBlock(EncoderBlock):
         attention_mask: optional bool `(B, T, T)` for the self-attention.
         use_causal_mask: bool. Defaults to `True`.
         cache: optional self-attention cache `(B, 2, N, S_max, H)`, or split
-            (`layers.attention.split_cache`: `(keys, values)`, each `(B*N, S_max, H)`).
+            (`layers.attention.split_cache`: `(keys, values)`, each `(B*N, S_max, H)`,
+            or as a `layers.attention.SplitCache`, which Keras does not cast).
         cache_index: int scalar, position of the first of the `T` inputs.
         cross_attention_cache: optional `(B, 2, N, S, H)`.
         training: bool.

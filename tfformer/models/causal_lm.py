@@ -79,7 +79,8 @@ class CausalLM(base.TransformerModel):
         # decode loops: no re-stacking).
         per_layer = isinstance(cache, (list, tuple))
         for i, block in enumerate(self.decoder_blocks):
-            x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
+            # A split pair as a SplitCache: kept in its dtype (Keras casts a tuple's tensors to the compute dtype).
+            x, layer_cache = block(x, cache=layers.attention.uncast(cache[i]), cache_index=cache_index)
             caches.append(layer_cache)
         if logits_index is not None:
             x = ops.take(x, ops.reshape(logits_index, (1,)), axis=1)  # (B, T, D) -> (B, 1, D)

@@ -108,7 +108,7 @@ class Seq2SeqTransformer(base.TransformerModel):
             y, layer_cache = block(
                 y,
                 encoder_padding_mask=encoder_padding_mask,
-                cache=cache[i],
+                cache=layers.attention.uncast(cache[i]),  # a split pair: kept in its dtype (SplitCache)
                 cache_index=cache_index,
                 cross_attention_cache=cross_caches[i],
             )
