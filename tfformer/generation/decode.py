@@ -196,7 +196,7 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     any policy and handed to the layers as `SplitCache` (Keras would cast a pair of
     tensors to the compute dtype at every call): the attention reads keys and values
     with batched matmuls (per-token time at position 500 ~7% lower; a mixed_bfloat16
-    model's batch-1 call ~8% faster than on its stacked bfloat16 cache). At batch 8 the
+    model's batch-1 call 4-7% faster than on its stacked bfloat16 cache). At batch 8 the
     split form measured 0.92-0.96x of the stacked cache's fused form, which it keeps
     (benchmarks/RESULTS.md).
     """
