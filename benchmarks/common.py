@@ -118,6 +118,21 @@ def emit(record):
     return record
 
 
+def goal(name, value, target, at_least=True, **details):
+    """One of issue 8's goals as this run reads it: a JSON line `{"bench": "goal", "goal": name, "value": ...,
+    "target": ..., "met": ...}` (`value >= target`, or `<=` with `at_least=False`); `details` say which rows it
+    was read from."""
+    met = value >= target if at_least else value <= target
+    return emit({"bench": "goal", "goal": name, "value": significant(value), "target": target,
+                 "at_least": at_least, "met": bool(met), **details})
+
+
+def goal_text(record):
+    """A `goal` record as one line: "goal: 1.34 (>= 1.25) met"."""
+    sign = ">=" if record["at_least"] else "<="
+    return f"{record['goal']}: {record['value']:.2f} ({sign} {record['target']}) {'met' if record['met'] else 'MISSED'}"
+
+
 LIMIT_DTYPES = ("float32", "bfloat16")
 
 

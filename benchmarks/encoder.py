@@ -226,7 +226,7 @@ def main(argv=None):
             record.update(torch=worker.info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process
         rows[(system, dtype)] = common.emit(record)
 
-    table_rows = []
+    table_rows, goals = [], []
     for (system, dtype), record in rows.items():
         row = dict(record)
         suffix = system[len("tfformer"):]  # "" or " encode"
@@ -237,6 +237,10 @@ def main(argv=None):
                 common.emit({"bench": "encoder_ratio", "system": system, "dtype": dtype, "tfformer_vs": other,
                              "ratio": common.significant(ratio),
                              "per_round": [common.significant(x) for x in per_round]})
+                if other == "pytorch" and not suffix:  # the issue's: each dtype at least PyTorch's speed
+                    theirs = "bfloat16 autocast" if dtype == "bfloat16" else dtype
+                    goals.append(common.goal(f"encoder {dtype} >= 1x PyTorch {theirs}", ratio, 1,
+                                             rows=[system, other]))
                 row[f"tfformer/{other}"] = f"{ratio:.2f}"
                 row[f"tfformer/{other} per round"] = common.ratio_text(per_round)
         table_rows.append(row)
@@ -250,7 +254,11 @@ def main(argv=None):
           f"faster; matmul limits ({limit_size}^3 in these rounds) float32 {limits['float32']:.1f}, bfloat16 "
           f"{limits['bfloat16']:.1f} GFLOP/s.")
     if worker is None:
-        print(f"PyTorch rows skipped: {pending.skipped}")
+        print(f"PyTorch rows skipped: {pending.skipped} (so no goal lines: the goals are against PyTorch)")
+    else:
+        print("Goals (ratios of the medians):")
+        for r in goals:
+            print(f"- {common.goal_text(r)}")
     return 0
 
 

@@ -53,6 +53,11 @@ def main(argv=None):
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows]
     print(common.table(table_rows, ["system", "ms", "ratio_vs_saved_model", "per_round"]))
+    # The issue's: the same model (float32, not quantized), same threads, TFLite at most 0.6x the SavedModel's.
+    goal = common.goal("tflite batch-1 latency <= 0.6x the SavedModel's",
+                       common.median(times["tflite float32"]) / base, 0.6, at_least=False,
+                       rows=["tflite float32", "saved_model"])
+    print(f"Goal (ratio of the medians): {common.goal_text(goal)}")
 
 
 def _set_tf_threads(threads):

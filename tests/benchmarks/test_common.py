@@ -1,6 +1,7 @@
 """benchmarks.common: per-round ratios cancel a drift of machine speed between rounds; each round shuffles its
 order; matmul limits are timed among the systems; peak memory is the process's own."""
 
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,15 @@ def test_peak_rss_is_the_process_own_not_its_parent():
                                  check=True).stdout)
     assert ballast.sum() == ballast.size and common.peak_rss_mb() > 3 * 1024
     assert 1 < child < 2 * 1024, child  # an interpreter that imported TensorFlow: ~0.6 GB
+
+
+def test_goal_says_whether_the_value_meets_its_target(capsys):
+    met = common.goal("training lm float32 >= 1.25x keras-hub float32", 1.2503, 1.25, rows=["a", "b"])
+    missed = common.goal("per-token time at 500 <= 1.5x at 50", 1.5212, 1.5, at_least=False)
+    edge = common.goal("per-token time at 500 <= 1.5x at 50", 1.5, 1.5, at_least=False)
+    assert (met["met"], missed["met"], edge["met"]) == (True, False, True)
+    assert met["bench"] == "goal" and met["rows"] == ["a", "b"] and missed["value"] == 1.521
+    assert common.goal_text(met) == "training lm float32 >= 1.25x keras-hub float32: 1.25 (>= 1.25) met"
+    assert common.goal_text(missed) == "per-token time at 500 <= 1.5x at 50: 1.52 (<= 1.5) MISSED"
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["met"] for r in lines] == [True, False, True]

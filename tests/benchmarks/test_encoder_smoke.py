@@ -46,4 +46,17 @@ def test_encoder_benchmark_smoke():
             (r,) = [r for r in ratios if (r["system"], r["dtype"], r["tfformer_vs"]) == (ours, dtype, versus)]
             assert r["ratio"] == pytest.approx(speed[(ours, dtype)] / speed[(theirs, dtype)], rel=0.01)
             assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
+    # The issue's goals (each dtype at least PyTorch's speed), read from the forward rows' ratios; none without
+    # PyTorch.
+    goals = {r["goal"]: r for r in all_records if r["bench"] == "goal"}
+    if torch_rows <= systems:
+        assert set(goals) == {"encoder float32 >= 1x PyTorch float32",
+                              "encoder bfloat16 >= 1x PyTorch bfloat16 autocast"}
+        for dtype in ("float32", "bfloat16"):
+            (r,) = [g for g in goals.values() if g["goal"].startswith(f"encoder {dtype} ")]
+            (ratio,) = [x for x in ratios if (x["system"], x["dtype"], x["tfformer_vs"]) == ("tfformer", dtype,
+                                                                                            "pytorch")]
+            assert r["value"] == pytest.approx(ratio["ratio"], rel=1e-3) and r["met"] == (r["value"] >= 1)
+    else:
+        assert not goals
     assert "| system | dtype |" in out.stdout and "tfformer/keras-hub" in out.stdout

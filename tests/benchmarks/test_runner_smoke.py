@@ -96,6 +96,38 @@ def test_runner_smoke():
     assert {r["threads"] for r in latency.values()} == {cores} == {r["cores"] for r in records}
     for r in latency.values():
         assert r["ratio_vs_saved_model"] == pytest.approx(r["per_round"][0], abs=0.006) and r["ms"] > 0
+    # The goals, each as a line read from the rows above: training from the "+metrics" rows (each library
+    # as its documentation compiles it), the strict and +cpu_threads readings beside them.
+    goals = {r["goal"]: r for r in records if r["bench"] == "goal"}
+    for r in goals.values():
+        assert r["met"] == (r["value"] >= r["target"] if r["at_least"] else r["value"] <= r["target"])
+    for bench in ("train_seq2seq", "train_lm"):
+        rows = {r["system"]: r for r in records if r["bench"] == bench}
+        for dtype, target in (("float32", 1.25), ("bfloat16", 2)):
+            r = goals[f"training {bench[len('train_'):]} {dtype} >= {target}x keras-hub float32"]
+            assert r["target"] == target and r["at_least"] and r["reading"] == "+metrics"
+            assert r["value"] == pytest.approx(rows[f"tfformer {dtype} +metrics"]["ratio_vs_keras_hub"], abs=0.006)
+            assert r["other_readings"]["strict"] == pytest.approx(rows[f"tfformer {dtype}"]["ratio_vs_keras_hub"],
+                                                                  abs=0.006)
+            assert r["other_readings"]["+cpu_threads"] == pytest.approx(
+                rows[f"tfformer {dtype} +cpu_threads"]["ratio_vs_keras_hub"], abs=0.006)
+    best = [r for r in records if r["bench"] == "generation_ratio"]
+    for batch, target in ((1, 2), (2, 1.5)):  # the smoke's batch 2 stands for the batch 8
+        r = goals[f"generation batch {batch} >= {target}x keras-hub's fastest"]
+        tfformer, keras_hub = r["rows"]
+        # Each library's fastest setting; the same pair can be both "best" and its setting's own comparison.
+        for name, library in ((tfformer, "tfformer"), (keras_hub, "keras-hub")):
+            assert name == max((s for b, s in speed if b == batch and s.startswith(library)),
+                               key=lambda s: speed[(batch, s)])
+        (ratio,) = {b["ratio"] for b in best if (b["batch"], b["tfformer"], b["keras_hub"]) == (batch, *r["rows"])}
+        assert r["value"] == pytest.approx(ratio, rel=1e-3)
+    (per_token_ratio,) = [r for r in records if r["bench"] == "per_token_ratio"]
+    r = goals["per-token time at 32 <= 1.5x at 8"]
+    assert not r["at_least"] and r["value"] == pytest.approx(per_token_ratio["ratio"], abs=0.001)
+    r = goals["tflite batch-1 latency <= 0.6x the SavedModel's"]
+    assert not r["at_least"]
+    assert r["value"] == pytest.approx(latency["tflite float32"]["ratio_vs_saved_model"], abs=0.006)
+    assert len(goals) == 8 and "Goals (ratios of the medians" in out.stdout and "Goal (ratio" in out.stdout
     assert "over rounds" in out.stdout
     assert all(r.get("tokens_per_s", 1) > 0 for r in records)
     assert "| system |" in out.stdout or "| bench |" in out.stdout
