@@ -42,12 +42,12 @@ process's peak after each system's first training step, before the floors' opera
 Which rows the goals are read from (issue 8: tfformer float32 >= 1.25x and bfloat16 >= 2x keras-hub float32):
 the "+metrics" rows. The issue compares tfformer with "the keras-hub equivalent" of each workload, and that is
 keras-hub as its documentation compiles it: its own loss and metrics, in the same process, with TensorFlow's
-default threads. Part of what they compare is the metrics: keras-hub's default weighted accuracy made its LM
-step 1.15x slower, tfformer's two metrics cost it 0-2% (benchmarks/RESULTS.md, "each library as its
-documentation compiles it"). The strict rows hand keras-hub tfformer's loss (an XLA-fused cross-entropy, part of
-tfformer's work; keras-hub's LM step is 1.03x faster with it than with Keras' own) and no metrics, so they
-compare tfformer with a keras-hub/tfformer hybrid; the "+cpu_threads" rows need a process-wide setting. Both are
-reported beside the goal (the `goal` lines' `other_readings`), so a run shows all three.
+default threads. Part of what they compare is the loss and the metrics: keras-hub's LM step took 1.15x as long
+with its defaults as with tfformer's loss and no metrics (1.03x with Keras' loss alone), while tfformer's two
+metrics cost it 0-2% (benchmarks/RESULTS.md, "each library as its documentation compiles it"). The strict rows
+hand keras-hub tfformer's loss (an XLA-fused cross-entropy, part of tfformer's work) and compile no metrics, so
+they compare tfformer with a keras-hub/tfformer hybrid; the "+cpu_threads" rows need a process-wide setting.
+Both are reported beside the goal (the `goal` lines' `other_readings`), so a run shows all three.
 
 PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.torch_worker`): the LM as
 transformers' `GPT2LMHeadModel`, the seq2seq model as `torch.nn.Transformer` with keras-hub's layout (learned
