@@ -21,7 +21,8 @@ def test_lm_perplexity_smoke(tmp_path):
                "--out", str(tmp_path / "run")]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["system"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = {r["system"]: r for r in records if r["bench"] != "goal"}
     assert set(rows) == {"tfformer float32", "tfformer bfloat16", "keras-hub float32 (recipe schedule)",
                          "keras-hub float32 (keras.io)"}
     vocabulary = lm_perplexity.SMOKE["vocabulary_size"]
@@ -40,6 +41,15 @@ def test_lm_perplexity_smoke(tmp_path):
         assert budget - 0.5 <= rows[system]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
     assert rows["tfformer bfloat16"]["same_vocabulary"] is True  # both tfformer runs learned the same file
     assert "| system | test perplexity |" in out.stdout
+    # The issue's goal lines: each tfformer run's perplexity over the better keras-hub run's.
+    best = min(rows[system]["test_perplexity"]
+               for system in ("keras-hub float32 (recipe schedule)", "keras-hub float32 (keras.io)"))
+    goals = {r["goal"]: r for r in records if r["bench"] == "goal"}
+    assert len(goals) == 2
+    for system in ("tfformer float32", "tfformer bfloat16"):
+        r = goals[f"lm_perplexity {system} test perplexity <= 1x keras-hub float32's (same budget)"]
+        assert r["value"] == pytest.approx(rows[system]["test_perplexity"] / best, rel=1e-3)
+        assert r["met"] == (r["value"] <= 1) and rows[r["rows"][1]]["test_perplexity"] == best
     # An existing run is replaced only with --overwrite.
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert again.returncode != 0 and "already holds a run; pass --overwrite" in again.stderr

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
 
@@ -18,7 +20,8 @@ def _bleu_bench(*args):
 def test_translation_bleu_smoke(tmp_path):
     out = _bleu_bench("--smoke", "--mixed-precision", "--out", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["system"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = {r["system"]: r for r in records if r["bench"] != "goal"}
     assert set(rows) == {"tfformer float32", "tfformer bfloat16", "keras-hub"}
     # keras-hub is the float32 reference even though the bfloat16 run before it set the global policy.
     assert {name: r["dtype_policy"] for name, r in rows.items()} == {
@@ -32,6 +35,14 @@ def test_translation_bleu_smoke(tmp_path):
     budget = rows["tfformer float32"]["train_seconds"]
     assert budget - 0.5 <= rows["keras-hub"]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
     assert "| system | BLEU (test) |" in out.stdout
+    # The issue's goal lines: each tfformer run's BLEU over keras-hub's.
+    goals = {r["goal"]: r for r in records if r["bench"] == "goal"}
+    assert len(goals) == 2
+    for system in ("tfformer float32", "tfformer bfloat16"):
+        r = goals[f"translation_bleu {system} BLEU >= 1x keras-hub float32's (same budget)"]
+        assert r["value"] == pytest.approx(rows[system]["bleu_test"] / max(rows["keras-hub"]["bleu_test"], 1e-9),
+                                           rel=1e-3)
+        assert r["met"] == (r["value"] >= 1) and r["rows"] == [system, "keras-hub"]
     assert os.path.exists(tmp_path / "run" / "model.keras") and os.path.exists(tmp_path / "run-bf16" / "model.keras")
 
 
