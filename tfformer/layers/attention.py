@@ -94,8 +94,9 @@ def prepared_kernels(model, layout):
         raise ValueError(f"`layout` must be one of {KERNEL_LAYOUTS}. Received: layout={layout!r}")
     by_path = {w.path: w for w in model.weights}
     compute_dtype = {}
-    for layer in model._flatten_layers(include_self=True, recursive=True):  # outer layers first: the innermost wins
-        compute_dtype.update((id(w), layer.compute_dtype) for w in layer.weights)
+    if layout == "rows":
+        for layer in model._flatten_layers(include_self=True, recursive=True):  # outer first: the innermost wins
+            compute_dtype.update((id(w), layer.compute_dtype) for w in layer.weights)
     kernels = {}
     for w in model.weights:
         if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
