@@ -128,9 +128,19 @@ def goal(name, value, target, at_least=True, **details):
 
 
 def goal_text(record):
-    """A `goal` record as one line: "goal: 1.34 (>= 1.25) met"."""
+    """A `goal` record as one line: "goal: 1.34 (>= 1.25) met", then its `other_readings` if it has them."""
     sign = ">=" if record["at_least"] else "<="
-    return f"{record['goal']}: {record['value']:.2f} ({sign} {record['target']}) {'met' if record['met'] else 'MISSED'}"
+    text = f"{record['goal']}: {record['value']:.2f} ({sign} {record['target']}) {'met' if record['met'] else 'MISSED'}"
+    others = record.get("other_readings")
+    return text + "; " + ", ".join(f"{k} {v:.2f}" for k, v in others.items()) if others else text
+
+
+def print_goals(records, heading):
+    """`heading`, then each `goal` record among `records` as a "- " line (`goal_text`)."""
+    print(heading)
+    for r in records:
+        if r["bench"] == "goal":
+            print(f"- {goal_text(r)}")
 
 
 LIMIT_DTYPES = ("float32", "bfloat16")

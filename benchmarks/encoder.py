@@ -256,9 +256,7 @@ def main(argv=None):
     if worker is None:
         print(f"PyTorch rows skipped: {pending.skipped} (so no goal lines: the goals are against PyTorch)")
     else:
-        print("Goals (ratios of the medians):")
-        for r in goals:
-            print(f"- {common.goal_text(r)}")
+        common.print_goals(goals, "Goals (ratios of the medians):")
     return 0
 
 

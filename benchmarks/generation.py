@@ -205,9 +205,7 @@ def main(argv=None):
           f"{cold_seconds[fastest['tfformer']]:.4f} s, {fastest['keras-hub']} "
           f"{cold_seconds[fastest['keras-hub']]:.4f} s, ratio {cold_ratio:.2f}; per round "
           f"{common.ratio_text(cold_per_round)}")
-    print("Goals (ratios of the medians):")
-    for r in goals:
-        print(f"- {common.goal_text(r)}")
+    common.print_goals(goals, "Goals (ratios of the medians):")
 
 
 def _after_idle(call):

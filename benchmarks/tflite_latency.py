@@ -57,7 +57,7 @@ def main(argv=None):
     goal = common.goal("tflite batch-1 latency <= 0.6x the SavedModel's",
                        common.median(times["tflite float32"]) / base, 0.6, at_least=False,
                        rows=["tflite float32", "saved_model"])
-    print(f"Goal (ratio of the medians): {common.goal_text(goal)}")
+    common.print_goals([goal], "Goal (ratio of the medians):")
 
 
 def _set_tf_threads(threads):

@@ -342,8 +342,8 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
                 "per_round": [common.significant(x) for x in common.paired_ratio(ours, theirs)]}))
     # The training goals, read from the rows that compile each library as its documentation does (see
     # "Which rows the goals are read from" above); the other two readings beside them.
-    ratio = {name: common.median(times[r["baseline"]]) / common.median(times[name])
-             for name, r in ((r["system"], r) for r in rows if "system" in r)}
+    ratio = {r["system"]: common.median(times[r["baseline"]]) / common.median(times[r["system"]])
+             for r in rows if "system" in r}
     for dtype, target in (("float32", 1.25), ("bfloat16", 2)):
         rows.append(common.goal(
             f"training {workload} {dtype} >= {target}x keras-hub float32", ratio[f"tfformer {dtype} +metrics"], target,
@@ -375,11 +375,8 @@ def main(argv=None):
         if r["bench"].endswith("_vs_pytorch"):
             print(f"{r['bench']} {r['dtype']}: tfformer / PyTorch = {r['ratio']:.2f}; per round "
                   f"{common.ratio_text(r['per_round'])}")
-    print("Goals (ratios of the medians; read from the +metrics rows, the strict and +cpu_threads readings after):")
-    for r in rows:
-        if r["bench"] == "goal":
-            others = ", ".join(f"{k} {v:.2f}" for k, v in r["other_readings"].items())
-            print(f"- {common.goal_text(r)}; {others}")
+    common.print_goals(rows, "Goals (ratios of the medians; read from the +metrics rows, the strict and "
+                             "+cpu_threads readings after):")
 
 
 if __name__ == "__main__":

@@ -131,3 +131,12 @@ def test_goal_says_whether_the_value_meets_its_target(capsys):
     assert common.goal_text(missed) == "per-token time at 500 <= 1.5x at 50: 1.52 (<= 1.5) MISSED"
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["met"] for r in lines] == [True, False, True]
+    # Other readings follow the goal's own; `print_goals` prints the goal records among others under a heading.
+    other = common.goal("training lm bfloat16 >= 2x keras-hub float32", 2.104, 2,
+                        other_readings={"strict": 1.891, "+cpu_threads": 2.0})
+    assert common.goal_text(other) == ("training lm bfloat16 >= 2x keras-hub float32: 2.10 (>= 2) met; "
+                                       "strict 1.89, +cpu_threads 2.00")
+    capsys.readouterr()
+    common.print_goals([{"bench": "train_lm"}, met, other], "Goals:")
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["Goals:", f"- {common.goal_text(met)}", f"- {common.goal_text(other)}"]
