@@ -23,6 +23,23 @@ from tfformer.training.strategy import cpu_cores as cores  # the cores this proc
 WARM_SECONDS = 0.06
 
 
+def set_tf_threads(intra, inter=None):
+    """Give TensorFlow `intra` intra-op threads (and `inter` inter-op threads unless None); whether it runs with them.
+
+    The counts take only before TensorFlow's runtime starts. After that this returns True when the runtime
+    already has them (an intra-op count of 0, TensorFlow's default, counts as `cores()`), else False; the caller
+    says what that means for its numbers.
+    """
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+        if inter is not None:
+            tf.config.threading.set_inter_op_parallelism_threads(inter)
+        return True
+    except RuntimeError:  # the runtime is up (e.g. a test ran another benchmark in this process)
+        current = tf.config.threading.get_intra_op_parallelism_threads() or cores()
+        return current == intra and (inter is None or tf.config.threading.get_inter_op_parallelism_threads() == inter)
+
+
 def warm_cores(seconds=WARM_SECONDS):
     """Keep every core busy for `seconds`: 512^3 float32 matmuls on TensorFlow's intra-op threads."""
     if seconds <= 0:

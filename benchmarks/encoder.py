@@ -151,17 +151,6 @@ def _keras_systems(smoke, batch, length, texts):
     return systems
 
 
-def _set_tf_threads():
-    import tensorflow as tf
-
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(THREADS)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        return True
-    except RuntimeError:  # the runtime is already up (e.g. `python -m benchmarks run` ran another workload)
-        return False
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.encoder", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,7 +180,7 @@ def main(argv=None):
 
     from benchmarks import common
 
-    threads_set = _set_tf_threads()
+    threads_set = common.set_tf_threads(THREADS, inter=1)  # False: the runtime was already up with others
     with pending:
         systems = _keras_systems(args.smoke, batch, length, texts)
         worker = pending.ready()

@@ -23,7 +23,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    threads = _set_tf_threads(common.cores())
+    threads = common.cores()  # the interpreters get as many; "same threads" for the goal
+    if not common.set_tf_threads(threads):
+        raise RuntimeError(f"TensorFlow already runs {tf.config.threading.get_intra_op_parallelism_threads()} "
+                           f"intra-op threads; the interpreters would get {threads}. Run the benchmark in a fresh "
+                           f"process.")
     overrides = dict(num_decoder_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64) if args.smoke else {}
     model = models.from_preset("gpt-mini", dropout=0.0, **overrides)
     length = 8 if args.smoke else 64
@@ -58,19 +62,6 @@ def main(argv=None):
                        common.median(times["tflite float32"]) / base, 0.6, at_least=False,
                        rows=["tflite float32", "saved_model"])
     common.print_goals([goal], "Goal (ratio of the medians):")
-
-
-def _set_tf_threads(threads):
-    """`threads` intra-op threads for TensorFlow, as the interpreters get; an error if its runtime already runs
-    with another count."""
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-    except RuntimeError:  # the runtime is up: fine if it has the same count (0: its default, the cores)
-        current = tf.config.threading.get_intra_op_parallelism_threads()
-        if current not in (0, threads):
-            raise RuntimeError(f"TensorFlow already runs {current} intra-op threads; the interpreters would get "
-                               f"{threads}. Run the benchmark in a fresh process.") from None
-    return threads
 
 
 def _ids_only_saved_model(model, path):

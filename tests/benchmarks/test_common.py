@@ -121,6 +121,35 @@ def test_peak_rss_is_the_process_own_not_its_parent():
     assert 1 < child < 2 * 1024, child  # an interpreter that imported TensorFlow: ~0.6 GB
 
 
+def test_set_tf_threads_sets_them_in_a_fresh_process_and_reports_a_runtime_that_has_others():
+    code = """if True:
+        import json
+        import tensorflow as tf
+        from benchmarks import common
+        fresh = common.set_tf_threads(1, inter=1)
+        tf.constant(1.0) + 1  # the runtime starts with those counts
+        print(json.dumps({"fresh": fresh,
+                          "counts": [tf.config.threading.get_intra_op_parallelism_threads(),
+                                     tf.config.threading.get_inter_op_parallelism_threads()],
+                          "same": common.set_tf_threads(1, inter=1), "same_intra": common.set_tf_threads(1),
+                          "other_intra": common.set_tf_threads(2), "other_inter": common.set_tf_threads(1, inter=2)}))
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"fresh": True, "counts": [1, 1], "same": True, "same_intra": True, "other_intra": False,
+                      "other_inter": False}
+
+
+def test_set_tf_threads_takes_the_default_count_as_the_cores():
+    import tensorflow as tf
+
+    tf.constant(1.0) + 1  # this process's runtime is up
+    current = tf.config.threading.get_intra_op_parallelism_threads()
+    assert common.set_tf_threads(current or common.cores())
+    assert not common.set_tf_threads((current or common.cores()) + 1)
+
+
 def test_goal_says_whether_the_value_meets_its_target(capsys):
     met = common.goal("training lm float32 >= 1.25x keras-hub float32", 1.2503, 1.25, rows=["a", "b"])
     missed = common.goal("per-token time at 500 <= 1.5x at 50", 1.5212, 1.5, at_least=False)
