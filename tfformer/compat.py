@@ -1,0 +1,39 @@
+"""The only place tfformer touches non-public Keras or TensorFlow APIs.
+
+Each need that has no public API is one small function here, with the reason. `tests/test_compat.py` checks each
+one against the installed Keras/TensorFlow, so that an upgrade that changes what they reach fails loudly there,
+not as a wrong number elsewhere. Nothing else in `tfformer/` imports `keras.src`, `tensorflow.python` or
+`tensorflow.compiler` (`tests/test_public_api.py` walks the package with `ast` to enforce it).
+"""
+
+def gradient_recording():
+    """Whether a `tf.GradientTape` could record the ops built now (a training step, not inference or export).
+
+    Why: hand-written gradients (`tf.custom_gradient`) are worth building only then; in inference graphs their
+    IdentityN ops sit between ops that grappler fuses. TensorFlow has no public way to ask whether a tape is
+    active (`tf.autodiff` exposes tapes, not whether one is recording).
+    """
+    from tensorflow.python.eager import record  # noqa: PLC0415 (no public equivalent)
+
+    return bool(record.could_possibly_record())
+
+
+def optimization_barrier(*tensors):
+    """XLA's OptimizationBarrier on `tensors`: they come out unchanged, but XLA may not move work across it.
+
+    Why: a decode loop carries loop-invariant narrow (bfloat16) weights through it, so that XLA does not hoist
+    their conversion to float32 out of the loop. TensorFlow exposes the op only under `tensorflow.compiler`.
+    """
+    from tensorflow.compiler.tf2xla.python import xla  # noqa: PLC0415 (no public name)
+
+    return tuple(xla.optimization_barrier(*tensors))
+
+
+def flatten_layers(layer):
+    """`layer` and every layer nested in it, outer first, each once.
+
+    Why: a model's nested layers (a block's attention, its feed-forward's Dense) are reachable only through
+    Keras' private `_flatten_layers`; `Model.layers` lists one level.
+    """
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
