@@ -21,6 +21,7 @@ setup(
         "tensorflow-serving-api>=2.21,<2.22",
         "starlette>=0.40",
         "uvicorn>=0.30",
+        "polib>=1.2",
         "python-rapidjson>=1.10",
         "safetensors",
         "tensorboard",
