@@ -11,9 +11,17 @@ given of the medians and per round (`common.paired_ratio`: median, min-max over 
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
 if it has torch and transformers (sentence-transformers for the encoder), else of /tmp/torchvenv/bin/python;
 without one they are skipped, and the output says so.
+Every run but a smoke run also writes its JSON lines to benchmarks/results/<YYYY-MM-DD>-<short commit>.jsonl (UTC
+date; "-2", "-3", ... for another run that day), after a first line that says what ran where (`run_record`);
+`--no-results` turns that off, `--results-dir DIR` writes there instead (smoke runs too).
 """
 
 import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -27,6 +35,86 @@ WORKLOADS = {
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+# The ISA extensions that decide which kernels oneDNN and XLA use, and so what a ratio means on another host.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _git(*args):
+    """`git args` in the repository: its output, or None without git or outside a clone."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu():
+    """`(model name, [the CPU_FLAGS it has])` from /proc/cpuinfo; `(platform.processor(), None)` elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or None, None
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name"), [flag for flag in CPU_FLAGS if flag in flags]
+
+
+def run_record(argv, workloads, smoke):
+    """The first line of a results file: what ran (command, commit, whether the tree had changes), when, and where
+    (CPU model, its `CPU_FLAGS`, cores, library versions)."""
+    versions = {}
+    for package in ("tensorflow", "keras", "keras-hub", "torch", "transformers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    model, flags = _cpu()
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"bench": "run", "command": ["python", "-m", "benchmarks", *argv], "workloads": workloads, "smoke": smoke,
+            "commit": _git("rev-parse", "HEAD"), "uncommitted_changes": None if status is None else bool(status),
+            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": model, "cpu_flags": flags, "cpus": os.cpu_count(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            # Versions of this interpreter's packages; the PyTorch rows record their worker's torch.
+            "versions": versions}
+
+
+def results_path(directory):
+    """A new file `<directory>/<YYYY-MM-DD>-<short commit>.jsonl` (UTC date; "-2", "-3", ... when taken)."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    stem = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{commit}"
+    path, count = os.path.join(directory, f"{stem}.jsonl"), 1
+    while os.path.exists(path):
+        count += 1
+        path = os.path.join(directory, f"{stem}-{count}.jsonl")
+    return path
+
+
+def _run_workload(command, results):
+    """Run `command`, passing its output on as it comes; its JSON lines also go to `results` (a file or None)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1)
+    with process.stdout:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if results is not None and _is_record(line):
+                results.write(line if line.endswith("\n") else line + "\n")
+                results.flush()  # a run that dies later keeps what it measured
+    return process.wait()
+
+
+def _is_record(line):
+    """Whether `line` is one of the JSON lines a workload prints (`common.emit`): a JSON object."""
+    if not line.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def main(argv=None):
@@ -37,18 +125,34 @@ def main(argv=None):
     run.add_argument("workloads", nargs="*", choices=[*WORKLOADS, []], metavar="WORKLOAD", help=", ".join(WORKLOADS))
     run.add_argument("--smoke", action="store_true")
     run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder)")
+    run.add_argument("--results-dir", help=f"where the run's JSON lines go (default: {RESULTS_DIR}; smoke runs: "
+                                           "nowhere unless given)")
+    run.add_argument("--no-results", action="store_true", help="write no results file")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    for name in dict.fromkeys(args.workloads or DEFAULT):  # each once, in the order given
-        print(f"## {name}", flush=True)
-        # A fresh interpreter per workload: TF's thread settings only take before its runtime starts (the
-        # encoder pins 2 intra-op / 1 inter-op threads), and no workload inherits another's memory.
-        options = ["--smoke"] if args.smoke else []
-        if args.torch_python and name in WITH_PYTORCH:
-            options += ["--torch-python", args.torch_python]
-        code = subprocess.call([sys.executable, "-m", WORKLOADS[name], *options])
-        if code:
-            return code
-    return 0
+    names = list(dict.fromkeys(args.workloads or DEFAULT))  # each once, in the order given
+    directory = args.results_dir or (None if args.smoke else RESULTS_DIR)
+    results = None
+    if directory is not None and not args.no_results:
+        os.makedirs(directory, exist_ok=True)
+        results = open(results_path(directory), "x")
+        results.write(json.dumps(run_record(argv, names, args.smoke)) + "\n")
+    try:
+        for name in names:
+            print(f"## {name}", flush=True)
+            # A fresh interpreter per workload: TF's thread settings only take before its runtime starts (the
+            # encoder pins 2 intra-op / 1 inter-op threads), and no workload inherits another's memory.
+            options = ["--smoke"] if args.smoke else []
+            if args.torch_python and name in WITH_PYTORCH:
+                options += ["--torch-python", args.torch_python]
+            code = _run_workload([sys.executable, "-m", WORKLOADS[name], *options], results)
+            if code:
+                return code
+        return 0
+    finally:
+        if results is not None:
+            results.close()
+            print(f"JSON lines of this run: {os.path.relpath(results.name)}", flush=True)
 
 
 if __name__ == "__main__":

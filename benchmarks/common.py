@@ -15,11 +15,11 @@ from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's o
 from tfformer.training.strategy import cpu_cores as cores  # the cores this process may run on
 
 
-# On these VMs a core that has idled for ~0.3 s runs the next ~50 ms of work ~1.7x slower (0.1 s of idling: no
-# effect; benchmarks/RESULTS.md, "Cold cores"). A call timed right after a mostly single-threaded system, or after
+# On these VMs a core that has idled for a few tenths of a second runs the next tens of milliseconds of work
+# slower (docs/performance.md, "Cold cores"). A call timed right after a mostly single-threaded system, or after
 # a worker process's run, would pay that, and most of all a system that spreads short kernels over both cores
-# (tfformer's batch-1 decoding: 29 -> 53 ms; keras-hub's: 57 -> 67 ms). So `interleaved` keeps every core busy
-# this long before each timed call: the same untimed TensorFlow work before every system.
+# (tfformer's batch-1 decoding). So `interleaved` keeps every core busy this long before each timed call: the
+# same untimed TensorFlow work before every system.
 WARM_SECONDS = 0.06
 
 
@@ -108,8 +108,9 @@ def paired_ratio(a, b):
     """`(median, min, max)` over rounds of `b[i] / a[i]`: for seconds, how many times faster `a` ran than `b`.
 
     `a` and `b` are the seconds of two callables from the same `interleaved` run. Both ran in the same round,
-    seconds apart, so a drift of the machine's speed between rounds (up to ~2x on these VMs) cancels in
-    each round's ratio; the range over rounds says how far one run's ratio can be trusted.
+    seconds apart, so a drift of the machine's speed between rounds (large on these VMs; docs/performance.md,
+    "Measuring on a shared VM") cancels in each round's ratio; the range over rounds says how far one run's
+    ratio can be trusted.
     """
     if len(a) != len(b) or not a:
         raise ValueError(f"`a` and `b` need the same, non-zero number of rounds. Received: {len(a)} and {len(b)}")
@@ -119,7 +120,7 @@ def paired_ratio(a, b):
 
 def significant(x, digits=4):
     """`x` rounded to `digits` significant digits, for ratios in JSON lines: decimal places would not do, since
-    a slow system's ratio can be 0.0157 (3 decimals: 0.016, 2% off)."""
+    a slow system's ratio can be as small as 0.0157, which 3 decimals would round to 0.016."""
     return float(f"{x:.{digits}g}")
 
 
@@ -172,7 +173,7 @@ def matmul_limit_calls(size=2048, calls=3):
     """`{"matmul limit float32": fn, "matmul limit bfloat16": fn}` to time among a benchmark's systems in
     `interleaved`: each runs `calls` `size`^3 matmuls (2 * size^3 FLOPs each) on the process's threads, so the
     machine's limit is measured in the same rounds, i.e. the same minutes, as the systems it is compared with
-    (these VMs' speed drifts by up to 2x between minutes). `matmul_limits` turns their times into GFLOP/s."""
+    (these VMs' speed drifts between minutes). `matmul_limits` turns their times into GFLOP/s."""
     fns = {}
     for dtype in LIMIT_DTYPES:
         a = tf.constant(np.random.default_rng(0).normal(size=(size, size)), dtype)

@@ -33,7 +33,7 @@ import numpy as np
 from benchmarks import common, torch_worker
 from tfformer import generation, models
 
-COLD_IDLE_SECONDS = 0.3  # on these VMs 0.1 s of idle cores costs nothing, 0.3 s 20-30 ms of a ~30 ms call (RESULTS.md)
+COLD_IDLE_SECONDS = 0.3  # long enough for these VMs' idle-core slowdown (docs/performance.md, "Cold cores")
 
 
 def build(shape, max_length, policy="float32"):
@@ -68,8 +68,8 @@ def main(argv=None):
     torch_worker.add_python_option(parser, "generate")
     args = parser.parse_args(argv)
     shape = dict(vocab=8192, layers=4, hidden=256, heads=4, intermediate=1024)
-    # 15 rounds: each call takes tens of ms to a second, and one slow stretch of the VM moved a 5-round median of
-    # the batch-1 ratio from ~2.0 to 1.41 (benchmarks/RESULTS.md); the whole workload takes ~4 minutes.
+    # 15 rounds: each call takes tens of ms to a second, and one slow stretch of the VM can move a median of a few
+    # rounds far off; the whole workload takes ~4 minutes.
     prompt_len, new_tokens, repeats, batches = 16, 128, 15, (1, 8)
     if args.smoke:
         shape = dict(vocab=64, layers=1, hidden=16, heads=2, intermediate=32)
@@ -77,7 +77,7 @@ def main(argv=None):
     max_length = 1024 if not args.smoke else 64
     rng = np.random.default_rng(0)
     # A new prompt each round, the same for every system in that round (warm-up included): a compile cache keyed
-    # by the prompt's values (tfformer's causal prefill before 2026-11: one XLA compilation per prompt) shows.
+    # by the prompt's values (e.g. one XLA compilation per prompt) shows.
     # The PyTorch worker, eager, runs the first.
     prompts = {batch: rng.integers(4, shape["vocab"], size=(1 + 2 * repeats, batch, prompt_len)).astype("int32")
                for batch in batches}  # (rounds, B, P): the warm-up, the rounds, the cold rounds (batch 1)
@@ -178,8 +178,7 @@ def main(argv=None):
         for n in (short, long_):
             calls[(position, n)] = (lambda prompt=prompt, n=n: generation.generate_ids(
                 ours, prompt, n, jit_compile=True, end_id=-1).numpy())
-    # A difference of two short runs is noisy: twelve times the rounds (each call is only tens of ms; the first 20
-    # of 60 rounds of one run read 1.32, all 60 read 1.60), 180 since the batch rounds went from 5 to 15.
+    # A difference of two short runs is noisy: twelve times the rounds (each call is only tens of ms).
     times = common.interleaved(calls, repeats=12 * repeats, warmup=1)
     per_token = {}
     for position in positions:
@@ -188,8 +187,8 @@ def main(argv=None):
         common.emit({"bench": "per_token", "system": "tfformer xla=True", "position": position,
                      "prompt_length": prompt_lengths[position], "new_tokens": [short, long_],
                      "ms_per_token": round(per_token[position] * 1000, 3)})
-    # No per-round form for this one: a round's difference of two short calls can be ~0 or negative (one run's
-    # per-round ratios spanned 0.10-5.31), so only the ratio of the medians means something.
+    # No per-round form for this one: a round's difference of two short calls can be ~0 or negative, so only the
+    # ratio of the medians means something.
     per_token_ratio = per_token[positions[1]] / per_token[positions[0]]
     common.emit({"bench": "per_token_ratio", "positions": list(positions), "ratio": round(per_token_ratio, 3),
                  "rounds": len(times[(positions[0], short)])})

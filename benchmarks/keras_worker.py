@@ -2,7 +2,7 @@
 
 `training.configure_cpu_threads` sets TensorFlow's intra-op threads for the whole process, before its runtime
 starts; keras-hub and tfformer's other rows run in the benchmark's process with TensorFlow's default (as many
-threads as cores), keras-hub's faster setting (its LM step is ~25% slower with one thread on 2 cores). So these
+threads as cores), keras-hub's faster setting (docs/performance.md, "Training: CPU threads"). So these
 rows come from a worker process, interleaved with the others as the PyTorch worker is (`torch_worker`'s
 protocol: the worker builds its systems and prints `{"ready": ...}`, each line it reads, `float32` or
 `bfloat16`, runs `steps` training steps and it prints `{"seconds": ...}`; `quit` ends it).

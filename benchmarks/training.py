@@ -42,9 +42,9 @@ process's peak after each system's first training step, before the floors' opera
 Which rows the goals are read from (issue 8: tfformer float32 >= 1.25x and bfloat16 >= 2x keras-hub float32):
 the "+metrics" rows. The issue compares tfformer with "the keras-hub equivalent" of each workload, and that is
 keras-hub as its documentation compiles it: its own loss and metrics, in the same process, with TensorFlow's
-default threads. Part of what they compare is the loss and the metrics: keras-hub's LM step took 1.15x as long
-with its defaults as with tfformer's loss and no metrics (1.03x with Keras' loss alone), while tfformer's two
-metrics cost it 0-2% (benchmarks/RESULTS.md, "each library as its documentation compiles it"). The strict rows
+default threads. Part of what they compare is the loss and the metrics: keras-hub's defaults (Keras' loss and a
+weighted accuracy on the logits) cost its step more than tfformer's two metrics, read from its fused loss pass,
+cost tfformer's (docs/performance.md, "Training: fused projection and loss"). The strict rows
 hand keras-hub tfformer's loss (an XLA-fused cross-entropy, part of tfformer's work) and compile no metrics, so
 they compare tfformer with a keras-hub/tfformer hybrid; the "+cpu_threads" rows need a process-wide setting.
 Both are reported beside the goal (the `goal` lines' `other_readings`), so a run shows all three.
