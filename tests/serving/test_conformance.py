@@ -113,6 +113,17 @@ REST_CASES = [
      error("JSON Parse error: Invalid value. at offset: 18"), []),
     ("trailing-garbage", "POST", PREDICT, '{"instances": [[1,1,1]]} x', 400,
      error("JSON Parse error: The document root must not be followed by other values. at offset: 25"), []),
+    # RapidJSON 1.1.0 (TF Serving's) reads on where newer RapidJSON stops: raw bytes and lone low surrogates in
+    # strings, NaN/Infinity with a fraction, overflow to Infinity; and it converts doubles without full precision.
+    ("invalid-utf8-outside-string", "POST", PREDICT, b'{"instances": [\xff]}', 400,
+     error("JSON Parse error: Invalid value. at offset: 15"), []),
+    ("raw-bytes-in-strings", "POST", "/v1/models/text:predict",
+     b'{"signature_name": "lengths", "instances": ["a\xffb", "\\udc00"]}', 200, {"predictions": [3, 3]}, []),
+    ("nan-with-fraction", "POST", "/v1/models/text:predict",
+     '{"signature_name": "echo_float", "instances": [NaN.5, 10e308]}', 200, None, ["[0.5, Infinity"]),
+    ("double-conversion", "POST", "/v1/models/text:predict",
+     '{"signature_name": "types", "inputs": {"f64": [9.041138514025523], "i64": [1], "b": [true], "u8": [1]}}',
+     200, None, ["18.082277028051049"]),
     ("not-an-object", "POST", PREDICT, "[1, 2]", 400, error("JSON Value: [\n    1,\n    2\n] Is not object"), []),
     ("signature-name-not-string", "POST", PREDICT, '{"signature_name": 5, "instances": [[1, 1, 1]]}', 400,
      error('JSON Value: {\n    "signature_name": 5,\n    "instances": [\n        [\n            1,\n'
@@ -258,8 +269,9 @@ def _loads(data):
 @pytest.mark.parametrize("case", REST_CASES, ids=[case[0] for case in REST_CASES])
 def test_rest(server, case):
     _, method, path, body, status, expected, fragments = case
-    code, headers, data = http_request(server.rest_url, method, path,
-                                       None if body is None else body.encode("utf-8"))
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    code, headers, data = http_request(server.rest_url, method, path, body)
     assert code == status, data
     assert headers.get("content-type") == "application/json"
     if expected is not None:

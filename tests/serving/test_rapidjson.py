@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tfformer.serving import rapidjson
+from tfformer.serving import rapidjson, rapidjson_1_1_0
 from tfformer.serving.json_tensor import COLUMNAR, ROW, make_json_from_tensors
 from tfformer.serving.status import ServingError
 
@@ -25,8 +25,8 @@ from tfformer.serving.status import ServingError
     (b"[Infinit]", "JSON Parse error: Invalid value. at offset: 8"),
     (b'["\\q"]', "JSON Parse error: Invalid escape character in string. at offset: 2"),
     (b'["\\u12G4"]', "JSON Parse error: Incorrect hex digit after \\u escape in string. at offset: 2"),
-    (b'["\\udc00"]', "JSON Parse error: The surrogate pair in string is invalid. at offset: 2"),
-    (b'["a\nb"]', "JSON Parse error: Invalid encoding in string. at offset: 3"),
+    (b'["\\ud800"]', "JSON Parse error: The surrogate pair in string is invalid. at offset: 2"),
+    (b'["a\nb"]', "JSON Parse error: Invalid escape character in string. at offset: 3"),  # 1.1.0's name for it
     (b'["abc', "JSON Parse error: Missing a closing quotation mark in string. at offset: 5"),
     (b"{} []", "JSON Parse error: The document root must not be followed by other values. at offset: 3"),
 ])
@@ -48,6 +48,68 @@ def test_parse_accepts_what_rapidjson_accepts():
     assert rapidjson.parse(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}  # a UTF-8 byte order mark is skipped
 
 
+# TF Serving builds RapidJSON 1.1.0; python-rapidjson bundles a newer one that is stricter on these bodies. The
+# expected values are what a C++ build of 1.1.0 running TF Serving's `ParseJson` returned for them.
+def test_parse_follows_rapidjson_1_1_0():
+    value = rapidjson.parse(b'["\\udc00", "a\xffb", NaN.5, -Infinity.25e1, NInf, 10e308, -NaN]')
+    assert [rapidjson.to_bytes(text) for text in value[:2]] == [b"\xed\xb0\x80", b"a\xffb"]
+    assert value[2:6] == [0.5, -2.5, math.inf, math.inf] and math.isnan(value[6])
+    assert rapidjson.parse(b"\xbb[1]") == [1]  # each byte of a BOM is skipped on its own
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"[0e309]", "Number too big to be stored in double. at offset: 1"),
+    (b"[1" + b"0" * 309 + b"e-10]", "Number too big to be stored in double. at offset: 1"),
+    (b"[10e308, -1.5e308e0]", "Missing a comma or ']' after an array element. at offset: 17"),
+    (b'["\\udc00", 1e400]', "Number too big to be stored in double. at offset: 11"),
+    (b"[NaN.]", "Miss fraction part in number. at offset: 5"),
+    (b"[\xff]", "Invalid value. at offset: 1"),
+    (b'{"a\xff" 1}', "Missing a colon after a name of object member. at offset: 6"),
+    (b"\xef\xbb\xbf  ", "The document is empty. at offset: 5"),
+])
+def test_parse_errors_follow_rapidjson_1_1_0(body, message):
+    with pytest.raises(ServingError) as raised:
+        rapidjson.parse(body)
+    assert raised.value.message == "JSON Parse error: " + message
+
+
+def test_doubles_are_rapidjsons_conversion():
+    # Without kParseFullPrecisionFlag RapidJSON does not always return the nearest double; TF Serving gets this one.
+    value = rapidjson.parse(b"[9.041138514025523]")[0]
+    assert value == 9.0411385140255245 and value != float("9.041138514025523")
+
+
+def _canonical(value):
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    if isinstance(value, dict):
+        return ("object", value.member_count, [(key, _canonical(item)) for key, item in value.items()])
+    return (type(value).__name__, value)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"instances": [[1, 2.5, -3e-2, 1e308, 0.1, 123456789.123456789]], "signature_name": "x", "a": {}}',
+    b'[18446744073709551615, 18446744073709551616, -9223372036854775808, -9223372036854775809, -0, -0.0]',
+    b'[NaN, Inf, -Infinity, true, false, null, "\\u00e9\\ud83d\\ude00\\n\\/", "\xc3\xa9", {"a": 1, "a": [2]}]',
+    b'{"a": [1, 2}', b'[1 2]', b'{"a" 1}', b'{1: 2}', b'[1.]', b'[1e+]', b'[-]', b'[nul]', b'[Infinit]', b'[NaX]',
+    b'["\\u12G4"]', b'["\\ud800x"]', b'["\\x"]', b'["abc', b'{} []', b'[1]\x00[', b' \n\t', b'[1e400]',
+])
+def test_library_path_and_port_agree(body):
+    """python-rapidjson and the port of 1.1.0's reader, two implementations, on bodies where both apply."""
+    def outcome(read):
+        try:
+            return _canonical(read(body))
+        except ServingError as error:
+            return error.message
+        except rapidjson_1_1_0.ParseError as error:
+            return f"JSON Parse error: {error.message} at offset: {error.offset}"
+
+    assert outcome(rapidjson.parse) == outcome(
+        lambda data: rapidjson_1_1_0.Reader(data, make_object=rapidjson.JsonObject).parse())
+
+
 @pytest.mark.parametrize("value, single, text", [
     (3.0, True, "3.0"), (0.1, True, "0.1"), (1 / 3, True, "0.333333343"), (1 / 3, False, "0.33333333333333331"),
     (1e-5, True, "1e-05"), (9e6, True, "9e+06"), (1234567.0, True, "1234567.0"), (100000.0, True, "100000.0"),
@@ -64,6 +126,15 @@ def test_value_to_string_is_rapidjson_pretty():
         '    "d": 1e21\n}')
     assert rapidjson.value_to_string(1.0) == "1.0"
     assert rapidjson.value_to_string(rapidjson.parse(b"[1.0, NaN, 2]")) == "[\n    1.0,\n    "  # Writer stops at NaN
+
+
+def test_value_to_string_writes_doubles_as_rapidjson_1_1_0():
+    # Writer::Double prints Grisu2's digits, not always Python's shortest ones; expected from a C++ build of 1.1.0.
+    value = rapidjson.parse(b"[4.445845492335538e16, 2.6193268631901468e16, 9.708339688384588e-09, 0.3, 5e-324, "
+                            b"1.7976931348623157e308]")
+    assert rapidjson.value_to_string(value) == (
+        "[\n    44458454923355379.0,\n    26193268631901469.0,\n    9.708339688384589e-9,\n    0.3,\n    5e-324,\n"
+        "    1.7976931348623157e308\n]")
 
 
 def test_prediction_layout():

@@ -1,33 +1,38 @@
-"""JSON the way TF Serving's REST API reads and writes it (it uses RapidJSON).
+"""JSON the way TF Serving's REST API reads and writes it (TF Serving uses RapidJSON 1.1.0).
 
-Reading: `parse(body)` returns plain Python values (`JsonObject` for objects),
-accepting what RapidJSON accepts with `kParseNanAndInfFlag` (the `NaN`,
-`Infinity`, `-Infinity`, `Inf` tokens; raw non-UTF-8 bytes inside strings) and
-failing with RapidJSON's own error message and byte offset
-(`JSON Parse error: Invalid value. at offset: 0`). The fast path is the
-standard library's C parser; documents it rejects, and the few it accepts but
-RapidJSON does not, are re-read by a small RapidJSON-compatible parser.
+Reading: `parse(body)` parses with python-rapidjson, which wraps RapidJSON: its error messages and byte offsets
+(`JSON Parse error: Invalid value. at offset: 0`), its split between integers (up to uint64) and doubles, its
+double conversion, and the `NaN`/`Infinity` tokens (`NM_NATIVE | NM_NAN` is RapidJSON's own number parsing with
+`kParseNanAndInfFlag`, TF Serving's flag). Objects come back as `JsonObject`, which keeps the first of duplicate
+keys as RapidJSON's `FindMember` does. Strings are decoded from UTF-8 with `surrogateescape`, so the original
+bytes come back with `to_bytes`. A leading UTF-8 byte order mark, or any leading part of one, is skipped and
+counted in offsets, as TF Serving's input stream does.
 
-Strings are decoded from UTF-8 with `surrogateescape`, so the original bytes
-come back with `to_bytes`. Integers keep RapidJSON's split between integers
-(up to uint64) and doubles (anything with a `.`/exponent, or too large).
+python-rapidjson bundles a newer RapidJSON than TF Serving's 1.1.0. The two were compared on generated bodies
+(a C++ build of 1.1.0 running TF Serving's `ParseJson` against python-rapidjson); they differ only where the newer
+reader is stricter, and there `rapidjson_1_1_0.Reader`, a port of 1.1.0's reader, rereads the body:
+- bytes that are not UTF-8 are copied into strings (python-rapidjson refuses the whole body);
+- a lone `\\udc00` escape is kept as the bytes ED B0 80 (newer: `The surrogate pair in string is invalid.`);
+- a raw control character in a string is `Invalid escape character in string.` (newer: `Invalid encoding ...`);
+- `NaN`/`Inf` followed by a fraction or exponent (`NaN.5` is 0.5), and `NInf`, are numbers (newer: an error);
+- `10e308` is Infinity while `0e309` is `Number too big to be stored in double.` (newer: the reverse).
 
-Writing: `PrettyWriter` reproduces RapidJSON's `PrettyWriter` layout (4-space
-indent, `kFormatSingleLineArray`), `format_decimal` TF Serving's float printing
-(`WriteDecimal`: shortest of `%g` that round-trips, else 9/17 digits, `.0` on
-whole numbers, bare `NaN`/`Infinity`), and `value_to_string` TF Serving's
-`JsonValueToString` used inside error messages.
+Writing: `PrettyWriter` reproduces RapidJSON's `PrettyWriter` layout (4-space indent, `kFormatSingleLineArray`),
+`format_decimal` TF Serving's float printing (`WriteDecimal`: shortest of `%g` that round-trips, else 9/17
+digits, `.0` on whole numbers, bare `NaN`/`Infinity`), and `value_to_string` TF Serving's `JsonValueToString`
+used inside error messages, with doubles as 1.1.0's `Writer::Double` (`rapidjson_1_1_0.write_double`) prints
+them. No library writes these layouts.
 """
 
-import json
 import math
 import re
 
 import numpy as np
+import rapidjson
 
+from tfformer.serving import rapidjson_1_1_0
 from tfformer.serving.status import invalid_argument
 
-_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _FLOAT32_MAX = 3.4028234e38  # RapidJSON's IsFloat() range check
 
 
@@ -44,12 +49,6 @@ class JsonObject(dict):
             if key not in self:
                 self[key] = value
         self.member_count = count
-
-
-class JsonParseError(Exception):
-    def __init__(self, message, offset):
-        super().__init__(message)
-        self.message, self.offset = message, offset
 
 
 def to_bytes(text):
@@ -82,27 +81,29 @@ def type_string(value):
 # Reading
 
 
-class _Overflow(Exception):
-    pass
+class _Decoder(rapidjson.Decoder):
+    """Objects arrive as member lists, so `JsonObject` sees duplicate keys."""
+
+    def start_object(self):
+        return []
+
+    def end_object(self, members):
+        return JsonObject(members)
 
 
-def _parse_int(text):
-    value = int(text)
-    if _INT64_MIN <= value <= _UINT64_MAX:
-        return value
-    return float(value)  # RapidJSON stores integers beyond (u)int64 as doubles
+_decode = _Decoder(number_mode=rapidjson.NM_NATIVE | rapidjson.NM_NAN)
+_ERROR = re.compile(r"Parse error at offset (\d+): (.*)", re.S)
+# Newer-reader errors that 1.1.0 does not raise at that point.
+_STRICTER = {"The surrogate pair in string is invalid.", "Number too big to be stored in double."}
+# An error right after a NaN/Inf token: 1.1.0 may read on into a fraction or exponent.
+_AFTER_NAN_INF = re.compile(rb"[NI][a-z]{0,7}\Z")
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
-def _parse_float(text):
-    value = float(text)
-    if math.isinf(value):
-        raise _Overflow(text)
-    return value
-
-
-_CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-# Inputs the C parser accepts but RapidJSON does not (surrogate escapes need pair checks).
-_NEEDS_SLOW_PATH = re.compile(rb"\\u[dD][89a-fA-F]|\x00")
+def _overflow_checks_differ(text):
+    """Whether `text` has a long digit run or a 3-digit exponent, where the two readers' overflow checks differ."""
+    shape = text.translate(_DIGITS_TO_ZERO)
+    return b"0" * 300 in shape or any(exponent in shape for exponent in (b"e000", b"E000", b"e+000", b"E+000"))
 
 
 def parse(body):
@@ -113,227 +114,42 @@ def parse(body):
     """
     if not body:
         raise invalid_argument("JSON Parse error: The document is empty")
-    if not _NEEDS_SLOW_PATH.search(body):
-        try:
-            text = body.decode("utf-8", "surrogateescape")
-            return json.loads(
-                text,
-                object_pairs_hook=JsonObject,
-                parse_int=_parse_int,
-                parse_float=_parse_float,
-                parse_constant=_CONSTANTS.__getitem__,
-            )
-        except (ValueError, _Overflow, RecursionError):
-            pass
+    body = bytes(body)
     try:
-        return _Reader(body).parse()
-    except JsonParseError as error:
+        return _parse(body)
+    except rapidjson_1_1_0.ParseError as error:
         raise invalid_argument(f"JSON Parse error: {error.message} at offset: {error.offset}") from None
-    except RecursionError:
-        raise invalid_argument("JSON Parse error: Terminate parsing due to Handler error. at offset: 0") from None
 
 
-_ESCAPES = {ord('"'): '"', ord("\\"): "\\", ord("/"): "/", ord("b"): "\b", ord("f"): "\f",
-            ord("n"): "\n", ord("r"): "\r", ord("t"): "\t"}
-_WHITESPACE = b" \t\n\r"
-_HEX = b"0123456789abcdefABCDEF"
+def _parse(body):
+    start = 0
+    for byte in b"\xef\xbb\xbf":  # EncodedInputStream<UTF8<>, MemoryStream> skips each BOM byte in turn
+        if body[start:start + 1] == bytes((byte,)):
+            start += 1
+    try:
+        value = _decode(body[start:] if start else body)
+    except rapidjson.JSONDecodeError as error:
+        offset, message = _ERROR.match(str(error)).groups()
+        offset = int(offset) + start
+        if (message in _STRICTER or _overflow_checks_differ(body[:offset + 1])
+                or _AFTER_NAN_INF.search(body, max(0, offset - 8), offset)):
+            return _reread(body)
+        if message == "Invalid encoding in string.":  # a raw control character; 1.1.0 names it this way
+            message = "Invalid escape character in string."
+        raise rapidjson_1_1_0.ParseError(message, offset) from None
+    except UnicodeDecodeError:
+        return _reread(body)
+    except RecursionError as error:  # deeper than Python's limit: the handler refuses, as a RapidJSON handler can
+        match = _ERROR.match(str(error))
+        raise rapidjson_1_1_0.ParseError("Terminate parsing due to Handler error.",
+                                         int(match.group(1)) + start if match else start) from None
+    if _overflow_checks_differ(body):
+        return _reread(body)
+    return value
 
 
-class _Reader:
-    """RapidJSON's GenericReader (recursive, kParseNanAndInfFlag), errors with the same offsets."""
-
-    def __init__(self, data):
-        self.data = bytes(data)
-        self.pos = 3 if self.data.startswith(b"\xef\xbb\xbf") else 0  # EncodedInputStream skips a UTF-8 BOM
-
-    def peek(self):
-        # A memory stream returns '\0' at its end, and RapidJSON treats a NUL byte the same way.
-        return self.data[self.pos] if self.pos < len(self.data) else 0
-
-    def consume(self, char):
-        if self.peek() == char:
-            self.pos += 1
-            return True
-        return False
-
-    def skip_whitespace(self):
-        data, pos = self.data, self.pos
-        while pos < len(data) and data[pos] in _WHITESPACE:
-            pos += 1
-        self.pos = pos
-
-    def error(self, message, offset=None):
-        raise JsonParseError(message, self.pos if offset is None else offset)
-
-    def parse(self):
-        self.skip_whitespace()
-        if self.peek() == 0:
-            self.error("The document is empty.")
-        value = self.value()
-        self.skip_whitespace()
-        if self.peek() != 0:
-            self.error("The document root must not be followed by other values.")
-        return value
-
-    def value(self):
-        char = self.peek()
-        if char == ord("n"):
-            return self.literal(b"null", None)
-        if char == ord("t"):
-            return self.literal(b"true", True)
-        if char == ord("f"):
-            return self.literal(b"false", False)
-        if char == ord('"'):
-            return self.string()
-        if char == ord("{"):
-            return self.object()
-        if char == ord("["):
-            return self.array()
-        return self.number()
-
-    def literal(self, word, value):
-        self.pos += 1
-        for char in word[1:]:
-            if not self.consume(char):
-                self.error("Invalid value.")
-        return value
-
-    def hex4(self, escape_offset):
-        digits = self.data[self.pos:self.pos + 4]
-        for i, char in enumerate(digits):
-            if char not in _HEX:
-                self.pos += i
-                self.error("Incorrect hex digit after \\u escape in string.", escape_offset)
-        if len(digits) < 4:
-            self.pos += len(digits)
-            self.error("Incorrect hex digit after \\u escape in string.", escape_offset)
-        self.pos += 4
-        return int(digits, 16)
-
-    def string(self):
-        self.pos += 1
-        out = bytearray()
-        data = self.data
-        while True:
-            char = self.peek()
-            if char == ord("\\"):
-                escape_offset = self.pos
-                self.pos += 1
-                escaped = self.peek()
-                if escaped in _ESCAPES:
-                    self.pos += 1
-                    out += _ESCAPES[escaped].encode()
-                elif escaped == ord("u"):
-                    self.pos += 1
-                    codepoint = self.hex4(escape_offset)
-                    if 0xD800 <= codepoint <= 0xDFFF:
-                        if codepoint > 0xDBFF:
-                            self.error("The surrogate pair in string is invalid.", escape_offset)
-                        if not (self.consume(ord("\\")) and self.consume(ord("u"))):
-                            self.error("The surrogate pair in string is invalid.", escape_offset)
-                        low = self.hex4(escape_offset)
-                        if not 0xDC00 <= low <= 0xDFFF:
-                            self.error("The surrogate pair in string is invalid.", escape_offset)
-                        codepoint = (((codepoint - 0xD800) << 10) | (low - 0xDC00)) + 0x10000
-                    out += chr(codepoint).encode("utf-8")
-                else:
-                    self.error("Invalid escape character in string.", escape_offset)
-            elif char == ord('"'):
-                self.pos += 1
-                return out.decode("utf-8", "surrogateescape")
-            elif char < 0x20:
-                self.error("Missing a closing quotation mark in string." if char == 0
-                           else "Invalid encoding in string.")
-            else:
-                # Copy a run of plain bytes at once.
-                end = self.pos + 1
-                while end < len(data) and data[end] >= 0x20 and data[end] not in (0x22, 0x5C):
-                    end += 1
-                out += data[self.pos:end]
-                self.pos = end
-
-    def object(self):
-        self.pos += 1
-        self.skip_whitespace()
-        pairs = []
-        if self.consume(ord("}")):
-            return JsonObject(pairs)
-        while True:
-            if self.peek() != ord('"'):
-                self.error("Missing a name for object member.")
-            key = self.string()
-            self.skip_whitespace()
-            if not self.consume(ord(":")):
-                self.error("Missing a colon after a name of object member.")
-            self.skip_whitespace()
-            pairs.append((key, self.value()))
-            self.skip_whitespace()
-            if self.consume(ord(",")):
-                self.skip_whitespace()
-            elif self.consume(ord("}")):
-                return JsonObject(pairs)
-            else:
-                self.error("Missing a comma or '}' after an object member.")
-
-    def array(self):
-        self.pos += 1
-        self.skip_whitespace()
-        values = []
-        if self.consume(ord("]")):
-            return values
-        while True:
-            values.append(self.value())
-            self.skip_whitespace()
-            if self.consume(ord(",")):
-                self.skip_whitespace()
-            elif self.consume(ord("]")):
-                return values
-            else:
-                self.error("Missing a comma or ']' after an array element.")
-
-    def number(self):
-        start = self.pos
-        minus = self.consume(ord("-"))
-        char = self.peek()
-        if char == ord("0"):
-            self.pos += 1
-        elif ord("1") <= char <= ord("9"):
-            while ord("0") <= self.peek() <= ord("9"):
-                self.pos += 1
-        elif char in (ord("N"), ord("I")):
-            if self.consume(ord("N")):
-                if self.consume(ord("a")) and self.consume(ord("N")):
-                    return math.nan
-            elif self.consume(ord("I")):
-                if self.consume(ord("n")) and self.consume(ord("f")):
-                    if self.peek() == ord("i") and not all(self.consume(ord(c)) for c in "inity"):
-                        self.error("Invalid value.")
-                    return -math.inf if minus else math.inf
-            self.error("Invalid value.")
-        else:
-            self.error("Invalid value.")
-        is_double = False
-        if self.consume(ord(".")):
-            is_double = True
-            if not ord("0") <= self.peek() <= ord("9"):
-                self.error("Miss fraction part in number.")
-            while ord("0") <= self.peek() <= ord("9"):
-                self.pos += 1
-        if self.consume(ord("e")) or self.consume(ord("E")):
-            is_double = True
-            if not self.consume(ord("+")):
-                self.consume(ord("-"))
-            if not ord("0") <= self.peek() <= ord("9"):
-                self.error("Miss exponent in number.")
-            while ord("0") <= self.peek() <= ord("9"):
-                self.pos += 1
-        text = self.data[start:self.pos].decode("ascii")
-        if not is_double:
-            return _parse_int(text)
-        value = float(text)
-        if math.isinf(value):
-            self.error("Number too big to be stored in double.", start)
-        return value
+def _reread(body):
+    return rapidjson_1_1_0.Reader(body, make_object=JsonObject).parse()
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,31 +175,6 @@ def format_decimal(value, single):
     if "." not in text and "e" not in text:
         text += ".0"
     return text
-
-
-def _grisu(value):
-    """RapidJSON `Writer::Double` (Grisu2 shortest digits + `Prettify`): 1.0, 1e21, 1.5e-7, 0.001."""
-    if value == 0:
-        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
-    sign = "-" if value < 0 else ""
-    mantissa, _, exponent = repr(abs(value)).partition("e")  # shortest round-trip digits, like Grisu2
-    whole, _, fraction = mantissa.partition(".")
-    digits = (whole + fraction).lstrip("0")
-    k = (int(exponent) if exponent else 0) - len(fraction)  # value = int(digits) * 10**k
-    stripped = digits.rstrip("0")
-    k += len(digits) - len(stripped)
-    digits = stripped
-    length = len(digits)
-    kk = length + k
-    if 0 <= k and kk <= 21:
-        return sign + digits + "0" * k + ".0"
-    if 0 < kk <= 21:
-        return sign + digits[:kk] + "." + digits[kk:]
-    if -6 < kk <= 0:
-        return sign + "0." + "0" * (-kk) + digits
-    if length == 1:
-        return f"{sign}{digits}e{kk - 1}"
-    return f"{sign}{digits[0]}.{digits[1:]}e{kk - 1}"
 
 
 def escape_string(text):
@@ -482,7 +273,7 @@ class PrettyWriter:
             if math.isnan(value) or math.isinf(value):
                 self._prefix()
                 raise _Abort()  # Writer::Double refuses NaN/Inf without kWriteNanAndInfFlag
-            self.raw(_grisu(value))
+            self.raw(rapidjson_1_1_0.write_double(value))
         elif isinstance(value, str):
             self.string(value)
         elif isinstance(value, dict):
