@@ -13,12 +13,15 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["tfformer", "tfformer.*"]),
     install_requires=[
-        "tensorflow>=2.21,<2.22",
-        "keras>=3.15,<3.16",
+        # Keras 3.10 fixed MirroredStrategy training (NaN losses, embedding gradients); the public APIs used
+        # are all in 3.3. Keras 3.10 is built and tested against TensorFlow 2.18.
+        "tensorflow>=2.18,<3",
+        "keras>=3.10,<4",
         "keras-hub>=0.32,<0.33",
-        "tensorflow-text>=2.21.1,<2.22",
+        # Wheels are built for one TensorFlow minor (pip picks the matching one); 2.21.0 fails to import.
+        "tensorflow-text>=2.18,!=2.21.0,<3",
         "ai-edge-litert",
-        "tensorflow-serving-api>=2.21,<2.22",
+        "tensorflow-serving-api>=2.18,<3",
         "starlette>=0.40",
         "uvicorn>=0.30",
         "polib>=1.2",
@@ -40,7 +43,7 @@ setup(
             "matplotlib",
             "sacrebleu",
         ],
-        "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
     },
     entry_points={"console_scripts": ["tfformer = tfformer.cli:main"]},
 )

@@ -39,3 +39,49 @@ def test_flatten_layers_walks_nested_layers_outer_first():
     outer = keras.Sequential([keras.Input((2,)), inner], name="outer")
     names = [layer.name for layer in compat.flatten_layers(outer)]
     assert names[0] == "outer" and "inner" in names and len(names) == len(set(names))
+
+
+def test_keras_mask_is_what_a_masking_layer_attached():
+    ids = tf.constant([[3, 0]])
+    masked = keras.layers.Embedding(5, 2, mask_zero=True)(ids)
+    np.testing.assert_array_equal(compat.keras_mask(masked).numpy(), [[True, False]])
+    assert compat.keras_mask(keras.layers.Embedding(5, 2)(ids)) is None
+    assert compat.keras_mask(ids) is None
+
+
+def test_optimizer_variable_index_finds_the_variable_update_step_gets():
+    variables = [keras.Variable(np.zeros(2, "float32")), keras.Variable(np.zeros(3, "float32"))]
+
+    class Recording(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            seen.append((compat.optimizer_variable_index(self, variable), tuple(variable.shape)))
+            return super().update_step(gradient, variable, learning_rate)
+
+    for run in (lambda f: f(), lambda f: tf.function(f)()):
+        seen = []
+        optimizer = Recording(0.1)
+        optimizer.build(variables)
+        run(lambda: optimizer.apply([tf.ones(2), tf.ones(3)], variables))
+        assert sorted(seen) == [(0, (2,)), (1, (3,))], seen
+
+
+def test_begin_training_returns_the_epoch_backup_and_restore_restored(tmp_path):
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 1), "float32")
+    backup = str(tmp_path / "backup")
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt  # a kill after the second epoch's backup
+
+    try:
+        model.fit(x, x, epochs=5, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), Stop()])
+    except KeyboardInterrupt:
+        pass
+    callbacks = keras.callbacks.CallbackList([keras.callbacks.BackupAndRestore(backup)], model=model)
+    assert compat.begin_training(callbacks, model) == 2
+    empty = keras.callbacks.CallbackList([keras.callbacks.BackupAndRestore(str(tmp_path / "none"))], model=model)
+    assert compat.begin_training(empty, model) == 0  # not the previous run's epoch

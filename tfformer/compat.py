@@ -37,3 +37,33 @@ def flatten_layers(layer):
     """
     return list(layer._flatten_layers(include_self=True, recursive=True))
 
+
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor` (what a loss would weight it by), or None.
+
+    Why: the fused projection + loss must refuse hidden states that carry a mask, since it would not apply it;
+    Keras keeps a tensor's mask in the private `_keras_mask` attribute and exports no getter.
+    """
+    return getattr(tensor, "_keras_mask", None)
+
+
+def optimizer_variable_index(optimizer, variable):
+    """The position of `variable` in the list `optimizer.build` got, for a variable as `update_step` receives it.
+
+    Why: `update_step` gets the backend variable (under `tf.distribute`, one replica's component of it), and a
+    custom optimizer needs its slots for that variable; Keras maps it back with the private
+    `_get_variable_index` (which its own custom-optimizer example uses) and has no public lookup.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+def begin_training(callbacks, model):
+    """Run `callbacks.on_train_begin()` (a `keras.callbacks.CallbackList`) and return the epoch to start at.
+
+    Why: a training loop of our own that drives Keras callbacks must start where `keras.callbacks.BackupAndRestore`
+    restored a run; the callback hands that epoch to `fit` through the model's private `_initial_epoch`, and
+    Keras has no public way to read it.
+    """
+    model._initial_epoch = None  # fit leaves it set after a restore: not this run's
+    callbacks.on_train_begin()
+    return model._initial_epoch or 0

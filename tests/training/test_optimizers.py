@@ -86,6 +86,17 @@ def test_fused_adam_runs_one_kernel_per_variable():
     types = [op.type for op in graph.get_operations()]
     assert types.count("ResourceApplyAdam") == 2
     assert "Sqrt" not in types  # Keras' own update is not traced as well
+    assert "Mul" not in types and "AssignSubVariableOp" not in types  # a weight decay of 0 builds no decay
+
+
+def test_nonzero_weight_decay_is_keras_decay():
+    """The check above can fail: a decay of 0.05 builds Keras' `variable -= variable * wd * lr` per variable."""
+    variables = [keras.Variable(np.ones((3, 4), "float32")), keras.Variable(np.ones((4,), "float32"))]
+    optimizer = training.FusedAdamW(1e-3, weight_decay=0.05)
+    optimizer.build(variables)
+    grads = [tf.ones((3, 4)), tf.ones((4,))]
+    graph = tf.function(lambda: optimizer.apply_gradients(zip(grads, variables))).get_concrete_function().graph
+    assert [op.type for op in graph.get_operations()].count("AssignSubVariableOp") == 2
 
 
 def test_transformer_optimizer_is_fused_and_round_trips(tmp_path):

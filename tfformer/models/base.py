@@ -1,13 +1,13 @@
 """What every tfformer model shares: config handling, the embedding stack, and training with the output
 projection fused with the loss."""
 
-import threading
+import inspect
+import warnings
 
 import keras
-from keras.src.losses import loss as keras_loss  # see TransformerModel.compute_loss
-from keras.src.models import functional as keras_functional  # see TransformerModel.call
+import tensorflow as tf
 
-from tfformer import layers
+from tfformer import compat, layers
 from tfformer.layers import masks
 from tfformer.models.config import TransformerConfig
 
@@ -84,17 +84,67 @@ def _concatenate(tensors):
     return tensors[0] if len(tensors) == 1 else keras.ops.concatenate(tensors, axis=0)
 
 
-_TRACING = threading.local()  # per thread: {id(model): _FusedStep}; a strategy traces each replica in a thread
+def _per_replica(value):
+    """`value` divided by the replicas of the current `tf.distribute` strategy, as Keras scales a reduced loss:
+    the gradients the replicas sum are then the global batch's."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return value if replicas == 1 else keras.ops.multiply(value, keras.ops.cast(1.0 / replicas, value.dtype))
+
+
+def _reduce(values, reduction):
+    """What `keras.losses.Loss.__call__` makes of unweighted per-token `values` `(B, T)` under `reduction`: the
+    sum, or the mean over all tokens divided by the replicas."""
+    total = keras.ops.sum(values)
+    if reduction == "sum":
+        return total
+    count = keras.ops.cast(keras.ops.prod(keras.ops.convert_to_tensor(keras.ops.shape(values), "int32")), total.dtype)
+    return _per_replica(keras.ops.divide_no_nan(total, count))
+
+
+class _MicroBatches(keras.layers.Layer):
+    """Runs `forward` on `parts` contiguous parts of a batch, independent of each other, in one call.
+
+    One call rather than one per part: Keras clears the losses layers add (`add_loss`) when an outermost call
+    starts, and every part's must still be there when the step reads `model.losses`. Not tracked by the model
+    (no weights of its own; `forward`'s are the model's) and never saved, so not registered as serializable.
+    """
+
+    def __init__(self, forward, **kwargs):
+        super().__init__(autocast=False, **kwargs)  # `forward` casts its own inputs
+        self.forward = forward
+
+    def call(self, inputs, parts=1, training=None):
+        return [self.forward(part, training=training) for part in _split_batch(inputs, parts)]
+
+
+class _StepGraphs:
+    """The forward passes the training and evaluation steps run, built once per model.
+
+    A plain object, so that Keras neither tracks nor saves what it holds.
+    """
+
+    def __init__(self, model, inputs, projection_inputs):
+        # The graph up to the projection's inputs, a second functional model on the same layers.
+        self.hidden = None if projection_inputs is None else _MicroBatches(
+            keras.Model(inputs, projection_inputs, name=f"{model.name}_hidden_states", dtype=model.dtype_policy),
+            name=f"{model.name}_hidden_state_parts")
+        self.outputs = _MicroBatches(model, name=f"{model.name}_parts")
+
+
+class _CompileArguments:
+    """What `TransformerModel.compile` got that the steps read; a plain object, so that Keras does not track the
+    metrics in it as the model's own."""
+
+    def __init__(self, loss_weights, metrics, weighted_metrics, micro_batches):
+        self.loss_weights, self.metrics, self.weighted_metrics = loss_weights, metrics, weighted_metrics
+        self.micro_batches = micro_batches
 
 
 class _FusedStep:
-    """What one traced training step with the fused projection passes from `call` to `compute_loss` and
-    `compute_metrics`."""
+    """How one training step with the fused projection runs: the loss, and what it hands the metrics."""
 
     def __init__(self, loss, return_logits, return_statistics):
         self.loss, self.return_logits, self.return_statistics = loss, return_logits, return_statistics
-        self.metrics_input = None  # what compute_metrics hands the compiled metrics: logits, statistics or None
-        self.hidden_parts = None  # the projection's inputs `call` computed, one `(B_i, T, D)` per micro-batch
 
 
 class TransformerModel(keras.Model):
@@ -115,9 +165,9 @@ class TransformerModel(keras.Model):
     compiled metrics no float32 logits are made. With `compile(..., micro_batches=k)`, k > 1, the fused step cuts
     the batch into k contiguous parts that run the model, the loss and their gradients independently, so that
     TensorFlow's executor runs them side by side (see `compile`); evaluation (`test_step`) runs its forward pass in
-    the same parts, prediction does not cut batches. This relies on private parts of Keras 3.15 (the Functional
-    graph walk `_run_through_graph` with `functional.operation_fn`, the losses' `reduce_values`, and
-    `_compile_config`); tests/training/test_fused_projection.py fails if an update changes them.
+    the same parts, prediction does not cut batches. The steps use public Keras APIs only: the graph up to the
+    projection's inputs is a second functional model on the same layers, and the loss is reduced and tracked as
+    Keras' own steps do (tests/training/test_fused_projection.py compares them).
     """
 
     def __init__(self, config, **kwargs):
@@ -130,12 +180,15 @@ class TransformerModel(keras.Model):
         for name, layer in sublayers.items():
             setattr(self, name, layer)
         self._projection_inputs = projection_inputs  # (B, T, D) symbolic, or None
+        self._step_graphs = _StepGraphs(self, inputs, projection_inputs)
+        self._compile_arguments = None
 
     def _build(self, config):
         raise NotImplementedError
 
     # === Training: the output projection fused with the loss ===
-    def compile(self, *args, micro_batches=1, **kwargs):
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
+                micro_batches=1, **kwargs):
         """`keras.Model.compile`, and `micro_batches`.
 
         Args:
@@ -144,22 +197,28 @@ class TransformerModel(keras.Model):
                 contiguous parts, as equal as they can be, whose forward and backward passes do not depend on
                 each other, so that TensorFlow's executor runs one part's ops while another part's wait or use
                 one core. The loss, the metrics and the gradients are the whole batch's (up to summation order);
-                dropout draws each part's masks separately. Measured on a 2-core CPU (benchmarks/RESULTS.md):
-                2 makes the benchmark LM's steps (32 x 128 tokens) 5-10% faster and the seq2seq model's
-                (64 x 64) 1-5%, and `transformer-tiny`'s (64 x 16) 5% slower; on a GPU, whose kernels run
-                one after another, expect no gain. Steps that do not fuse ignore it. `evaluate` runs each
+                dropout draws each part's masks separately. On a CPU with few cores, 2 makes larger steps
+                faster and very small ones slower (docs/performance.md); on a GPU, whose kernels run one
+                after another, expect no gain. Steps that do not fuse ignore it. `evaluate` runs each
                 batch's forward pass in the same parts (so it keeps both cores busy after
                 `training.configure_cpu_threads`). Default 1 (no cut).
         """
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"`micro_batches` must be an int >= 1. Received: micro_batches={micro_batches!r}")
-        super().compile(*args, **kwargs)
-        self._compile_config.config["micro_batches"] = micro_batches  # saved with the model, as compile's own
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                        weighted_metrics=weighted_metrics, **kwargs)
+        self._compile_arguments = _CompileArguments(loss_weights, metrics, weighted_metrics, micro_batches)
 
     @property
     def micro_batches(self):
         """What `compile(micro_batches=...)` got; 1 before `compile`."""
-        return self._compiled_arguments().get("micro_batches", 1)
+        return 1 if self._compile_arguments is None else self._compile_arguments.micro_batches
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config:
+            config["micro_batches"] = self.micro_batches  # saved with the model, as compile's own arguments
+        return config
 
     def compile_from_config(self, config):
         # keras.Model's version skips compiling a model whose class overrides `compile`; this one is compile's.
@@ -168,53 +227,84 @@ class TransformerModel(keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)  # its slots, so that saved ones load into them
 
-    @property
-    def _fused_step(self):
-        """The `_FusedStep` this thread is tracing for this model, or None. Per thread: MirroredStrategy traces
-        its replicas' steps concurrently, one thread each."""
-        return getattr(_TRACING, "steps", {}).get(id(self))
-
-    def _compiled_arguments(self):
-        """The arguments `compile()` got, as given (`get_compile_config()` serializes them, which needs eager
-        execution; a traced step is not)."""
-        compile_config = getattr(self, "_compile_config", None)
-        return dict(getattr(compile_config, "config", None) or {})
-
     def _fused_step_for(self, x, sample_weight):
         """A `_FusedStep` if this step can fuse the projection with the compiled loss, else None."""
         loss = getattr(self, "loss", None)
-        compiled = self._compiled_arguments()
+        compiled = self._compile_arguments
         fusable = (
             self._projection_inputs is not None
+            and compiled is not None
             and type(self).call is TransformerModel.call  # a subclass may post-process the logits
             and self.dtype_policy.compute_dtype in ("float32", "bfloat16")  # float16: see call_on_hidden_states
             and getattr(loss, "fuses_projection", False) is True
             and callable(getattr(loss, "call_on_hidden_states", None))
             and getattr(loss, "reduction", None) in ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
-            and compiled.get("loss_weights") is None
+            and compiled.loss_weights is None
             and sample_weight is None
             and isinstance(x, dict)
             and set(x) == set(self.input)
         )
         if not fusable:
             return None
-        metrics = [m for m in keras.tree.flatten([compiled.get("metrics"), compiled.get("weighted_metrics")])
-                   if m is not None]
+        metrics = [m for m in keras.tree.flatten([compiled.metrics, compiled.weighted_metrics]) if m is not None]
         statistics = all(getattr(metric, "accepts_token_statistics", False) is True for metric in metrics)
         return _FusedStep(loss, return_logits=bool(metrics) and not statistics,
                           return_statistics=bool(metrics) and statistics)
 
+    def _track_loss(self, loss, x):
+        """Keras' "loss" metric, updated as its own steps do: the whole batch's loss (not divided by the
+        replicas), weighted by the batch size."""
+        tracker = next(metric for metric in self.metrics if metric.name == "loss")
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        loss = loss if replicas == 1 else keras.ops.multiply(loss, keras.ops.cast(replicas, loss.dtype))
+        batch = keras.ops.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
+        tracker.update_state(loss, sample_weight=batch)
+
     def train_step(self, data):
-        x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = self._fused_step_for(x, sample_weight)
         if step is None:
             return super().train_step(data)
-        steps = _TRACING.__dict__.setdefault("steps", {})
-        steps[id(self)] = step
-        try:
-            return super().train_step(data)  # Keras' step; call, compute_loss and compute_metrics see _fused_step
-        finally:
-            del steps[id(self)]
+        # Keras' step with the fused loss: the same loss, reduction, scaling, gradients and metric updates.
+        with tf.GradientTape() as tape:
+            hidden_parts = self._step_graphs.hidden(x, parts=self.micro_batches, training=True)  # (B_i, T, D) each
+            loss, metrics_input = self._fused_loss(step, y, hidden_parts)
+            self._track_loss(loss, x)
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+        if self.trainable_weights:
+            gradients = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        # float32 logits, a training.TokenStatistics, or None when no metrics were compiled
+        return self.compute_metrics(x, y, metrics_input, sample_weight=None)
+
+    def _fused_loss(self, step, y, hidden_parts):
+        """The step's loss and what the metrics get: one projection + loss per micro-batch, on the hidden states
+        the forward pass computed for it, so that each part's backward pass starts from its own loss."""
+        if any(compat.keras_mask(hidden) is not None for hidden in hidden_parts):  # Keras would weight the loss by it
+            raise ValueError("The fused projection + loss does not take a Keras mask on the hidden states; compile "
+                             "with `MaskedSparseCrossEntropy(..., fuse_projection=False)`.")
+        parts = [step.loss.call_on_hidden_states(labels, hidden, self.token_embedding.embeddings,
+                                                 return_logits=step.return_logits,
+                                                 return_statistics=step.return_statistics)
+                 for labels, hidden in zip(_split_batch(y, len(hidden_parts)), hidden_parts)]
+        if not (step.return_logits or step.return_statistics):
+            parts = [(values,) for values in parts]
+        values = _concatenate([part[0] for part in parts])  # (B, T)
+        metrics_input = None
+        if step.return_statistics:
+            statistics = type(parts[0][1])  # the loss's training.TokenStatistics
+            metrics_input = statistics(
+                _concatenate([part[1].cross_entropy for part in parts]),  # (B, T)
+                _concatenate([part[1].correct for part in parts]))  # (B, T)
+        elif step.return_logits:
+            metrics_input = _concatenate([part[1] for part in parts])  # (B, T, V)
+        total = _reduce(values, step.loss.reduction)
+        # Losses the forward pass added (activity regularizers, add_loss), as Keras' compute_loss adds them.
+        extra = [_per_replica(keras.ops.sum(_as_float(loss))) for loss in self.losses]
+        return keras.ops.sum([total] + extra), metrics_input
 
     def test_step(self, data):
         """Keras' evaluation step; with `compile(..., micro_batches=k)`, k > 1, the forward pass runs on k
@@ -222,69 +312,15 @@ class TransformerModel(keras.Model):
         and the metrics (so they are the whole batch's), as the training step's parts run side by side."""
         if self.micro_batches == 1:
             return super().test_step(data)
-        evaluating = _TRACING.__dict__.setdefault("evaluating", set())
-        evaluating.add(id(self))
-        try:
-            return super().test_step(data)
-        finally:
-            evaluating.discard(id(self))
-
-    def call(self, inputs, training=None, mask=None):
-        # Keras hands `call` its inputs' masks as a structure of Nones when they have none.
-        if id(self) in getattr(_TRACING, "evaluating", ()) and all(m is None for m in keras.tree.flatten(mask)):
-            parts = _split_batch(inputs, self.micro_batches)  # the inputs' own structure, which Functional.call takes
-            outputs = [super(TransformerModel, self).call(part, training=training) for part in parts]
-            return keras.tree.map_structure(lambda *pieces: _concatenate(list(pieces)), *outputs)  # (B, ...)
-        if self._fused_step is not None:
-            # The graph up to the projection's inputs, walked as Functional.call walks the whole graph: the
-            # nodes recorded their layers' default `training`, which the walk overrides.
-            hidden = keras.Function(self.input, self._projection_inputs)
-            parts = _split_batch(self._standardize_inputs(inputs), self.micro_batches)
-            self._fused_step.hidden_parts = [
-                hidden._run_through_graph(  # (B_i, T, D)
-                    part, operation_fn=lambda op: keras_functional.operation_fn(op, training=training))
-                for part in parts
-            ]
-            # For Keras' step, which hands it to compute_loss and compute_metrics; they read the parts and the
-            # metrics input instead, so nothing consumes it (a (B, T, D) copy at most).
-            return _concatenate(self._fused_step.hidden_parts)  # (B, T, D)
-        return super().call(inputs, training=training, mask=mask)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        step = self._fused_step
-        if step is None:
-            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
-        # y_pred: the projection's inputs (B, T, D), from `call`.
-        if getattr(y_pred, "_keras_mask", None) is not None:  # Keras would weight the loss by it; ours has none
-            raise ValueError("The fused projection + loss does not take a Keras mask on the hidden states; compile "
-                             "with `MaskedSparseCrossEntropy(..., fuse_projection=False)`.")
-        # One projection + loss per micro-batch, on the hidden states `call` computed for it (y_pred is their
-        # concatenation), so that each part's backward pass starts from its own loss.
-        parts = [step.loss.call_on_hidden_states(labels, hidden, self.token_embedding.embeddings,
-                                                 return_logits=step.return_logits,
-                                                 return_statistics=step.return_statistics)
-                 for labels, hidden in zip(_split_batch(y, len(step.hidden_parts)), step.hidden_parts)]
-        if not (step.return_logits or step.return_statistics):
-            parts = [(values,) for values in parts]
-        values = _concatenate([part[0] for part in parts])  # (B, T)
-        if step.return_statistics:
-            statistics = type(parts[0][1])  # the loss's training.TokenStatistics
-            step.metrics_input = statistics(
-                _concatenate([part[1].cross_entropy for part in parts]),  # (B, T)
-                _concatenate([part[1].correct for part in parts]))  # (B, T)
-        elif step.return_logits:
-            step.metrics_input = _concatenate([part[1] for part in parts])  # (B, T, V)
-        # Keras' own reduction of unweighted values (what keras.losses.Loss.__call__ applies), including its
-        # 1/replicas scaling under a tf.distribute strategy.
-        total = keras_loss.reduce_values(values, reduction=step.loss.reduction)
-        # Losses the forward pass added (activity regularizers, add_loss), as Keras' compute_loss adds them.
-        return keras.ops.sum([total] + [self._aggregate_additional_loss(extra) for extra in self.losses])
-
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        if self._fused_step is not None:
-            # float32 logits, a training.TokenStatistics, or None when no metrics were compiled
-            y_pred = self._fused_step.metrics_input
-        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        outputs = self._step_graphs.outputs(x, parts=self.micro_batches, training=False)
+        y_pred = keras.tree.map_structure(lambda *pieces: _concatenate(list(pieces)), *outputs)  # (B, ...)
+        if "training" in inspect.signature(self.compute_loss).parameters:
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+        else:
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        self._track_loss(loss, x)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
         return {"config": self.config.to_dict(), "name": self.name, "trainable": self.trainable}
@@ -292,3 +328,7 @@ class TransformerModel(keras.Model):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+def _as_float(loss):
+    return loss if keras.backend.is_float_dtype(loss.dtype) else keras.ops.cast(loss, keras.backend.floatx())

@@ -88,17 +88,48 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Weights and metadata are written to temporary files beside the backup and
     renamed over it; the metadata is renamed last, after the weights it describes.
+    Restoring is Keras' own (`on_train_begin`): the files carry the names it reads
+    (`WEIGHTS_FILE`, `METADATA_FILE`), and tests/training/test_training.py resumes
+    a run from them.
     """
 
-    def _save_model(self):
+    WEIGHTS_FILE = "latest.weights.h5"
+    METADATA_FILE = "training_metadata.json"
+
+    def __init__(self, backup_dir, **kwargs):
+        super().__init__(backup_dir, **kwargs)
+        self._epoch = 0  # the epoch a restored run starts at: the current one until it ends
+        self._batch = 0  # the last batch seen in this epoch
+        self._unsaved_batches = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch, self._batch = epoch + 1, 0
+        if self.save_freq == "epoch":
+            self._write_backup()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        # `batch` restarts at 0 each epoch, and may advance by several (`steps_per_execution`).
+        self._unsaved_batches += batch + 1 if batch <= self._batch else batch - self._batch
+        self._batch = batch
+        if self._unsaved_batches >= self.save_freq:
+            self._unsaved_batches = 0
+            self._write_backup()
+
+    def _write_backup(self):
         import json
         import os
 
         os.makedirs(self.backup_dir, exist_ok=True)
-        tmp_weights = os.path.join(self.backup_dir, "tmp-latest.weights.h5")
+        weights = os.path.join(self.backup_dir, self.WEIGHTS_FILE)
+        metadata = os.path.join(self.backup_dir, self.METADATA_FILE)
+        tmp_weights = os.path.join(self.backup_dir, "tmp-" + self.WEIGHTS_FILE)
         self.model.save_weights(filepath=tmp_weights, overwrite=True)
-        os.replace(tmp_weights, self._weights_path)
-        tmp_meta = self._training_metadata_path + ".tmp"
-        with open(tmp_meta, "w") as handle:
-            handle.write(json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}))
-        os.replace(tmp_meta, self._training_metadata_path)
+        os.replace(tmp_weights, weights)
+        with open(metadata + ".tmp", "w") as handle:
+            handle.write(json.dumps({"epoch": self._epoch, "batch": self._batch}))
+        os.replace(metadata + ".tmp", metadata)

@@ -13,6 +13,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tfformer import compat
 from tfformer.training.callbacks import AtomicBackupAndRestore, TimeBudget
 
 
@@ -96,9 +97,8 @@ def distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch
     callback_list = keras.callbacks.CallbackList(callbacks, model=model, add_history=True, add_progbar=False,
                                                  epochs=epochs, steps=steps_per_epoch)
     model.stop_training = False
-    model._initial_epoch = 0
-    callback_list.on_train_begin()
-    for epoch in range(model._initial_epoch, epochs):
+    initial_epoch = compat.begin_training(callback_list, model)  # where a BackupAndRestore resumed the run
+    for epoch in range(initial_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
         total, count = 0.0, 0
         for step, batch in enumerate(dist_train):

@@ -20,8 +20,8 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
     equals the update of one replica on the global batch.
 
     The loss and its gradient run as XLA computations (also inside a graph that
-    is not XLA-compiled), compiled once per distinct `(B*T, V)`: about 0.2-0.4 s
-    each on a 2-core CPU. Bucket sequence lengths (`data.pipelines` does) rather
+    is not XLA-compiled), compiled once per distinct `(B*T, V)` (a fraction of a
+    second each on a CPU). Bucket sequence lengths (`data.pipelines` does) rather
     than feeding every length. Labels outside `[0, V)` other than `padding_id`
     raise; under `jit_compile=True`, where XLA drops that check, their tokens'
     losses are NaN (so `fit` reports a NaN loss) and their gradients zero.
@@ -110,9 +110,9 @@ def _smoothed_cross_entropy(logits, labels, smoothing, padding_id):
     `logsumexp(logits) - (1 - smoothing) logits[label] - smoothing mean(logits)`, with its own gradient
     `(softmax - q) * upstream`, each as one XLA computation (`_forward`, `_backward`): XLA fuses the
     exponentials, reductions and the one-hot into one pass over the `(B*T, V)` logits each way and keeps only
-    the `(B*T,)` log-sum-exp for the backward pass, not a `(B*T, V)` log-softmax. About 40% less time than
-    TF's separate log-softmax, exp, scatter and multiply at (4096, 8192) on a 2-core CPU
-    (benchmarks/RESULTS.md, "Training: where the time goes"), and far less than autodiff through a gather.
+    the `(B*T,)` log-sum-exp for the backward pass, not a `(B*T, V)` log-softmax: less time than TF's
+    separate log-softmax, exp, scatter and multiply (docs/performance.md), and far less than autodiff through
+    a gather.
     XLA compiles once per distinct `(B*T, V)`: bucket sequence lengths (as `data.pipelines` does).
     """
     vocabulary_size = tf.shape(logits)[-1]

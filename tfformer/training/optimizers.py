@@ -3,9 +3,28 @@
 import keras
 import tensorflow as tf
 
+from tfformer import compat
+
 
 class _FusedAdamUpdate:
-    """`update_step` of Keras' Adam as one `ResourceApplyAdam` per variable (see `FusedAdam`)."""
+    """`update_step` of Keras' Adam as one `ResourceApplyAdam` per variable (see `FusedAdam`), on moment slots
+    of its own made as Keras' Adam makes them (same names, same order), so that saved optimizers load alike."""
+
+    def build(self, var_list):
+        if self.built:
+            return
+        if not self.weight_decay:  # 0 or None: Keras would still run three ops per variable for a decay of 0
+            self.exclude_from_weight_decay(var_list=var_list)
+        if self.amsgrad:  # Keras' own update, which reads Keras' own slots
+            return super().build(var_list)
+        super(keras.optimizers.Adam, self).build(var_list)  # the optimizer's own state; the slots follow
+        self._adam_slots = []  # (momentum, velocity) per variable, or None where Keras makes no slots
+        for variable in var_list:
+            if variable.overwrite_with_gradient:
+                self._adam_slots.append(None)
+            else:
+                self._adam_slots.append((self.add_variable_from_reference(variable, name="momentum"),
+                                         self.add_variable_from_reference(variable, name="velocity")))
 
     def update_step(self, gradient, variable, learning_rate):
         # An embedding lookup's gradient is IndexedSlices with a row per lookup: summed into a dense gradient.
@@ -13,8 +32,7 @@ class _FusedAdamUpdate:
         if self.amsgrad:
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
-        index = self._get_variable_index(variable)
-        m, v = self._momentums[index], self._velocities[index]
+        m, v = self._adam_slots[compat.optimizer_variable_index(self, variable)]
         step = tf.cast(self.iterations + 1, dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
         gradient = tf.cast(gradient, dtype)
@@ -38,9 +56,8 @@ class FusedAdam(_FusedAdamUpdate, keras.optimizers.Adam):
 
     Keras' Adam updates a variable with about ten separate ops (two moment
     updates, a square, a square root, a division and their assignments), each a
-    pass over the variable: 15-16 ms per step for the ~5M parameters of the
-    GPT-shaped benchmark model on a 2-core CPU, against 6-7 ms as one
-    `ResourceApplyAdam` kernel per variable (benchmarks/RESULTS.md). The math is
+    pass over the variable; one `ResourceApplyAdam` kernel per variable makes
+    one pass, in a fraction of the time on a CPU (docs/performance.md). The math is
     the same, `m += (g - m)(1 - beta_1)`, `v += (g^2 - v)(1 - beta_2)`,
     `variable -= lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)`,
     with the same arguments, config and slot variables (names and order), and the
@@ -64,11 +81,6 @@ class FusedAdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
     Its Adam update is `FusedAdam`'s, with the same arguments, config and slot
     variables as `keras.optimizers.AdamW`. The decoupled weight decay stays
     Keras' own (`variable -= variable * weight_decay * lr`, before the Adam
-    update); with `weight_decay=0` it is skipped instead of multiplying every
-    variable by zero.
+    update); with `weight_decay=0` every variable is excluded from it
+    (`exclude_from_weight_decay`) instead of being multiplied by zero.
     """
-
-    def _apply_weight_decay(self, variables):
-        if not self.weight_decay:  # 0.0: Keras would still run three ops per variable
-            return
-        return super()._apply_weight_decay(variables)

@@ -49,12 +49,11 @@ def configure_cpu_threads(micro_batches, replicas=1):
     each step at once, and by default every op may use all cores (as many intra-op threads as cores), so two
     parts' matmuls split each core between them. This sets TensorFlow's intra-op threads to
     `max(1, cores // (micro_batches * replicas))` (`replicas`: a CPU `MirroredStrategy`'s, see `get_strategy`),
-    so that each part keeps cores of its own. On a 2-core CPU, `micro_batches=2` (one thread per part): the
-    benchmark's seq2seq and LM training steps ran 6-8% faster, float32 and mixed_bfloat16, and the LM recipe made
-    8% more steps in the same time (benchmarks/RESULTS.md, "Training: one intra-op thread per micro-batch").
+    so that each part keeps cores of its own. On a 2-core CPU, `micro_batches=2` (one thread per part) makes the
+    benchmark's seq2seq and LM training steps faster, float32 and mixed_bfloat16 (docs/performance.md).
     A tfformer model's `evaluate` cuts its batches into the same parts and keeps its speed; what does not cut
-    its work runs on fewer cores: prediction, generation, a step with `micro_batches=1` (the benchmark LM's took
-    1.24x as long), an uncut `evaluate` (1.7x). So call it in a process that mostly trains, first thing
+    its work runs on fewer cores and slower: prediction, generation, a step with `micro_batches=1`, an uncut
+    `evaluate`. So call it in a process that mostly trains, first thing
     (`recipes.language_model.train_lm(cpu_threads=True)` and `tfformer train lm` do).
 
     It is process-wide and must run before TensorFlow's runtime starts (the first tensor, model or strategy).
