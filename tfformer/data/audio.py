@@ -1,0 +1,200 @@
+"""Speech input: WAV files and waveforms to 16 kHz mono, and Whisper's log-mel front end in-graph.
+
+`log_mel_spectrogram` is plain TensorFlow (`tf.signal`), so it runs inside `tf.function` and a SavedModel;
+with `use_fft=False` it also converts to TFLite builtin ops. It reproduces faster-whisper's numpy feature
+extractor as its `transcribe()` feeds the encoder: reflect-padded STFT (n_fft 400, hop 160, periodic Hann
+window) of the waveform followed by 160 zeros, power spectrum, 80 Slaney mel filters, `log10(max(x, 1e-10))`,
+clamp to (maximum - 8), `(x + 4) / 4`, the extractor's last frame dropped, zero frames after the audio.
+
+`read_wav` and `prepare_waveform` run in numpy before the graph: they validate the audio, mix it down to mono
+and resample it to 16 kHz (`soundfile` reads, `soxr` resamples).
+"""
+
+import math
+import os
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+NUM_MEL_BINS = 80
+CHUNK_SECONDS = 30
+NUM_FRAMES = CHUNK_SECONDS * SAMPLE_RATE // HOP_LENGTH  # 3000 frames = one 30-second window
+# File formats libsndfile reports for RIFF/WAVE files (plain, WAVE_FORMAT_EXTENSIBLE, 64-bit RF64).
+WAV_FORMATS = ("WAV", "WAVEX", "RF64")
+
+
+def mel_filters(sample_rate=SAMPLE_RATE, n_fft=N_FFT, num_mel_bins=NUM_MEL_BINS):
+    """Slaney-style mel filterbank as librosa (`htk=False, norm="slaney"`) and Whisper build it.
+
+    Returns:
+        float32 array `(num_mel_bins, n_fft // 2 + 1)`: triangles on the Slaney mel scale (linear below
+        1 kHz, logarithmic above), each scaled by 2 / its width in Hz for constant energy per channel.
+    """
+    f_sp = 200.0 / 3  # Hz per mel in the linear part
+    min_log_hz, logstep = 1000.0, math.log(6.4) / 27.0
+    min_log_mel = min_log_hz / f_sp
+
+    def hz_to_mel(hz):
+        return hz / f_sp if hz < min_log_hz else min_log_mel + math.log(hz / min_log_hz) / logstep
+
+    mels = np.linspace(0.0, hz_to_mel(sample_rate / 2), num_mel_bins + 2)
+    hz = np.where(mels < min_log_mel, f_sp * mels, min_log_hz * np.exp(logstep * (mels - min_log_mel)))
+    fft_hz = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
+    ramps = hz[:, None] - fft_hz[None, :]  # (num_mel_bins + 2, n_fft // 2 + 1)
+    widths = np.diff(hz)
+    lower = -ramps[:-2] / widths[:-1, None]
+    upper = ramps[2:] / widths[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (hz[2:] - hz[:-2]))[:, None]
+    return weights.astype(np.float32)
+
+
+def _windowed_dft_matrix(window):
+    """`(N_FFT, 2 * (N_FFT // 2 + 1))`: window * [cos | -sin] of the one-sided DFT, built in float64."""
+    angles = 2 * np.pi * np.outer(np.arange(N_FFT), np.arange(N_FFT // 2 + 1)) / N_FFT  # (N_FFT, N_FFT // 2 + 1)
+    return (window.astype(np.float64)[:, None] * np.concatenate([np.cos(angles), -np.sin(angles)], axis=1)).astype(
+        np.float32)
+
+
+def log_mel_spectrogram(waveforms, lengths=None, num_frames=NUM_FRAMES, use_fft=True):
+    """Whisper's log-mel features of a batch of 16 kHz mono waveforms.
+
+    Each example is normalised on its own: the clamp at (maximum - 8) uses the maximum over that example's
+    frames only, so padding in the batch changes nothing. Frames past an example's audio are zeros (as
+    faster-whisper pads the features of a short clip). An example of length 0 gives zeros and frame length 0;
+    `prepare_waveform` rejects empty audio before it gets here.
+
+    Args:
+        waveforms: float32 tensor `(B, S)`, samples in [-1, 1] at 16 kHz; entries past `lengths` are ignored.
+        lengths: optional int tensor `(B,)`: number of valid samples per example (clipped to [0, S]).
+            Defaults to `S` for every example.
+        num_frames: int or None. Frames to return: `3000` (one 30-second window, Whisper's encoder input)
+            pads or cuts to that many; None returns `S // 160` frames, e.g. to cut long audio into
+            30-second windows afterwards (the normalisation then spans the whole recording, as in
+            faster-whisper).
+        use_fft: bool. True computes the spectrum with `tf.signal.rfft`. False computes the same DFT as one
+            matmul with a `(400, 402)` cos/sin matrix: for TFLite, whose RFFT2D kernel takes only power-of-two
+            lengths and so cannot run n_fft 400. Defaults to `True`.
+
+    Returns:
+        `(features, frame_lengths)`: float32 `(B, num_frames, 80)` (frames, mel bins: channels last) and
+        int32 `(B,)`, the number of frames that carry audio, `min(length // 160, num_frames)`.
+    """
+    waveforms = tf.convert_to_tensor(waveforms)
+    if waveforms.dtype != tf.float32:
+        raise ValueError(f"`waveforms` must be float32 samples in [-1, 1]. Received: dtype={waveforms.dtype.name}")
+    if waveforms.shape.rank != 2:
+        raise ValueError(f"`waveforms` must have shape (batch, samples). Received: shape={waveforms.shape}")
+    if num_frames is not None and (not isinstance(num_frames, int) or num_frames <= 0):
+        raise ValueError(f"`num_frames` must be a positive int or None. Received: num_frames={num_frames!r}")
+    batch_size, num_samples = tf.shape(waveforms)[0], tf.shape(waveforms)[1]
+    if lengths is None:
+        lengths = tf.fill([batch_size], num_samples)
+    lengths = tf.clip_by_value(tf.cast(lengths, tf.int32), 0, num_samples)  # (B,)
+
+    # faster-whisper appends HOP_LENGTH zeros, then reflect-pads N_FFT // 2 on both sides (np.pad "reflect").
+    total_frames = num_samples // HOP_LENGTH + 1
+    padded_length = (total_frames - 1) * HOP_LENGTH + N_FFT
+    extended = lengths[:, None] + HOP_LENGTH  # (B, 1) length after the appended zeros
+    period = 2 * (extended - 1)
+    positions = tf.range(padded_length)[None, :] - N_FFT // 2  # (1, P)
+    positions = tf.math.floormod(positions, period)  # (B, P) reflection is periodic in 2 * (length - 1)
+    positions = tf.where(positions >= extended, period - positions, positions)
+    valid = positions < lengths[:, None]
+    # One extra zero sample keeps every gather index valid, even for an empty batch (S = 0).
+    gathered = tf.gather(tf.pad(waveforms, [[0, 0], [0, 1]]), tf.minimum(positions, num_samples), batch_dims=1)
+    signal = tf.where(valid, gathered, tf.zeros_like(gathered))
+
+    frames = tf.signal.frame(signal, N_FFT, HOP_LENGTH)  # (B, total_frames, N_FFT)
+    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)  # periodic Hann
+    if use_fft:
+        spectrum = tf.signal.rfft(frames * window, fft_length=[N_FFT])  # (B, total_frames, N_FFT // 2 + 1)
+        power = tf.math.square(tf.math.real(spectrum)) + tf.math.square(tf.math.imag(spectrum))
+    else:
+        parts = tf.matmul(frames, _windowed_dft_matrix(window))  # (B, total_frames, 2 * (N_FFT // 2 + 1))
+        real, imag = tf.split(parts, 2, axis=-1)  # (B, total_frames, N_FFT // 2 + 1) each
+        power = tf.math.square(real) + tf.math.square(imag)
+    mel = tf.matmul(power, mel_filters().T)  # (B, total_frames, NUM_MEL_BINS)
+    log_mel = tf.math.log(tf.maximum(mel, 1e-10)) / math.log(10.0)
+
+    # The maximum spans the extractor's frames (length // 160 + 1), including the one transcribe() drops.
+    frame_index = tf.range(total_frames)[None, :]  # (1, total_frames)
+    in_audio = frame_index <= (lengths // HOP_LENGTH)[:, None]  # (B, total_frames)
+    peak = tf.reduce_max(tf.where(in_audio[:, :, None], log_mel, -np.inf), axis=[1, 2], keepdims=True)  # (B, 1, 1)
+    features = (tf.maximum(log_mel, peak - 8.0) + 4.0) / 4.0
+    frame_lengths = lengths // HOP_LENGTH
+    features = tf.where((frame_index < frame_lengths[:, None])[:, :, None], features, 0.0)
+
+    if num_frames is None:
+        return features[:, : total_frames - 1], frame_lengths
+    features = tf.pad(features[:, :num_frames], [[0, 0], [0, tf.maximum(num_frames - total_frames, 0)], [0, 0]])
+    features = tf.ensure_shape(features, [None, num_frames, NUM_MEL_BINS])
+    return features, tf.minimum(frame_lengths, num_frames)
+
+
+def prepare_waveform(waveform, sample_rate, name="waveform"):
+    """A waveform array checked, mixed down to mono and resampled to 16 kHz.
+
+    Args:
+        waveform: array `(samples,)` or `(samples, channels)`; float samples in [-1, 1], or integer PCM
+            (scaled by its type's range).
+        sample_rate: int. Sample rate of `waveform` in Hz.
+        name: str. What to call the input in error messages (a file name, for `read_wav`).
+
+    Returns:
+        float32 array `(samples,)` at 16 kHz. More than one channel is averaged to mono, with a warning.
+    """
+    waveform = np.asarray(waveform)
+    if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise ValueError(f"`sample_rate` must be a positive int (Hz). Received: sample_rate={sample_rate!r}")
+    if waveform.ndim not in (1, 2):
+        raise ValueError(f"{name} must have shape (samples,) or (samples, channels). Received: shape={waveform.shape}")
+    if waveform.size == 0:
+        raise ValueError(f"{name} is empty (shape {waveform.shape}): there is no audio to transcribe.")
+    if np.issubdtype(waveform.dtype, np.integer):
+        waveform = waveform.astype(np.float32) / float(np.iinfo(waveform.dtype).max + 1)
+    elif not np.issubdtype(waveform.dtype, np.floating):
+        raise ValueError(f"{name} must hold float or integer samples. Received: dtype={waveform.dtype}")
+    waveform = waveform.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(waveform.reshape(-1)))
+    if bad.size:
+        raise ValueError(f"{name} has {bad.size} NaN or infinite samples (the first at flat index {bad[0]}); "
+                         "samples must be finite floats in [-1, 1].")
+    if waveform.ndim == 2:
+        if waveform.shape[1] > 1:
+            warnings.warn(f"{name} has {waveform.shape[1]} channels; mixing down to mono by averaging them.",
+                          stacklevel=2)
+        waveform = waveform.mean(axis=1, dtype=np.float32)
+    if sample_rate != SAMPLE_RATE:
+        import soxr  # noqa: PLC0415 (only needed off the 16 kHz path)
+
+        waveform = soxr.resample(waveform, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
+    return waveform
+
+
+def read_wav(path):
+    """A WAV file as a 16 kHz mono float32 waveform.
+
+    Args:
+        path: str. A RIFF/WAVE file (PCM or float, any sample rate, any number of channels).
+
+    Returns:
+        float32 array `(samples,)` at 16 kHz, samples in [-1, 1]. Stereo and multichannel files are mixed
+        down to mono by averaging the channels, with a warning; other sample rates are resampled.
+    """
+    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
+    try:
+        info = soundfile.info(path)
+    except (RuntimeError, TypeError) as error:  # soundfile.LibsndfileError is a RuntimeError
+        raise ValueError(f"{path} is not a readable WAV file: {error}") from None
+    if info.format not in WAV_FORMATS:
+        raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
+    waveform, sample_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (samples, channels)
+    return prepare_waveform(waveform, sample_rate, name=str(path))
