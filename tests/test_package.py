@@ -21,7 +21,8 @@ ALLOWED = {
     "generation": {"layers", "models", "generation"},
     # export may read the run's tokenizer (tfformer.data) to put it in the graph
     "export": {"layers", "models", "generation", "export", "data"},
-    "edge": {"edge", "export"},
+    # edge applies the same text pre/post-processing as the SavedModel (tfformer.data.placeholders), on the host
+    "edge": {"edge", "export", "data"},
     "data": {"data"},
     "training": {"models", "data", "training", "layers"},
     "serving": {"serving", "export"},

@@ -57,11 +57,30 @@ def _train(args):
 
 
 def _translate(args):
-    from tfformer import generation
     from tfformer.recipes import translation
 
+    if args.po:
+        if args.texts:
+            raise ValueError("Give TEXT... or --po CATALOG, not both.")
+        if not args.out:
+            raise ValueError("--po needs --out, the .po file to write (e.g. --out de.po).")
+        result = translation.translate_catalog(args.run, args.po, args.out, overwrite=args.overwrite,
+                                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                               beam_size=args.beam_size)
+        if result["written"] is None:
+            print(f"tfformer: {args.po}: every entry is already translated (or fuzzy); nothing to do, "
+                  f"{args.out} not written.", file=sys.stderr)
+        else:
+            print(f"{args.out}: {result['translated']} entries machine-translated and marked fuzzy "
+                  f"({result['messages']} messages).", file=sys.stderr)
+        return 0
+    if not args.texts:
+        raise ValueError("Give TEXT... to translate, or --po CATALOG --out OUT.po.")
+    if not all(text.strip() for text in args.texts):
+        raise ValueError("`texts` holds an empty or whitespace-only string; there is nothing to translate.")
     model, tokenizer = translation.load_run(args.run)
-    for line in generation.translate(model, tokenizer, args.texts, max_new_tokens=args.max_new_tokens):
+    for line in translation.translate_texts(model, tokenizer, args.texts, max_new_tokens=args.max_new_tokens or 64,
+                                            beam_size=args.beam_size):
         print(line)
     return 0
 
@@ -226,12 +245,22 @@ def main(argv=None):
     train.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a config field")
     train.set_defaults(fn=_train)
 
-    for name, fn, arg in (("translate", _translate, "texts"), ("generate", _generate, "prompts")):
-        sub = commands.add_parser(name, help=f"{name} with a trained run")
-        sub.add_argument("--run", required=True)
-        sub.add_argument("--max-new-tokens", type=int, default=64)
-        sub.add_argument(arg, nargs="+")
-        sub.set_defaults(fn=fn)
+    translate = commands.add_parser("translate", help="translate TEXT... or a gettext catalog with a trained run")
+    translate.add_argument("--run", required=True)
+    translate.add_argument("--max-new-tokens", type=int, help="default: 64 for TEXT, the model's limit for --po")
+    translate.add_argument("--beam-size", type=int)
+    translate.add_argument("--po", help="a .pot or partly translated .po: fill its untranslated entries (fuzzy)")
+    translate.add_argument("--out", help="the .po file to write (with --po)")
+    translate.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    translate.add_argument("--batch-size", type=int, default=32, help="messages per model call (with --po)")
+    translate.add_argument("texts", nargs="*", metavar="TEXT")
+    translate.set_defaults(fn=_translate)
+
+    generate = commands.add_parser("generate", help="generate with a trained run")
+    generate.add_argument("--run", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("prompts", nargs="+")
+    generate.set_defaults(fn=_generate)
 
     exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
                                    "SavedModel and/or TFLite")

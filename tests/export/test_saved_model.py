@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 
 from tfformer import export, generation
+from tfformer.data import placeholders
+from tfformer.recipes import translation
 
 FRESH = os.path.join(os.path.dirname(__file__), "fresh_process.py")
 TEXTS = ["open the file", "delete a file", "Error: %s\n", "", "save the folder and close the file"]
+PROTECTED = ["\n  _Open %s file (%.2f%%)\t", "%u cached (%.2f%%)\n", "%1$s <b>the</b> {name} folder\n\n", "%s: %s\n",
+             "\n", "close\tthe  file\nnow \u00fcber"]
 
 
 def _fresh(path, request, tmp_path):
@@ -31,12 +35,20 @@ def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2
     ids = tokenizer.tokenize(TEXTS[:3]).to_tensor().numpy()
     dec = np.array([[2, 5, 6], [2, 7, 0], [2, 0, 0]], "int32")
     out = _fresh(path, {
-        "serving_default": {"text": [TEXTS + ["caf\xe9 \xff bytes"], "bytes"]},
+        "serving_default": {"text": [TEXTS + ["caf\xe9 \xff bytes"] + [t.encode().decode("latin-1") for t in PROTECTED],
+                                     "bytes"]},
         "predict_ids": {"encoder_token_ids": [ids.tolist(), "int32"], "decoder_token_ids": [dec.tolist(), "int32"]},
     }, tmp_path)
     served = [s.decode("utf-8") for s in out["serving_default/translation"]]
-    expected = generation.translate(seq2seq, tokenizer, [t for t in TEXTS if t], max_new_tokens=12)
+    expected = translation.translate_texts(seq2seq, tokenizer, [t for t in TEXTS if t], max_new_tokens=12)
     assert [s for t, s in zip(TEXTS, served) if t] == expected  # same strings as `tfformer translate`
+    # Placeholder protection in the graph: the same strings as the Python path, every placeholder kept.
+    protected = served[len(TEXTS) + 1:]
+    assert protected == translation.translate_texts(seq2seq, tokenizer, PROTECTED, max_new_tokens=12)
+    for source, target in zip(PROTECTED, protected):
+        assert sorted(placeholders.find_placeholders(target)) == sorted(placeholders.find_placeholders(source))
+        start, end = source[: len(source) - len(source.lstrip())], source[len(source.rstrip()):]
+        assert target.startswith(start) and target.endswith(end)
     assert served[TEXTS.index("")] == ""  # empty input -> empty output, no error
     assert any(len(s) > 3 for s in expected)
     keras_logits = np.asarray(seq2seq({"encoder_token_ids": ids, "decoder_token_ids": dec}))
@@ -127,3 +139,29 @@ def test_killed_exports_leave_only_complete_versions(tmp_path):
     proc = subprocess.run([sys.executable, "-c", check, *[str(base / str(v)) for v in versions]], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+WHITESPACE = ["open\nthe file", "close  the\tfile\n", "\n\nsave   the folder\r\n", "delete a file\n%s\n",
+              "open the file", "\topen  the\n\nfile %d lines\t"]
+
+
+def test_edge_translates_like_the_saved_model_on_whitespace(tmp_path, seq2seq, tokenizer):
+    """The same strings from the SavedModel's serving_default and the edge Generator (tokenizer round trip,
+    placeholder protection) on text with newlines, tabs and runs of spaces."""
+    import tensorflow as tf
+
+    from tfformer import edge
+    from tfformer.data import tokenizers
+
+    assert edge.generator.WHITESPACE_SYMBOLS == tokenizers.ESCAPES  # one mapping on both sides
+    path = export.saved_model(seq2seq, str(tmp_path / "sm"), tokenizer=tokenizer, max_new_tokens=12)
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    served = [s.decode("utf-8") for s in serve(text=tf.constant(WHITESPACE))["translation"].numpy()]
+    decoder = export.tflite_decoder(seq2seq, str(tmp_path / "s2s.tflite"), max_length=16, tokenizer=tokenizer)
+    gen = edge.Generator(decoder)
+    assert [gen.translate_text(text, max_new_tokens=12) for text in WHITESPACE] == served
+    for text in WHITESPACE:
+        ids = tokenizer.tokenize([text]).to_list()[0]
+        assert gen.tokenize(text) == ids and gen.detokenize(ids) == text  # exact round trip, as in the SavedModel
+    with_unknown = [5, 1, 6, 3]
+    assert gen.detokenize(with_unknown) == tokenizer.detokenize([with_unknown]).numpy()[0].decode("utf-8")

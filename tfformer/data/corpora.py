@@ -1,11 +1,12 @@
 """Text corpora that exist offline: gettext catalogs, TSV files, plain text."""
 
-import gettext
 import glob
 import hashlib
 import os
 import pathlib
 import sys
+
+import polib
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale"
 # Fractions of the stable hash space: 2% test, 2% validation, the rest training.
@@ -28,16 +29,15 @@ def split_pairs(pairs):
 
 def read_mo(path):
     """(msgid, msgstr) pairs of one compiled gettext catalog; plural, context and empty entries skipped."""
-    with open(path, "rb") as handle:
-        try:
-            catalog = gettext.GNUTranslations(handle)._catalog
-        except (UnicodeDecodeError, OSError, LookupError) as error:  # a catalog in a legacy charset, or corrupt
-            print(f"tfformer: skipping {path}: {error}", file=sys.stderr)
-            return []
+    try:
+        catalog = polib.mofile(path)
+    except (UnicodeDecodeError, OSError, LookupError, ValueError) as error:  # a legacy charset, or corrupt
+        print(f"tfformer: skipping {path}: {error}", file=sys.stderr)
+        return []
     return [
-        (source, target)
-        for source, target in catalog.items()
-        if isinstance(source, str) and source and target and "\x04" not in source
+        (entry.msgid, entry.msgstr)
+        for entry in catalog
+        if entry.msgid and entry.msgstr and not entry.msgid_plural and entry.msgctxt is None
     ]
 
 

@@ -17,7 +17,9 @@ with the TF-Text registrar. Why this one:
 - FastSentencepiece has no byte fallback: an unseen character becomes id 1
   (`<unk>`) and detokenizes to " ⁇ ".
 
-Reserved ids: 0 padding, 1 unknown, 2 start, 3 end.
+Reserved ids: 0 padding, 1 unknown, 2 start, 3 end. The first
+`min(placeholders.NUM_RESERVED_SYMBOLS, vocabulary_size // 16)` characters that `tfformer.data.placeholders`
+masks placeholders to are pieces of their own.
 """
 
 import io
@@ -26,6 +28,8 @@ import os
 import sentencepiece
 import tensorflow as tf
 import tensorflow_text as tf_text
+
+from tfformer.data.placeholders import RESERVED_SYMBOLS
 
 PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
 ESCAPES = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
@@ -87,7 +91,10 @@ class SubwordTokenizer(tf.Module):
             split_digits=False,
             byte_fallback=False,  # FastSentencepiece does not implement it
             character_coverage=1.0,
-            user_defined_symbols=[symbol for _, symbol in ESCAPES],
+            # Masked placeholders (tfformer.data.placeholders) are single pieces the model can learn to copy;
+            # fewer of them in tiny vocabularies, which must still hold every character.
+            user_defined_symbols=[symbol for _, symbol in ESCAPES]
+            + list(RESERVED_SYMBOLS[: vocabulary_size // 16]),
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=START_ID,

@@ -2,7 +2,10 @@
 
 import numpy as np
 
-START_ID, END_ID = 2, 3
+UNK_ID, START_ID, END_ID = 1, 2, 3
+UNK_TEXT = " \u2047 "  # how SentencePiece writes the unknown piece
+# The whitespace SentencePiece would fold and the symbols tfformer.data.SubwordTokenizer maps it to.
+WHITESPACE_SYMBOLS = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
 
 
 class Generator:
@@ -90,13 +93,46 @@ class Generator:
         return new
 
     def tokenize(self, text):
+        """Ids of `text`, as the SavedModel's tokenizer gives them: tab, newline and carriage return are mapped to
+        the tokenizer's reserved symbols here (the file's tokenizer has no regex ops to do it)."""
         if "tokenize" not in self.signatures:
             raise ValueError("This file has no tokenize signature; export it with tokenizer=.")
+        for raw, symbol in WHITESPACE_SYMBOLS:
+            text = text.replace(raw, symbol)
         ids = self.interpreter.get_signature_runner("tokenize")(text=np.array([text.encode("utf-8")]))["token_ids"][0]
         return [int(t) for t in ids if t != 0]
 
     def detokenize(self, ids):
+        """Text of `ids` (padding, start and end ids dropped), as the SavedModel's tokenizer writes it: the unknown
+        id as " ⁇ " (the file's detokenizer drops it) and the reserved symbols back to tab, newline, return."""
         if "detokenize" not in self.signatures:
             raise ValueError("This file has no detokenize signature; export it with tokenizer=.")
         runner = self.interpreter.get_signature_runner("detokenize")
-        return runner(token_ids=np.array([ids], np.int32))["text"][0].decode("utf-8")
+        ids = [int(t) for t in ids if t > END_ID or t == UNK_ID]
+        pieces, segment = [], []
+        for token in ids + [None]:
+            if token is None or token == UNK_ID:
+                if segment:
+                    pieces.append(runner(token_ids=np.array([segment], np.int32))["text"][0].decode("utf-8"))
+                if token == UNK_ID:
+                    pieces.append(UNK_TEXT)
+                segment = []
+            else:
+                segment.append(token)
+        text = "".join(pieces)
+        for raw, symbol in WHITESPACE_SYMBOLS:
+            text = text.replace(symbol, raw)
+        return text
+
+    def translate_text(self, text, max_new_tokens=32):
+        """Seq2seq, text in and out with the same placeholder protection as the SavedModel's `serving_default`
+        (`tfformer.data.placeholders`): every placeholder and the edge whitespace of `text` are in the result."""
+        from tfformer.data import placeholders
+
+        masked = placeholders.mask(text)
+        if not masked.translatable:
+            return text
+        source = self.tokenize(masked.text)[: self.source_length]  # the SavedModel truncates sources alike
+        new = self.translate(source, max_new_tokens=max_new_tokens) if source else []
+        new = new[: new.index(END_ID)] if END_ID in new else new
+        return placeholders.restore(masked, self.detokenize(new))

@@ -15,6 +15,7 @@ import shutil
 import keras
 import tensorflow as tf
 
+from tfformer.data import placeholders
 from tfformer.export import signatures as sig
 from tfformer.generation.decode import decode_fn
 from tfformer.models.sentence_encoder import SentenceEncoder
@@ -91,7 +92,11 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
         raise ValueError("`tokenizer` is required to export a text-in signature (the run's SubwordTokenizer).")
 
     def serve_text(text):
-        ragged = keep(tokenizer.tokenize(_clean_text(text)))
+        text = _clean_text(text)
+        if architecture == "seq2seq":  # placeholders, edge whitespace and accelerators are masked, then restored
+            masked = placeholders.mask_tf(text)
+            text = masked["text"]
+        ragged = keep(tokenizer.tokenize(text))
         lengths = ragged.row_lengths()
         if architecture == "seq2seq":
             ids = tf.pad(ragged.to_tensor(), [[0, 0], [0, 1]])  # (B, L+1): one padding column keeps L >= 1
@@ -102,8 +107,10 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
             first = tf.equal(tf.range(tf.shape(ids)[1]), 0)[None, :]
             ids = tf.where(tf.equal(lengths, 0)[:, None] & first, 2, ids)
         new_ids = decode(ids)
-        text_out = tokenizer.detokenize(new_ids)
-        return {output_name: tf.where(tf.equal(lengths, 0), "", text_out)}
+        text_out = tf.where(tf.equal(lengths, 0), "", tokenizer.detokenize(new_ids))
+        if architecture == "seq2seq":
+            text_out = placeholders.restore_tf(masked, text_out)
+        return {output_name: text_out}
 
     def predict_ids(inputs):
         return {sig.LOGITS: model(inputs)}
@@ -127,7 +134,9 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
     `embedding` (SentenceEncoder), tokenizer and decode loop inside the graph;
     `predict_ids` takes token ids and returns `logits` (`embedding` for a
     SentenceEncoder, whose ids come with `padding_mask`); `generate_ids` returns
-    generated ids. Loading needs only `tensorflow` and `tensorflow_text`.
+    generated ids. Loading needs only `tensorflow` and `tensorflow_text`. A seq2seq `serving_default` masks
+    placeholders, edge whitespace and accelerator marks before the model and restores them after, in graph ops
+    (`tfformer.data.placeholders.mask_tf`/`restore_tf`): the same strings as `translation.translate_texts`.
 
     Args:
         model: a tfformer model, or a run directory (`model.keras` + `tokenizer.model`).

@@ -1,11 +1,20 @@
-"""English -> X translation: learn a vocabulary, train with model.fit, report BLEU. The main job (`make demo`)."""
+"""English -> X translation: learn a vocabulary, train with model.fit, report BLEU. The main job (`make demo`).
 
+`translate_texts` and `translate_catalog` (a .pot/.po in, a .po with fuzzy machine translations out) protect
+placeholders, edge whitespace and accelerator marks with `tfformer.data.placeholders`, as the SavedModel does.
+"""
+
+import codecs
 import os
+import re
+import sys
 import time
+import warnings
 
 import keras
 
 from tfformer import data, generation, models, training
+from tfformer.data import placeholders
 from tfformer.recipes import rundir
 
 MODEL_FILE, TOKENIZER_FILE, CONFIG_FILE, RUN_FILE = "model.keras", "tokenizer.model", "config.json", "run.json"
@@ -15,6 +24,12 @@ def load_pairs(target_language="de", data_file=None, locale_dir=data.corpora.DEF
     if data_file:
         return data.read_tsv_pairs(data_file)
     return data.gettext_pairs(target_language, locale_dir=locale_dir)
+
+
+def mask_pairs(pairs):
+    """Training pairs with placeholders masked (`placeholders.mask_pair`); pairs left with no text are dropped."""
+    masked = (placeholders.mask_pair(source, target) for source, target in pairs)
+    return [(source, target) for source, target in masked if source.strip() and target.strip()]
 
 
 def filter_by_length(pairs, tokenizer, max_length):
@@ -35,9 +50,20 @@ def compile_model(model, config, warmup_steps, label_smoothing=0.1, clipnorm=1.0
     )
 
 
+def translate_texts(model, tokenizer, texts, max_new_tokens=64, batch_size=64, beam_size=None):
+    """Translate strings with placeholder protection (`tfformer.data.placeholders`): each output holds every
+    placeholder and the leading/trailing whitespace of its source exactly once. Returns a list of str."""
+    masked = [placeholders.mask(text) for text in texts]
+    todo = [i for i, m in enumerate(masked) if m.translatable]
+    outputs = generation.translate(model, tokenizer, [masked[i].text for i in todo], max_new_tokens=max_new_tokens,
+                                   batch_size=batch_size, beam_size=beam_size) if todo else []
+    by_index = dict(zip(todo, outputs))
+    return [placeholders.restore(m, by_index.get(i, "")) for i, m in enumerate(masked)]
+
+
 def evaluate_bleu(model, tokenizer, pairs, max_new_tokens, batch_size=64):
-    hypotheses = generation.translate(model, tokenizer, [s for s, _ in pairs], max_new_tokens=max_new_tokens,
-                                      batch_size=batch_size)
+    hypotheses = translate_texts(model, tokenizer, [s for s, _ in pairs], max_new_tokens=max_new_tokens,
+                                 batch_size=batch_size)
     return training.corpus_bleu(hypotheses, [t for _, t in pairs]), hypotheses
 
 
@@ -77,6 +103,9 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     start = time.monotonic()
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     splits = load_pairs(target_language, data_file)
+    # The model learns on masked text (placeholders as reserved pieces it copies); BLEU is measured on the
+    # restored translations of the raw test sources.
+    splits = {name: pairs if name == "test" else mask_pairs(pairs) for name, pairs in splits.items()}
     printer(f"pairs: train {len(splits['train'])}, validation {len(splits['validation'])}, test {len(splits['test'])}")
 
     tokenizer_path = os.path.join(out, TOKENIZER_FILE)
@@ -147,4 +176,161 @@ def load_run(run_dir):
     if not os.path.exists(path):
         raise ValueError(f"No trained model in {run_dir!r} (expected {MODEL_FILE}); train one with `tfformer train`.")
     model = keras.models.load_model(path, safe_mode=True)
-    return model, data.SubwordTokenizer.load(os.path.join(run_dir, TOKENIZER_FILE))
+    tokenizer = data.SubwordTokenizer.load(os.path.join(run_dir, TOKENIZER_FILE))
+    if data.UNK_ID in tokenizer.tokenize([placeholders.RESERVED_SYMBOLS[0]]).flat_values.numpy():
+        # Translation masks placeholders; a model that never saw the masked pieces translates much worse.
+        warnings.warn(f"The run in {run_dir!r} was trained before placeholder masking (its vocabulary lacks the "
+                      "reserved pieces); retrain it for good translations.", stacklevel=2)
+    return model, tokenizer
+
+
+# Plural-Forms headers (GNU gettext manual, "Plural forms") for catalogs that do not carry one yet (a .pot).
+PLURAL_FORMS = {
+    "de": "nplurals=2; plural=(n != 1);",
+    "en": "nplurals=2; plural=(n != 1);",
+    "es": "nplurals=2; plural=(n != 1);",
+    "it": "nplurals=2; plural=(n != 1);",
+    "nl": "nplurals=2; plural=(n != 1);",
+    "sv": "nplurals=2; plural=(n != 1);",
+    "fr": "nplurals=2; plural=(n > 1);",
+    "pt_BR": "nplurals=2; plural=(n > 1);",
+    "ja": "nplurals=1; plural=0;",
+    "zh_CN": "nplurals=1; plural=0;",
+    "ru": "nplurals=3; plural=(n%10==1 && n%100!=11 ? 0 : n%10>=2 && n%10<=4 && (n%100<10 || n%100>=20) ? 1 : 2);",
+    "pl": "nplurals=3; plural=(n==1 ? 0 : n%10>=2 && n%10<=4 && (n%100<10 || n%100>=20) ? 1 : 2);",
+}
+
+
+_PO_LINE = re.compile(r'\s*(?:(?:msgctxt|msgid|msgid_plural|msgstr(?:\[[0-9]+\])?)\s+)?"(?:[^"\\]|\\.)*"\s*')
+
+
+def read_catalog(path):
+    """A `polib.POFile` of a .po or .pot; errors name the file and the line."""
+    import polib
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file; expected a .po or .pot catalog.")
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    encoding = "utf-8"
+    match = re.search(rb'"Content-Type:[^"]*?charset=([^"\\\s;]+)', raw)
+    if match:
+        name = match.group(1).decode("ascii", "replace")
+        line = raw[: match.start()].count(b"\n") + 1
+        if name.upper() != "CHARSET":  # a template's placeholder: read it as UTF-8
+            try:
+                codecs.lookup(name)
+            except LookupError:
+                raise ValueError(f"{path}:{line}: unknown encoding {name!r} in the Content-Type header; "
+                                 "expected a charset such as UTF-8 or ISO-8859-1.") from None
+            encoding = name
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: byte {raw[error.start]:#04x} is not valid {encoding}; "
+                         "fix the file or its Content-Type charset.") from None
+    # polib skips some broken lines (an unterminated string) without a word: check every line first.
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#") and not _PO_LINE.fullmatch(line):
+            raise ValueError(f"{path}:{number}: malformed PO file (expected a keyword and a quoted string, "
+                             f"found {line.strip()[:60]!r}).")
+    try:
+        return polib.pofile(text, encoding=encoding)
+    except (OSError, ValueError) as error:
+        found = re.search(r"line (\d+)", str(error))
+        where = f"{path}:{found.group(1)}" if found else path
+        detail = str(error).split(": ", 1)[1] if ": " in str(error) else str(error)
+        raise ValueError(f"{where}: malformed PO file ({detail}).") from None
+
+
+def _nplurals(catalog, target_language, path):
+    header = catalog.metadata.get("Plural-Forms", "")
+    found = re.search(r"nplurals\s*=\s*([0-9]+)", header)
+    if found and int(found.group(1)) >= 1:
+        return int(found.group(1))
+    language = catalog.metadata.get("Language") or target_language
+    forms = PLURAL_FORMS.get(language) or PLURAL_FORMS.get(str(language).split("_")[0])
+    if forms is None:
+        raise ValueError(f"{path}: the catalog has plural messages but no Plural-Forms header, and tfformer knows no "
+                         f"default for language {language!r}; add e.g. 'Plural-Forms: nplurals=2; plural=(n != 1);'.")
+    catalog.metadata["Plural-Forms"] = forms
+    return int(re.search(r"nplurals=([0-9]+)", forms).group(1))
+
+
+def _progress(done, total, stream):
+    width = 30
+    filled = width * done // max(total, 1)
+    stream.write(f"\rtranslating [{'#' * filled}{'.' * (width - filled)}] {done}/{total} messages")
+    if done >= total:
+        stream.write("\n")
+    stream.flush()
+
+
+def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_tokens=None, beam_size=None,
+                      progress=None, model=None, tokenizer=None, target_language=None):
+    """Fill the untranslated entries of a .pot or .po with machine translations, marked `fuzzy`; write `out`.
+
+    Existing translations, comments, flags, references, contexts and the order of entries are kept. A plural entry
+    gets `msgstr[1..n-1]` from `msgid_plural` and `msgstr[0]` from `msgid`, or from `msgid_plural` too when the two
+    differ in placeholders and form 0 serves more than n == 1 ("One file" is wrong for 21 in Russian); n comes
+    from the catalog's Plural-Forms, or a default for the target language, then written to the header.
+    Placeholders, leading/trailing whitespace and accelerator marks are protected (`translate_texts`). Returns a
+    dict: `translated` (entries filled), `messages` (texts sent to the model), `written` (the path, or None when
+    there was nothing to translate: then nothing is written).
+
+    Args:
+        run: a translation run directory (model.keras, tokenizer.model, run.json), or None with `model`/`tokenizer`.
+        po, out: the input catalog and the output path. An existing `out` is replaced only with `overwrite`.
+        progress: a progress bar on stderr; None shows one when there is more than one batch.
+    """
+    out = os.fspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise ValueError(f"{out}: the output file exists; pass --overwrite (overwrite=True) to replace it.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    catalog = read_catalog(po)
+    todo = catalog.untranslated_entries()
+    if not todo:
+        return {"translated": 0, "messages": 0, "written": None}
+    if model is None:
+        if run is None:
+            raise ValueError("Give `run` (a translation run directory) or `model` and `tokenizer`.")
+        model, tokenizer = load_run(run)
+    if target_language is None and run is not None and os.path.exists(os.path.join(run, RUN_FILE)):
+        target_language = rundir.read_json(os.path.join(run, RUN_FILE)).get("target_language")
+    nplurals = _nplurals(catalog, target_language, po) if any(e.msgid_plural for e in todo) else None
+    if str(catalog.metadata.get("Content-Type", "")).upper().endswith("CHARSET"):
+        catalog.metadata["Content-Type"] = "text/plain; charset=UTF-8"
+        catalog.encoding = "utf-8"
+    if catalog.metadata.get("Content-Transfer-Encoding", "").upper() == "ENCODING":
+        catalog.metadata["Content-Transfer-Encoding"] = "8bit"
+    if not catalog.metadata.get("Language") and target_language:
+        catalog.metadata["Language"] = target_language
+    max_new_tokens = max_new_tokens or model.config.max_sequence_length
+
+    texts = list(dict.fromkeys(t for e in todo for t in ([e.msgid, e.msgid_plural] if e.msgid_plural else [e.msgid])))
+    show = progress if progress is not None else len(texts) > batch_size
+    translated = {}
+    for start in range(0, len(texts), batch_size):
+        batch = texts[start : start + batch_size]
+        translated.update(zip(batch, translate_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens,
+                                                     batch_size=batch_size, beam_size=beam_size)))
+        if show:
+            _progress(start + len(batch), len(texts), sys.stderr)
+    only_one = re.search(r"plural=\(?n!=1\)?;?$", re.sub(r"\s", "", catalog.metadata.get("Plural-Forms", "")))
+    for entry in todo:
+        if entry.msgid_plural:
+            singular, plural = translated[entry.msgid], translated[entry.msgid_plural]
+            # msgstr[0] serves n == 1 alone only under `n != 1`; elsewhere it must hold msgid_plural's placeholders.
+            same = sorted(placeholders.find_placeholders(entry.msgid)) == sorted(
+                placeholders.find_placeholders(entry.msgid_plural))
+            first = singular if nplurals > 1 and (same or only_one) else plural
+            entry.msgstr_plural = {i: first if i == 0 else plural for i in range(nplurals)}
+        else:
+            entry.msgstr = translated[entry.msgid]
+        if "fuzzy" not in entry.flags:
+            entry.flags.insert(0, "fuzzy")
+    catalog.save(out)
+    return {"translated": len(todo), "messages": len(texts), "written": out}
