@@ -24,6 +24,8 @@ setup(
         "tensorflow-serving-api>=2.18,<3",
         "starlette>=0.40",
         "uvicorn>=0.30",
+        "gguf>=0.10",
+        "jinja2>=3.1",
         "polib>=1.2",
         "python-rapidjson>=1.10",
         "safetensors",
