@@ -4,7 +4,7 @@ Shape (the issue's): vocab 8192, 4 layers, hidden 256, 4 heads, intermediate 102
 128 new tokens, batch 1 and 8; a new random prompt each round; random weights, no early stop. Each system
 with and without XLA, in float32 and under the mixed_bfloat16 policy (what a model trained with
 `--mixed-precision` runs in; logits stay float32; at batch 1 under XLA tfformer's decode step reads its
-kernels in the compute dtype and multiplies in float32, `layers.attention.decode_kernels`, so there its "bf16"
+kernels in the compute dtype and multiplies in float32, `generation.plan.DecodePlan`'s "rows", so there its "bf16"
 row reads half the layer weights' bytes a step). "Best" is each system's fastest row.
 Also: tfformer's per-token time at positions 50 and 500, from two calls per position that generate 16 and 48
 tokens after a prompt of `position - 32` tokens: their difference is the time of the 32 tokens written at

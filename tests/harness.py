@@ -93,7 +93,7 @@ def spread(model, seed=0, scale=0.5):
 
 def matmuls_fed_by(op, fn, *args):
     """Matmuls in `fn`'s traced graph with an operand made by an `op` node: "Transpose" for the "rows" layout of
-    `layers.attention.decode_kernels` (`x @ transpose(rows)`), "Identity" for its "halves"."""
+    `generation.plan.DecodePlan` (`x @ transpose(rows)`), "Identity" for its "halves"."""
     nodes = fn.get_concrete_function(*args).graph.as_graph_def().node
     ops_by_name = {n.name: n.op for n in nodes}
     return sum(n.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3")

@@ -80,6 +80,43 @@ def test_cached_greedy_equals_uncached_causal_with_ragged_prompts(lm):
     assert _trim(cached) == _uncached_lm(lm, PROMPTS, 7)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("architecture", ["seq2seq", "causal_lm"])
+def test_grouped_query_attention_cached_greedy_equals_uncached(architecture, jit_compile):
+    """4 query heads over 2 key/value heads: cached greedy decoding (under XLA a batch of one on the "rows" plan
+    with split caches, the batch on "halves"; without XLA the plain forms) == decoding without a cache."""
+    config = models.TransformerConfig(**dict(CFG, architecture=architecture, num_heads=4, num_key_value_heads=2))
+    build = models.build_seq2seq if architecture == "seq2seq" else models.build_causal_lm
+    model = _spread(build(config), seed=2 if architecture == "seq2seq" else 5)
+    inputs = SOURCE if architecture == "seq2seq" else PROMPTS
+    uncached = _uncached_seq2seq if architecture == "seq2seq" else _uncached_lm
+    expected = uncached(model, inputs, 6)
+    assert len({tuple(r) for r in expected}) > 1 and any(len(set(r)) > 2 for r in expected)  # a non-trivial test
+    batch = generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=jit_compile)
+    assert _trim(batch) == expected
+    rows = [generation.generate_ids(model, inputs[i : i + 1], 6, jit_compile=jit_compile) for i in range(len(inputs))]
+    assert [_trim(r)[0] for r in rows] == expected
+    if jit_compile:
+        assert sorted(key[-1] for key in model._tfformer_generate_fns) == ["halves", "rows"]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
+def test_beam_search_honours_end_id(request, fixture, jit_compile):
+    """Beam search ends a beam at `end_id` (it used to stop only at id 3): a token that the beams produce
+    mid-row without an end id, made the end id, is followed by padding only in every row."""
+    model = request.getfixturevalue(fixture)
+    ids = SOURCE if fixture == "seq2seq" else PROMPTS
+    free = np.asarray(generation.generate_ids(model, ids, 6, beam_size=2, end_id=-1, jit_compile=jit_compile))
+    assert (free != 0).all()  # no end: every position generated
+    end = int(free[0, 1])  # a token some row continues after
+    ended = np.asarray(generation.generate_ids(model, ids, 6, beam_size=2, end_id=end, jit_compile=jit_compile))
+    assert (ended == end).any()
+    for row in ended.tolist():
+        if end in row:
+            assert all(t == 0 for t in row[row.index(end) + 1 :]), (end, row)
+
+
 @pytest.mark.parametrize("fixture", ["seq2seq", "lm"])
 def test_beam_one_and_top_k_one_equal_greedy(request, fixture):
     model = request.getfixturevalue(fixture)
@@ -139,8 +176,11 @@ GREEDY = ("greedy", 1.0, None, None, 0)  # Sampler().key()
 
 
 def _fn_key(model, max_new_tokens, layout, method=GREEDY):
-    """The key of the XLA function `generate_ids` caches in `model._tfformer_generate_fns`."""
-    return model.config.architecture, max_new_tokens, method, True, END_ID, layout
+    """The key of the XLA function `generate_ids` caches in `model._tfformer_generate_fns` (its default plan)."""
+    from tfformer.generation.plan import DecodePlan
+
+    return (model.config.architecture, max_new_tokens, method, True, END_ID,
+            *DecodePlan(layout, in_place_cache_writes=True).key())
 
 
 @pytest.mark.parametrize("batch", [1, 2])  # a batch of one has its own function (kernel layout "rows")
@@ -227,7 +267,7 @@ def test_causal_beam_search_with_and_without_xla(lm, jit_compile):
 
 
 def test_segment_sizes():
-    from tfformer.generation.decode import segment_sizes
+    from tfformer.generation.plan import segment_sizes
 
     assert segment_sizes(128) == [16, 32, 64, 128]
     assert segment_sizes(48) == [24, 48]  # 6 and 12 slots are below MIN_SEGMENT
@@ -237,7 +277,7 @@ def test_segment_sizes():
 
 def test_split_slots():
     """Split caches from 3/4 of XLA's one-core edge (128 KiB per head) up are allocated past it, a multiple of 8."""
-    from tfformer.generation.decode import split_slots
+    from tfformer.generation.plan import split_slots
 
     # float32, H = 64: a head holds 128 KiB at 512 slots, so 384-512 become 520.
     assert [split_slots(s, 64) for s in (1, 383, 384, 500, 512, 513, 1000)] == [1, 383, 520, 520, 520, 513, 1000]
@@ -255,8 +295,10 @@ def test_batch_one_decoding_on_caches_grown_past_the_edge():
     config = models.TransformerConfig(architecture="causal_lm", **dict(
         CFG, hidden_dim=64, num_heads=1, intermediate_dim=64, num_decoder_layers=1, max_sequence_length=448))
     model = _spread(models.build_causal_lm(config), seed=2, scale=0.3)
-    assert [tuple(c.shape) for c in decode.layer_caches(model, 1, 400, split=True)[0]] == [(1, 520, 64)] * 2
-    assert tuple(decode.layer_caches(model, 1, 400)[0].shape) == (1, 2, 1, 400, 64)  # stacked ones are not grown
+    from tfformer.generation.plan import layer_caches
+
+    assert [tuple(c.shape) for c in layer_caches(model, 1, 400, split=True)[0]] == [(1, 520, 64)] * 2
+    assert tuple(layer_caches(model, 1, 400)[0].shape) == (1, 2, 1, 400, 64)  # stacked ones are not grown
     prompt = np.random.default_rng(3).integers(4, CFG["vocabulary_size"], size=(1, 380)).astype("int32")
     slots = []
     step = model.decode_step
@@ -284,8 +326,9 @@ def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, ke
     """A step attends over a cache sized to what is filled (prompt + 1, 2, 4, 7 slots), not the full buffer;
     stacked caches, or split ones in the one-row ("rows", a batch of one) loop."""
     from tfformer.generation import decode
+    from tfformer.generation import plan as plan_lib
 
-    monkeypatch.setattr(decode, "MIN_SEGMENT", 1)  # tiny models: segment from one slot up
+    monkeypatch.setattr(plan_lib, "MIN_SEGMENT", 1)  # tiny models: segment from one slot up
     model = request.getfixturevalue(fixture)
     inputs, new_tokens = (SOURCE, 7) if fixture == "seq2seq" else (PROMPTS, 7)
     inputs = inputs[:1] if kernel_layout == "rows" else inputs
@@ -368,24 +411,25 @@ def _one_row_model(options, policy="float32"):
 
 
 def _xla_step(model, layout):
-    """One decode step of one token under XLA at position 3 of a cache, batch 1 (rows) or 2, `decode_kernels` of
-    `layout` (None: off). Returns the first row's logits and the matmuls with a prepared-kernel operand."""
+    """One decode step of one token under XLA at position 3 of a cache, batch 1 (rows) or 2, a `DecodePlan` of
+    kernel layout `layout` (None: off). Returns the first row's logits and the matmuls with a prepared-kernel
+    operand."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import decode_kernels, in_place_cache_writes, prepared_kernels
+    from tfformer.generation.plan import DecodePlan
 
     batch = 1 if layout in (None, "rows") else 2
     tokens = np.array([[7], [9]][:batch], "int32")
 
     @tf.function(jit_compile=True)
     def step(tokens):
-        with in_place_cache_writes(), decode_kernels(prepared_kernels(model, layout) if layout else None):
-            cache = tuple(tf.unstack(model.empty_cache(batch, 8)))
-            if model.config.architecture == "seq2seq":
-                encoder_outputs, mask = model.encode(tf.constant(SOURCE[:batch]))
-                cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))
-                return model.decode_step(tokens, cache, 3, cross, mask)[0]
-            return model.decode_step(tokens, cache, 3)[0]
+        plan = DecodePlan(layout, in_place_cache_writes=True).prepared(model)
+        cache = tuple(tf.unstack(model.empty_cache(batch, 8)))
+        if model.config.architecture == "seq2seq":
+            encoder_outputs, mask = model.encode(tf.constant(SOURCE[:batch]))
+            cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))
+            return model.decode_step(tokens, cache, 3, cross, mask, plan=plan)[0]
+        return model.decode_step(tokens, cache, 3, plan=plan)[0]
 
     fed = matmuls_fed_by("Identity" if layout == "halves" else "Transpose", step, tokens)
     return np.asarray(step(tokens))[:1], fed
@@ -394,7 +438,7 @@ def _xla_step(model, layout):
 @pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
 def test_decode_step_on_prepared_kernels_equals_the_plain_step(name, layout):
-    """XLA decoding on kernels laid out before the loop (decode_kernels: [W^T | b] transposed back for a batch of
+    """XLA decoding on kernels laid out before the loop (DecodePlan: [W^T | b] transposed back for a batch of
     one, column halves for more): same logits as the plain step, biases included."""
     model = _one_row_model(ONE_ROW_MODELS[name])
     plain, plain_fed = _xla_step(model, None)
@@ -431,16 +475,16 @@ def test_one_row_decode_step_under_mixed_bfloat16():
 def test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel():
     """A float32 layer inside a mixed_bfloat16 model (the untied output projection: float32 logits) keeps float32
     rows, no silent rounding of its weights; the decoder blocks' are bfloat16. A float32 model's stay float32."""
-    from tfformer.layers.attention import prepared_kernels
+    from tfformer.generation.plan import prepared_kernels
 
     model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
     head = model.get_layer("output_projection")
     assert head.compute_dtype == "float32"
-    table = prepared_kernels(model, "rows")[1]
+    table = prepared_kernels(model, "rows")
     assert table[id(head.kernel)][0].dtype.name == "float32"
     assert {rows.dtype.name for key, (rows, _) in table.items() if key != id(head.kernel)} == {"bfloat16"}
     assert len(table) == 4 * CFG["num_decoder_layers"] + 1
-    plain = prepared_kernels(_one_row_model(ONE_ROW_MODELS["causal untied swiglu"]), "rows")[1]
+    plain = prepared_kernels(_one_row_model(ONE_ROW_MODELS["causal untied swiglu"]), "rows")
     assert {rows.dtype.name for rows, _ in plain.values()} == {"float32"}
 
 
@@ -451,7 +495,7 @@ def _loop_states(hlo):
 
 
 def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
-    """The decode loop's state carries the bfloat16 rows (`carry_decode_kernels`): without the barrier XLA hoists
+    """The decode loop's state carries the bfloat16 rows (`DecodePlan.while_loop`): without the barrier XLA hoists
     their conversion out of the loop and every step reads a float32 copy, twice the bytes. Its caches are float32
     split pairs (`SplitCache`: no cast to bfloat16 at each layer call). Tokens: the same as the batch's, whose
     matmuls run in bfloat16 too."""

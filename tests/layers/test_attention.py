@@ -201,19 +201,18 @@ def test_bad_arguments(kwargs, match):
 def test_in_place_cache_write_under_xla_equals_select_write(rng):
     import tensorflow as tf
 
-    from tfformer.layers.attention import _write_cache, in_place_cache_writes
+    from tfformer.layers.layer_utils import write_cache
 
     cache = tf.constant(rng.normal(size=(2, 2, 3, 9, 4)).astype("float32"))
     new = tf.constant(rng.normal(size=(2, 2, 3, 2, 4)).astype("float32"))
     expected = cache.numpy().copy()
     expected[:, :, :, 5:7] = new.numpy()
-    fn = tf.function(lambda c, n, i: _write_cache(c, n, i), jit_compile=True)
-    with in_place_cache_writes():
-        in_place = fn(cache, new, tf.constant(5))
+    fn = tf.function(lambda c, n, i: write_cache(c, n, i, in_place=True), jit_compile=True)
+    in_place = fn(cache, new, tf.constant(5))
     graph = fn.get_concrete_function(cache, new, tf.constant(5)).graph.as_graph_def()
     assert any(node.op == "XlaDynamicUpdateSlice" for node in graph.node)
     np.testing.assert_array_equal(in_place.numpy(), expected)
-    np.testing.assert_array_equal(_write_cache(cache, new, 5).numpy(), expected)  # default: select form
+    np.testing.assert_array_equal(write_cache(cache, new, 5).numpy(), expected)  # default: select form
 
 
 @pytest.mark.parametrize("key_dim", [H, 16])  # one-query dot-product scores: a dot (H=4), a split multiply + sum (16)
@@ -223,23 +222,24 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim
     """The XLA path (in-place cache writes, attention over the stacked cache) == the full causal pass."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import in_place_cache_writes
+    from tfformer.generation.plan import DecodePlan
 
+    plan = DecodePlan(in_place_cache_writes=True)
     x = rng.normal(size=(batch, T, D)).astype("float32")
     memory = rng.normal(size=(batch, S, D)).astype("float32")
     layer = MultiHeadAttention(num_heads=N, key_dim=key_dim, score=score)
     full = np.asarray(layer(x, x, use_causal_mask=True))
     cross = np.asarray(layer(x, memory))
-    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=True)
-    read = tf.function(lambda q, c: layer(q, q, cache=c)[0], jit_compile=True)
-    with in_place_cache_writes():
-        cache = tf.zeros((batch, 2, N, T + 2, key_dim))
-        out, cache = step(x[:, :2], cache, tf.constant(0))
-        outs = [out.numpy()]
-        for t in range(2, T):
-            out, cache = step(x[:, t : t + 1], cache, tf.constant(t))
-            outs.append(out.numpy())
-        got_cross = read(x, layer.compute_cache(memory)).numpy()
+    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i, plan=plan),
+                       jit_compile=True)
+    read = tf.function(lambda q, c: layer(q, q, cache=c, plan=plan)[0], jit_compile=True)
+    cache = tf.zeros((batch, 2, N, T + 2, key_dim))
+    out, cache = step(x[:, :2], cache, tf.constant(0))
+    outs = [out.numpy()]
+    for t in range(2, T):
+        out, cache = step(x[:, t : t + 1], cache, tf.constant(t))
+        outs.append(out.numpy())
+    got_cross = read(x, layer.compute_cache(memory)).numpy()
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
     np.testing.assert_allclose(got_cross, cross, atol=1e-5)
 
@@ -249,28 +249,28 @@ def test_xla_decoding_with_in_place_cache_equals_full(rng, score, batch, key_dim
 def test_split_cache_decoding_equals_full_and_the_stacked_cache(rng, score, xla):
     """A split cache `(keys, values)` `(B*N, S, H)`: outputs == the full causal pass, and after every step its
     contents == the stacked cache's (written the same way), with and without XLA's in-place writes."""
-    import contextlib
-
     import tensorflow as tf
 
-    from tfformer.layers.attention import in_place_cache_writes, split_cache
+    from tfformer.generation.plan import DecodePlan
+    from tfformer.layers.layer_utils import split_cache
 
+    plan = DecodePlan(in_place_cache_writes=xla)
     x = rng.normal(size=(B, T, D)).astype("float32")
     layer = MultiHeadAttention(num_heads=N, key_dim=H, score=score)
     full = np.asarray(layer(x, x, use_causal_mask=True))
-    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=xla)
-    with in_place_cache_writes() if xla else contextlib.nullcontext():
-        stacked = tf.zeros((B, 2, N, T + 2, H))  # two unfilled slots at the end
-        split = split_cache(stacked)
-        outs = []
-        for start, stop in [(0, 2)] + [(t, t + 1) for t in range(2, T)]:  # a two-token prefill, then one at a time
-            out, split = step(x[:, start:stop], split, tf.constant(start))
-            _, stacked = step(x[:, start:stop], stacked, tf.constant(start))
-            outs.append(out.numpy())
-            assert isinstance(split, tuple) and len(split) == 2
-            for half, expected in zip(split, split_cache(stacked)):
-                assert tuple(half.shape) == (B * N, T + 2, H)
-                np.testing.assert_allclose(half.numpy(), expected.numpy(), atol=1e-6)
+    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i, plan=plan),
+                       jit_compile=xla)
+    stacked = tf.zeros((B, 2, N, T + 2, H))  # two unfilled slots at the end
+    split = split_cache(stacked)
+    outs = []
+    for start, stop in [(0, 2)] + [(t, t + 1) for t in range(2, T)]:  # a two-token prefill, then one at a time
+        out, split = step(x[:, start:stop], split, tf.constant(start))
+        _, stacked = step(x[:, start:stop], stacked, tf.constant(start))
+        outs.append(out.numpy())
+        assert isinstance(split, tuple) and len(split) == 2
+        for half, expected in zip(split, split_cache(stacked)):
+            assert tuple(half.shape) == (B * N, T + 2, H)
+            np.testing.assert_allclose(half.numpy(), expected.numpy(), atol=1e-6)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
     np.testing.assert_array_equal(split[0].numpy()[:, T:], 0)  # the unfilled slots stay empty
 
@@ -280,20 +280,20 @@ def test_split_cache_object_keeps_its_float32_buffers_under_mixed_bfloat16(rng, 
     """Keras casts a pair of float32 tensors passed to a mixed_bfloat16 layer to bfloat16; a `SplitCache` of the
     same tensors reaches `call` as it is and comes back as a float32 pair with the same contents (the keys and
     values are bfloat16 numbers either way) and the same outputs."""
-    import contextlib
-
     import tensorflow as tf
 
-    from tfformer.layers.attention import SplitCache, in_place_cache_writes, split_cache
+    from tfformer.generation.plan import DecodePlan
+    from tfformer.layers.layer_utils import SplitCache, split_cache
 
+    plan = DecodePlan(in_place_cache_writes=xla)
     x = rng.normal(size=(B, 3, D)).astype("float32")
     layer = MultiHeadAttention(num_heads=N, key_dim=H, dtype="mixed_bfloat16")
-    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i), jit_compile=xla)
-    with in_place_cache_writes() if xla else contextlib.nullcontext():
-        pair = split_cache(tf.zeros((B, 2, N, 4, H)))
-        out_pair, pair = step(x, pair, tf.constant(0))
-        wrapped = split_cache(tf.zeros((B, 2, N, 4, H)))
-        out_wrapped, wrapped = step(x, SplitCache(*wrapped), tf.constant(0))
+    step = tf.function(lambda q, c, i: layer(q, q, use_causal_mask=True, cache=c, cache_index=i, plan=plan),
+                       jit_compile=xla)
+    pair = split_cache(tf.zeros((B, 2, N, 4, H)))
+    out_pair, pair = step(x, pair, tf.constant(0))
+    wrapped = split_cache(tf.zeros((B, 2, N, 4, H)))
+    out_wrapped, wrapped = step(x, SplitCache(*wrapped), tf.constant(0))
     assert [h.dtype for h in pair] == [tf.bfloat16] * 2  # Keras' autocast: the reason for SplitCache
     assert isinstance(wrapped, tuple) and [h.dtype for h in wrapped] == [tf.float32] * 2
     for got, expected in zip(wrapped, pair):
@@ -303,7 +303,7 @@ def test_split_cache_object_keeps_its_float32_buffers_under_mixed_bfloat16(rng, 
 
 
 def test_split_cache_needs_a_pair_and_cache_index(rng):
-    from tfformer.layers.attention import split_cache
+    from tfformer.layers.layer_utils import split_cache
 
     x = rng.normal(size=(B, 1, D)).astype("float32")
     layer = MultiHeadAttention(num_heads=N, key_dim=H)
@@ -317,11 +317,12 @@ def test_split_cache_needs_a_pair_and_cache_index(rng):
 @pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("use_bias, start, stop", [(True, 0, 10), (True, 3, 7), (False, 0, 10), (False, 2, 9)])
 def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop, layout):
-    """`dense` under `decode_kernels` (XLA) == x @ W[:, start:stop] + b[start:stop]; column slices stay plain in
-    the "halves" layout."""
+    """`dense` with a plan of prepared kernels (XLA) == x @ W[:, start:stop] + b[start:stop]; column slices stay
+    plain in the "halves" layout."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import decode_kernels, dense, prepared_kernels
+    from tfformer.generation.plan import DecodePlan
+    from tfformer.layers.layer_utils import dense
 
     layer = keras.layers.Dense(10, use_bias=use_bias)
     layer.build((None, 6))
@@ -331,8 +332,7 @@ def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop,
 
     @tf.function(jit_compile=True)
     def fn(x):
-        with decode_kernels(prepared_kernels(layer, layout)):
-            return dense(x, layer.kernel, bias, start, stop)
+        return dense(x, layer.kernel, bias, start, stop, plan=DecodePlan(layout).prepared(layer))
 
     expected = x @ layer.kernel.numpy()[:, start:stop] + (layer.bias.numpy()[start:stop] if use_bias else 0)
     np.testing.assert_allclose(fn(x).numpy(), expected, rtol=1e-5, atol=1e-5)
@@ -347,7 +347,8 @@ def test_dense_with_another_bias_keeps_the_plain_form(rng, layout):
     """Prepared kernels belong with their own bias: `dense` with a different bias takes the plain matmul."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import decode_kernels, dense, prepared_kernels
+    from tfformer.generation.plan import DecodePlan
+    from tfformer.layers.layer_utils import dense
 
     layer = keras.layers.Dense(4)
     layer.build((None, 3))
@@ -356,15 +357,14 @@ def test_dense_with_another_bias_keeps_the_plain_form(rng, layout):
 
     @tf.function(jit_compile=True)
     def fn(x):
-        with decode_kernels(prepared_kernels(layer, layout)):
-            return dense(x, layer.kernel, other)
+        return dense(x, layer.kernel, other, plan=DecodePlan(layout).prepared(layer))
 
     np.testing.assert_allclose(fn(x).numpy(), x @ layer.kernel.numpy() + np.arange(4), rtol=1e-5, atol=1e-5)
     assert matmuls_fed_by("Transpose", fn, x) == matmuls_fed_by("Identity", fn, x) == 0
 
 
 def test_prepared_kernels_rejects_an_unknown_layout():
-    from tfformer.layers.attention import prepared_kernels
+    from tfformer.generation.plan import prepared_kernels
 
     with pytest.raises(ValueError, match="layout"):
         prepared_kernels(keras.layers.Dense(2), "columns")
@@ -377,7 +377,7 @@ def test_dense_is_a_2d_matmul_and_a_bias_add(rng, shape, use_bias, start, stop):
     (the pair grappler fuses into one oneDNN kernel), for inputs of any rank; the static shape is kept."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import dense
+    from tfformer.layers.layer_utils import dense
 
     kernel = keras.Variable(rng.normal(size=(6, 10)).astype("float32"))
     bias = keras.Variable(rng.normal(size=(10,)).astype("float32")) if use_bias else None
@@ -401,11 +401,11 @@ def test_dense_is_a_2d_matmul_and_a_bias_add(rng, shape, use_bias, start, stop):
 @pytest.mark.parametrize("shape", [(2, 6), (2, 3, 6), (2, 3, 1, 6)])
 @pytest.mark.parametrize("start, stop", [(0, 10), (3, 7)])
 def test_dense_gradients_under_a_tape(rng, shape, start, stop):
-    """Under a gradient tape `dense` takes `_matmul_bias_add`, whose bias gradient is a (1, rows) @ (rows, U) matmul
+    """Under a gradient tape `dense` takes `matmul_bias_add`, whose bias gradient is a (1, rows) @ (rows, U) matmul
     (no BiasAddGrad in the step's graph): input, kernel and bias gradients against numpy, also for column slices."""
     import tensorflow as tf
 
-    from tfformer.layers.attention import dense
+    from tfformer.layers.layer_utils import dense
 
     kernel = keras.Variable(rng.normal(size=(6, 10)).astype("float32"))
     bias = keras.Variable(rng.normal(size=(10,)).astype("float32"))

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfformer import models
+from tfformer import compat, layers, models
 
 TINY = dict(vocabulary_size=40, hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=2,
             num_decoder_layers=2, dropout=0.0, max_sequence_length=32)
@@ -45,6 +45,9 @@ CONFIGS = {
     "encoder": _tiny("encoder", num_segments=2, num_classes=3, activation="gelu", position="learned"),
     "causal_lm": _tiny("causal_lm", norm_first=True, activation="swiglu"),
     "regressor": _tiny("regressor"),
+    # Grouped-query attention: 4 query heads over 2 (1) key/value heads.
+    "causal_lm_gqa": _tiny("causal_lm", num_heads=4, num_key_value_heads=2, norm_first=True),
+    "seq2seq_gqa": _tiny("seq2seq", num_heads=4, num_key_value_heads=1),
 }
 
 
@@ -205,3 +208,21 @@ def test_mixed_precision_logits_are_float32(rng):
     logits = model({"token_ids": np.array([[1, 2, 3, 0]], "int32")})
     assert keras.backend.standardize_dtype(logits.dtype) == "float32"
     assert np.all(np.isfinite(np.asarray(logits)))
+
+
+@pytest.mark.parametrize("name", ["causal_lm_gqa", "seq2seq_gqa"])
+def test_grouped_query_attention_config(name):
+    """`num_key_value_heads` reaches every attention layer and sizes the caches `(L, B, 2, K, S, H)`."""
+    config = CONFIGS[name]
+    assert models.TransformerConfig.from_json(config.to_json()) == config
+    model = models.build_model(config)
+    attention = [layer for layer in compat.flatten_layers(model) if isinstance(layer, layers.MultiHeadAttention)]
+    assert attention and {layer.num_key_value_heads for layer in attention} == {config.num_key_value_heads}
+    assert tuple(model.empty_cache(3, 5).shape) == (2, 3, 2, config.num_key_value_heads, 5, 4)
+    assert models.TransformerConfig(**TINY).key_value_heads == TINY["num_heads"]
+
+
+@pytest.mark.parametrize("kv_heads", [3, 0, 4])
+def test_bad_num_key_value_heads(kv_heads):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        _tiny("causal_lm", num_heads=2, num_key_value_heads=kv_heads)

@@ -105,7 +105,7 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
     config = model.config
     max_length = max_length or config.max_sequence_length
     cache_spec = tf.TensorSpec(
-        [config.num_decoder_layers, 1, 2, config.num_heads, max_length, config.head_dim], tf.float32, name="cache"
+        [config.num_decoder_layers, 1, 2, config.key_value_heads, max_length, config.head_dim], tf.float32, name="cache"
     )
     index_spec = tf.TensorSpec([], tf.int32, name="index")
     token_spec = tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS)
@@ -121,7 +121,7 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         source_length = source_length or config.max_sequence_length
         src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
         cross_spec = tf.TensorSpec(
-            [config.num_decoder_layers, 1, 2, config.num_heads, source_length, config.head_dim], tf.float32,
+            [config.num_decoder_layers, 1, 2, config.key_value_heads, source_length, config.head_dim], tf.float32,
             name="cross_cache",
         )
         mask_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_padding_mask")

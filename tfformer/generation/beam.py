@@ -2,12 +2,13 @@
 
 Scores are sums of log-probabilities; the final choice divides by the GNMT
 length penalty `((5 + length) / 6) ** length_penalty` (Wu et al., 2016).
-Beam size 1 is exactly greedy decoding.
+Beam size 1 is exactly greedy decoding. A beam ends at `end_id` (`-1`: never).
 """
 
 import tensorflow as tf
 
-from tfformer.generation.decode import END_ID, PAD_ID, START_ID, layer_caches, segment_sizes, segmented_loop
+from tfformer.generation.plan import DecodePlan
+from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 
 NEG = -1e9
 
@@ -39,11 +40,22 @@ def _flat(source_beam, beam):
     return tf.reshape(source_beam + tf.range(batch)[:, None] * beam, [-1])  # (B*K,)
 
 
+def _check_plan(plan):
+    """A plan beam search can follow: it reorders stacked `(B*K, ...)` caches along their batch axis, so no kernel
+    layout (and no split caches)."""
+    if plan is None:
+        return DecodePlan()
+    if plan.kernel_layout is not None:
+        raise ValueError(f"Beam search takes a plan without `kernel_layout`. Received: plan={plan!r}")
+    return plan
+
+
 def _penalized(scores, lengths, length_penalty):
     return scores / tf.pow((5.0 + tf.cast(lengths, tf.float32)) / 6.0, length_penalty)
 
 
-def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
+def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty, plan=None, end_id=END_ID):
+    plan = _check_plan(plan)
     vocab = model.config.vocabulary_size
 
     def run(encoder_token_ids):
@@ -51,7 +63,7 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         encoder_outputs, encoder_mask = _repeat(encoder_outputs, beam), _repeat(encoder_mask, beam)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = layer_caches(model, batch * beam, segment_sizes(max_new_tokens)[0], dtype=cross.dtype)
+        cache = plan.layer_caches(model, batch * beam, plan.first_segment(max_new_tokens), cross.dtype)
         cross = tuple(tf.unstack(cross))
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
         output = tf.zeros([batch, beam, max_new_tokens], tf.int32)
@@ -62,8 +74,8 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
         def cond(i, *_):
             return i < max_new_tokens
 
-        def body(i, tokens, cache, scores, output, finished, lengths):
-            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask)
+        def body(plan, i, tokens, cache, scores, output, finished, lengths):
+            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask, plan=plan)
             log_probs = tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32))
             forced = tf.fill([batch, beam], -1)
             scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab)
@@ -73,18 +85,19 @@ def seq2seq_beam_fn(model, max_new_tokens, beam, length_penalty):
             finished = tf.gather(finished, source, batch_dims=1)
             lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(~finished, tf.int32)
             output = tf.where(tf.range(max_new_tokens) == i, token[..., None], output)  # write column i
-            finished = finished | tf.equal(token, END_ID)
+            finished = finished | tf.equal(token, end_id)
             return i + 1, tf.reshape(token, (-1, 1)), cache, scores, output, finished, lengths
 
         loop = (tf.constant(0), tokens, cache, scores, output, finished, lengths)
-        _, _, _, scores, output, finished, lengths = segmented_loop(cond, body, loop, 2, 0, max_new_tokens)
+        _, _, _, scores, output, finished, lengths = plan.segmented_loop(cond, body, loop, 2, 0, max_new_tokens)
         best = tf.argmax(_penalized(scores, lengths, length_penalty), axis=1, output_type=tf.int32)  # (B,)
         return tf.gather(output, best, batch_dims=1)
 
     return run
 
 
-def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
+def causal_beam_fn(model, max_new_tokens, beam, length_penalty, plan=None, end_id=END_ID):
+    plan = _check_plan(plan)
     vocab = model.config.vocabulary_size
 
     def run(prompt_ids):
@@ -94,10 +107,10 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, P + N)
         start = tf.reduce_min(prompt_lengths)
-        cache = layer_caches(model, batch * beam, prompt_length + segment_sizes(max_new_tokens)[0])
+        cache = plan.layer_caches(model, batch * beam, prompt_length + plan.first_segment(max_new_tokens))
         # The whole (static-width) prompt: a slice to `start` would make XLA compile once per prompt (decode.py).
         prompts = tf.reshape(tokens, (batch * beam, -1))[:, :prompt_length]  # (B*K, P)
-        logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1)
+        logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1, plan=plan)
         logits = logits[:, -1, :]  # (B*K, V): a fixed loop-variable shape (XLA needs it)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])
         finished = tf.zeros([batch, beam], tf.bool)
@@ -107,7 +120,7 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
         def cond(i, *_):
             return i < tf.reduce_max(prompt_lengths) + max_new_tokens
 
-        def body(i, logits, tokens, cache, scores, finished, lengths):
+        def body(plan, i, logits, tokens, cache, scores, finished, lengths):
             log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
             in_prompt = i < row_lengths
             forced = tf.where(in_prompt, tokens[:, :, i], -1)
@@ -119,12 +132,13 @@ def causal_beam_fn(model, max_new_tokens, beam, length_penalty):
             generated = ~finished & ~in_prompt
             lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(generated, tf.int32)
             tokens = tf.where(tf.range(total) == i, token[..., None], tokens)  # write column i
-            finished = finished | (generated & tf.equal(token, END_ID)) | (i + 1 >= row_lengths + max_new_tokens)
-            logits, cache = model.decode_step(tf.reshape(token, (-1, 1)), cache, i)
+            finished = finished | (generated & tf.equal(token, end_id)) | (i + 1 >= row_lengths + max_new_tokens)
+            logits, cache = model.decode_step(tf.reshape(token, (-1, 1)), cache, i, plan=plan)
             return i + 1, logits[:, -1, :], tokens, cache, scores, finished, lengths
 
         loop = (start, logits, tokens, cache, scores, finished, lengths)
-        _, _, tokens, _, scores, finished, lengths = segmented_loop(cond, body, loop, 3, prompt_length, max_new_tokens)
+        _, _, tokens, _, scores, finished, lengths = plan.segmented_loop(cond, body, loop, 3, prompt_length,
+                                                                          max_new_tokens)
         best = tf.argmax(_penalized(scores, lengths, length_penalty), axis=1, output_type=tf.int32)
         tokens = tf.gather(tokens, best, batch_dims=1)  # (B, P + N)
         index = prompt_lengths[:, None] + tf.range(max_new_tokens)[None, :]

@@ -2,9 +2,9 @@
 
 Each step feeds one token and attends over the cache, so a new token costs
 O(current length) instead of a full re-run. Compiled functions are cached per
-model, sampler, length and (under XLA) kernel layout: one for a batch of one, one
-for larger batches; they take dynamic batch/length shapes, so repeated calls do not
-retrace.
+model, sampler, length and decode plan (`generation.plan.DecodePlan`: under XLA,
+one for a batch of one, one for larger batches); they take dynamic batch/length
+shapes, so repeated calls do not retrace.
 """
 
 import warnings
@@ -12,26 +12,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tfformer.generation import beam
+from tfformer.generation.plan import DecodePlan, check_kernel_layout
 from tfformer.generation.samplers import as_sampler
-from tfformer.layers.attention import (
-    carry_decode_kernels,
-    decode_kernels,
-    in_place_cache_writes,
-    prepared_kernels,
-    split_cache,
-)
-
-START_ID, END_ID, PAD_ID = 2, 3, 0
-# The decode loop runs in up to this many segments whose caches grow (prefix + N/8, N/4, N/2, N slots for
-# N new tokens), so a step attends over at most about twice the positions filled so far, not the whole
-# buffer. A segment smaller than MIN_SEGMENT slots saves less than its extra loop costs to trace and compile.
-CACHE_SEGMENTS = 4
-MIN_SEGMENT = 16
-# XLA's CPU backend emits each one-query attention dot over a split cache, (B*N, 1, H) x (B*N, S, H), as one kernel
-# that spreads the heads over the cores only when one head's buffer is larger than this; up to it, one core reads
-# every head. A split cache of 3/4 of that size or more is allocated past it: up to a third more (masked) slots, read
-# on every core (benchmarks/RESULTS.md, "Decoding": 12-21% less time per step at 384-512 slots, H = 64).
-PARALLEL_HEAD_BYTES = 128 * 1024
+from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 
 
 def _check_max_new_tokens(max_new_tokens):
@@ -50,79 +34,13 @@ def _ids_spec():
     return tf.TensorSpec([None, None], tf.int32)
 
 
-def segment_sizes(max_new_tokens):
-    """Slots for new tokens in each segment's cache: N/8, N/4, N/2, N (rounded up; N always, the others
-    only from MIN_SEGMENT slots up)."""
-    sizes = [-(-max_new_tokens // 2**k) for k in reversed(range(1, CACHE_SEGMENTS))]
-    return [size for size in sizes if size >= MIN_SEGMENT] + [max_new_tokens]
-
-
-def split_slots(slots, head_dim, itemsize=4):
-    """The slots to allocate for a split cache that must hold `slots` (an int or an int32 scalar tensor).
-
-    `slots` itself, or, from 3/4 of `PARALLEL_HEAD_BYTES` per head on, the first multiple of 8 slots past it.
-    """
-    edge = PARALLEL_HEAD_BYTES // (head_dim * itemsize)  # the most slots whose heads XLA reads on one core
-    past = -(-(edge + 1) // 8) * 8
-    if isinstance(slots, int):
-        return past if edge * 3 // 4 <= slots <= edge else slots
-    return tf.where(tf.logical_and(slots >= edge * 3 // 4, slots <= edge), past, slots)
-
-
-def _grown(cache, size):
-    """Per-layer caches (split, `(B*N, S, H)` pairs, or stacked) zero-padded along S to `size` slots (split ones to
-    `split_slots(size)`)."""
-    def pad(c):  # S is the second-to-last axis in both forms
-        target = split_slots(size, c.shape[-1], c.dtype.size) if len(c.shape) == 3 else size
-        return tf.pad(c, [[0, 0]] * (len(c.shape) - 2) + [[0, target - tf.shape(c)[-2]], [0, 0]])
-
-    return tf.nest.map_structure(pad, cache)
-
-
-def segmented_loop(cond, body, loop_vars, cache_at, prefix, max_new_tokens):
-    """`tf.while_loop(cond, body, loop_vars)` over growing caches.
-
-    `loop_vars` is `(i, ...)` with the per-layer caches at index `cache_at`; step `i` writes cache slot `i`.
-    Segment k runs while `i < prefix + segment_sizes(N)[k]` on caches of that many slots (split ones:
-    `split_slots` of them); between segments the caches are zero-padded to the next size. Sizes come from
-    static shapes, so XLA compiles each loop with a fixed cache length.
-    """
-    for size in segment_sizes(max_new_tokens):
-        stop = prefix + size
-        loop_vars = (*loop_vars[:cache_at], _grown(loop_vars[cache_at], stop), *loop_vars[cache_at + 1:])
-        loop_vars = carry_decode_kernels(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body,
-                                         loop_vars)
-    return loop_vars
-
-
-def _with_kernels(fn, model, kernel_layout):
-    """`fn` with its one-token matmuls on kernels laid out once, before the loop (`layers.attention.decode_kernels`)."""
-    if kernel_layout is None:
-        return fn
-
-    def run(token_ids):
-        with decode_kernels(prepared_kernels(model, kernel_layout)):
-            return fn(token_ids)
-
-    return run
-
-
-def layer_caches(model, batch, slots, split=False, dtype="float32"):
-    """Per-layer empty caches (no re-stacking each step): split (`split_cache`, `split_slots(slots)` of them) or
-    stacked `(B, 2, N, S, H)`."""
-    if split:
-        slots = split_slots(slots, model.config.head_dim, tf.as_dtype(dtype).size)
-    caches = tf.unstack(model.empty_cache(batch, slots, dtype=dtype))
-    return tuple(split_cache(c) for c in caches) if split else tuple(caches)
-
-
-def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
+def _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan):
     def run(encoder_token_ids):
+        step_plan = plan.prepared(model)  # kernels laid out once, before the loop
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
         cross = model.cross_attention_caches(encoder_outputs)
-        first = segment_sizes(max_new_tokens)[0]
-        cache = layer_caches(model, batch, first, split, dtype="float32" if split else cross.dtype)  # grows in the loop
+        cache = step_plan.layer_caches(model, batch, step_plan.first_segment(max_new_tokens), cross.dtype)  # grows
         cross = tuple(tf.unstack(cross))
         tokens = tf.fill([batch, 1], START_ID)
         output = tf.zeros([batch, max_new_tokens], tf.int32)
@@ -131,8 +49,8 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
         def cond(i, tokens, cache, output, done):
             return tf.logical_not(tf.reduce_all(done))
 
-        def body(i, tokens, cache, output, done):
-            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask)  # (B, 1, V)
+        def body(plan, i, tokens, cache, output, done):
+            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask, plan=plan)  # (B, 1, V)
             next_ids = sampler(logits[:, -1, :], i)
             next_ids = tf.where(done, PAD_ID, next_ids)  # (B,)
             output = tf.tensor_scatter_nd_update(
@@ -141,40 +59,42 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
             done = done | tf.equal(next_ids, end_id)
             return i + 1, next_ids[:, None], cache, output, done
 
-        _, _, _, output, _ = segmented_loop(cond, body, (tf.constant(0), tokens, cache, output, done), 2, 0, max_new_tokens)
+        loop_vars = (tf.constant(0), tokens, cache, output, done)
+        _, _, _, output, _ = step_plan.segmented_loop(cond, body, loop_vars, 2, 0, max_new_tokens)
         return output
 
     return run
 
 
-def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
+def _causal_fn(model, max_new_tokens, sampler, end_id, plan):
     def run(prompt_ids):
+        step_plan = plan.prepared(model)  # kernels laid out once, before the loop
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
         # Prompt + the first segment's slots; grows in the loop.
-        cache = layer_caches(model, batch, prompt_length + segment_sizes(max_new_tokens)[0], split)
+        cache = step_plan.layer_caches(model, batch, prompt_length + step_plan.first_segment(max_new_tokens))
         # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
         # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
         # for that position overwrites them.
-        logits, cache = model.decode_step(prompt_ids, cache, 0, logits_index=start - 1)
+        logits, cache = model.decode_step(prompt_ids, cache, 0, logits_index=start - 1, plan=step_plan)
         next_ids = sampler(logits[:, -1, :], start)
         done = tf.zeros([batch], tf.bool)
 
         def cond(i, next_ids, tokens, cache, done):
             return tf.logical_and(i < tf.reduce_max(lengths) + max_new_tokens, tf.logical_not(tf.reduce_all(done)))
 
-        def body(i, next_ids, tokens, cache, done):
+        def body(plan, i, next_ids, tokens, cache, done):
             in_prompt = i < lengths
             chosen = tf.where(in_prompt, tokens[:, i], tf.where(done, PAD_ID, next_ids))  # (B,)
             tokens = tf.tensor_scatter_nd_update(tokens, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), chosen)
             done = done | (~in_prompt & tf.equal(chosen, end_id)) | (i + 1 >= lengths + max_new_tokens)
-            logits, cache = model.decode_step(chosen[:, None], cache, i)
+            logits, cache = model.decode_step(chosen[:, None], cache, i, plan=plan)
             return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
 
         loop_vars = (start, next_ids, tokens, cache, done)
-        _, _, tokens, _, _ = segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
+        _, _, tokens, _, _ = step_plan.segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
         # Each row's continuation starts at its own prompt length.
         index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
         return tf.gather(tokens, index, batch_dims=1)
@@ -183,36 +103,37 @@ def _causal_fn(model, max_new_tokens, sampler, end_id=END_ID, split=False):
 
 
 def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID,
-              kernel_layout=None):
+              kernel_layout=None, plan=None):
     """The (untraced) decoding function `ids (B, L) int32 -> new ids (B, max_new_tokens)` of `model`.
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
-    `kernel_layout` ("rows" for a batch of one, "halves" for more; greedy or sampling,
-    beam search ignores it) is for code compiled with XLA: the decode steps' matmuls
-    then use kernels laid out once before the loop (`layers.attention.decode_kernels`;
-    benchmarks/RESULTS.md: batch-1 decoding ~1.5x, batch 8 ~1.2x faster on these CPUs).
-    "rows" also carries split caches (`layers.attention.split_cache`), float32 under
-    any policy and handed to the layers as `SplitCache` (Keras would cast a pair of
-    tensors to the compute dtype at every call): the attention reads keys and values
-    with batched matmuls (per-token time at position 500 ~7% lower; a mixed_bfloat16
-    model's batch-1 call 4-7% faster than on its stacked bfloat16 cache). At batch 8 the
-    split form measured 0.92-0.96x of the stacked cache's fused form, which it keeps
-    (benchmarks/RESULTS.md).
+    `plan` (a `generation.plan.DecodePlan`) picks the loop's fast forms; by default
+    `DecodePlan(kernel_layout)`, which without a layout runs in any graph (SavedModel without
+    XLA, TFLite). `kernel_layout` ("rows" for a batch
+    of one, "halves" for more; greedy or sampling, beam search ignores it) is for code
+    compiled with XLA: the decode steps' matmuls then use kernels laid out once before
+    the loop, and "rows" also keeps split float32 caches (see `generation.plan`). Pass
+    one of `kernel_layout` and `plan`.
     """
-    from tfformer.generation import beam
-
+    check_kernel_layout(kernel_layout)
+    if plan is None:
+        plan = DecodePlan(kernel_layout)
+    elif kernel_layout is not None and kernel_layout != plan.kernel_layout:
+        raise ValueError(f"Pass `kernel_layout` or a `plan`, not both. Received: kernel_layout={kernel_layout!r}, "
+                         f"plan={plan!r}")
     sampler = as_sampler(sampler)
     architecture = model.config.architecture
-    split = kernel_layout == "rows"
+    if beam_size:
+        plan = DecodePlan(in_place_cache_writes=plan.in_place_cache_writes, cache_segments=plan.cache_segments)
     if architecture == "seq2seq":
         if beam_size:
-            return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _with_kernels(_seq2seq_fn(model, max_new_tokens, sampler, end_id, split), model, kernel_layout)
+            return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty, plan, end_id)
+        return _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan)
     if architecture == "causal_lm":
         if beam_size:
-            return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty)
-        return _with_kernels(_causal_fn(model, max_new_tokens, sampler, end_id, split), model, kernel_layout)
+            return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty, plan, end_id)
+        return _causal_fn(model, max_new_tokens, sampler, end_id, plan)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
 
@@ -220,7 +141,7 @@ def _as_ids(token_ids, vocabulary_size):
     """`token_ids` as a checked `(B, L)` int32 numpy array.
 
     Checked and padded in numpy: each eager TensorFlow op costs as much as a few decode
-    steps (2.4 ms of a 35 ms batch-1 call, benchmarks/RESULTS.md). Out-of-range ids are
+    steps (docs/performance.md). Out-of-range ids are
     an error here: under XLA a gather clamps them to the table's edge silently.
     """
     ids = token_ids.numpy() if tf.is_tensor(token_ids) else np.asarray(token_ids)
@@ -235,20 +156,23 @@ def _as_ids(token_ids, vocabulary_size):
 
 
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
-                 jit_compile=True, end_id=END_ID):
+                 jit_compile=True, end_id=END_ID, plan=None):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
     Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
     search with the GNMT `length_penalty`.
 
-    XLA is on by default: on this CPU it makes batch-1 decoding about 4x faster (benchmarks/generation.py).
+    XLA is on by default: it makes batch-1 decoding several times faster on CPU (docs/performance.md).
     Inputs are right-padded to a multiple of 16 tokens, and batches to `batch_bucket(B)` rows (copies of the
     first row, dropped from the result), so that XLA compiles a handful of shapes, not one per length or
     batch size (each compilation takes seconds and stays in memory). A batch of one under XLA compiles its
     own function whose matmuls read the weights in the compute dtype but multiply and sum in float32
     (`decode_fn`'s `kernel_layout`): a bfloat16 model can then decode a prompt alone slightly differently from
     the same prompt in a batch.
+
+    `plan` (a `generation.plan.DecodePlan`) overrides that choice of fast forms; by default, under XLA,
+    `DecodePlan("rows" or "halves", in_place_cache_writes=True)`, without it `DecodePlan()`.
     """
     _check_max_new_tokens(max_new_tokens)
     sampler = as_sampler(sampler)
@@ -282,21 +206,26 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         if bucket > length or extra:
             token_ids = np.pad(token_ids, [[0, 0], [0, max(bucket - length, 0)]])
             token_ids = np.concatenate([token_ids, np.repeat(token_ids[:1], extra, axis=0)], axis=0)  # (B', L')
-    # Under XLA, kernels laid out for the decode loop; a batch of one gets its own compiled function.
-    kernel_layout = None
-    if jit_compile and not beam_size:
-        kernel_layout = "rows" if token_ids.shape[0] == 1 else "halves"
+    if plan is None:
+        # Under XLA, kernels laid out for the decode loop (a batch of one gets its own compiled function), and
+        # cache writes that cost O(new tokens), not O(cache size).
+        kernel_layout = None
+        if jit_compile and not beam_size:
+            kernel_layout = "rows" if token_ids.shape[0] == 1 else "halves"
+        plan = DecodePlan(kernel_layout, in_place_cache_writes=jit_compile)
+    if plan.kernels is not None:
+        raise ValueError("`plan` must not hold prepared kernels: `generate_ids` lays them out inside the compiled "
+                         f"function. Received: plan={plan!r}")
+    if beam_size:
+        plan = DecodePlan(in_place_cache_writes=plan.in_place_cache_writes, cache_segments=plan.cache_segments)
     key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
-           end_id, kernel_layout)
+           end_id, *plan.key())
 
     def make():
-        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, kernel_layout=kernel_layout)
+        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, plan=plan)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
-    if not jit_compile:
-        return _compiled(model, key, make)(token_ids)
-    with in_place_cache_writes():  # traced for XLA: cache writes cost O(new tokens), not O(cache size)
-        new_ids = _compiled(model, key, make)(token_ids)  # (B', max_new_tokens)
+    new_ids = _compiled(model, key, make)(token_ids)  # (B', max_new_tokens)
     return new_ids if new_ids.shape[0] == rows else new_ids[:rows]  # (B, max_new_tokens)
 
 

@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-from tfformer.generation.decode import END_ID, generate_ids
+from tfformer.generation.decode import generate_ids
+from tfformer.generation.tokens import END_ID
 
 
 def _check_texts(texts, name):

@@ -1,6 +1,6 @@
 """tfformer's Keras layers: one public layer per module."""
 
-from tfformer.layers import masks
+from tfformer.layers import layer_utils, masks
 from tfformer.layers.attention import MultiHeadAttention
 from tfformer.layers.decoder_block import DecoderBlock
 from tfformer.layers.dropout import Dropout
@@ -13,6 +13,7 @@ from tfformer.layers.sinusoidal_position_encoding import SinusoidalPositionEncod
 from tfformer.layers.token_embedding import TokenEmbedding
 
 __all__ = [
+    "layer_utils",
     "masks",
     "MultiHeadAttention",
     "DecoderBlock",

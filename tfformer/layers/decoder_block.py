@@ -20,14 +20,15 @@ class DecoderBlock(EncoderBlock):
     encoder positions through `encoder_padding_mask` `(B, S)`. Outputs at
     position `t` never depend on inputs after `t`.
 
-    Incremental decoding: pass `cache` `(B, 2, N, S_max, H)` and `cache_index`;
+    Incremental decoding: pass `cache` `(B, 2, K, S_max, H)` (`K` key/value heads) and `cache_index`;
     the block writes this step's keys/values and returns `(outputs, cache)`.
     `cross_attention_cache` (from `compute_cross_attention_cache`) saves
     re-projecting the encoder output at every step.
 
     Args:
         num_heads, intermediate_dim, dropout, activation, norm_first,
-        layer_norm_epsilon, score, window, kernel_initializer: as `EncoderBlock`.
+        layer_norm_epsilon, score, window, kernel_initializer,
+        num_key_value_heads: as `EncoderBlock`.
         cross_attention: bool. Whether the block attends over an encoder
             output. Defaults to `True`.
         **kwargs: Base layer arguments.
@@ -39,14 +40,16 @@ class DecoderBlock(EncoderBlock):
         encoder_padding_mask: optional bool `(B, S)`.
         attention_mask: optional bool `(B, T, T)` for the self-attention.
         use_causal_mask: bool. Defaults to `True`.
-        cache: optional self-attention cache `(B, 2, N, S_max, H)`, or split
-            (`layers.attention.split_cache`: `(keys, values)`, each `(B*N, S_max, H)`,
-            or as a `layers.attention.SplitCache`, which Keras does not cast).
+        cache: optional self-attention cache `(B, 2, K, S_max, H)`, or split
+            (`layers.layer_utils.split_cache`: `(keys, values)`, each `(B*K, S_max, H)`,
+            or as a `layers.layer_utils.SplitCache`, which Keras does not cast).
         cache_index: int scalar, position of the first of the `T` inputs.
-        cross_attention_cache: optional `(B, 2, N, S, H)`.
+        cross_attention_cache: optional `(B, 2, K, S, H)`.
         training: bool.
         return_attention_scores: bool. Also return the cross-attention weights
             `(B, N, T, S)` (self-attention weights for a decoder-only block).
+        plan: optional decode plan (see `layers.layer_utils`), handed to the
+            attention and feed-forward layers.
 
     Returns:
         `outputs` `(B, T, hidden_dim)`, then `scores` if asked, then `cache` if given.
@@ -73,7 +76,7 @@ class DecoderBlock(EncoderBlock):
         self.built = True
 
     def compute_cross_attention_cache(self, encoder_outputs):
-        """Keys/values of the encoder output for cross-attention, `(B, 2, N, S, H)`."""
+        """Keys/values of the encoder output for cross-attention, `(B, 2, K, S, H)`."""
         return self.cross_attention_layer.compute_cache(encoder_outputs)
 
     def call(
@@ -89,6 +92,7 @@ class DecoderBlock(EncoderBlock):
         cross_attention_cache=None,
         training=None,
         return_attention_scores=False,
+        plan=None,
     ):
         if self.cross_attention and encoder_outputs is None and cross_attention_cache is None:
             raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or `cross_attention_cache`).")
@@ -109,6 +113,7 @@ class DecoderBlock(EncoderBlock):
                 cache=cache,
                 cache_index=cache_index,
                 training=training,
+                plan=plan,
             ),
             training,
         )
@@ -128,6 +133,7 @@ class DecoderBlock(EncoderBlock):
                     return_attention_scores=return_attention_scores,
                     cache=cross_attention_cache,
                     training=training,
+                    plan=plan,
                 ),
                 training,
             )
@@ -135,7 +141,7 @@ class DecoderBlock(EncoderBlock):
                 scores = extra[0]
 
         # Feed-forward block.
-        x, _ = self._sublayer(x, self.feedforward_norm, lambda h: self.feedforward(h, training=training), training)
+        x, _ = self._sublayer(x, self.feedforward_norm, lambda h: self.feedforward(h, training=training, plan=plan), training)
 
         result = (x,)
         if return_attention_scores:

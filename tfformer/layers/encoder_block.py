@@ -1,10 +1,11 @@
 import keras
 
 from tfformer.layers import masks as masks_lib
-from tfformer.layers.attention import MultiHeadAttention, _check_positive_int, check_dropout
+from tfformer.layers.attention import MultiHeadAttention
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.feedforward import FeedForward
 from tfformer.layers.layer_norm import LayerNorm
+from tfformer.layers.layer_utils import check_dropout, check_positive_int
 
 
 def check_heads(hidden_dim, num_heads):
@@ -38,6 +39,8 @@ class EncoderBlock(keras.layers.Layer):
         score: str. Attention score function, see `MultiHeadAttention`.
         window: int. Restricted self-attention radius. Defaults to `None`.
         kernel_initializer: initializer for every kernel.
+        num_key_value_heads: int. Key/value heads of the attention (grouped-query
+            attention); must divide `num_heads`. Defaults to `None` (`num_heads`).
         **kwargs: Base layer arguments.
 
     Call arguments:
@@ -68,11 +71,18 @@ class EncoderBlock(keras.layers.Layer):
         score="scaled_dot",
         window=None,
         kernel_initializer="glorot_uniform",
+        num_key_value_heads=None,
         **kwargs,
     ):
-        _check_positive_int("num_heads", num_heads)
-        _check_positive_int("intermediate_dim", intermediate_dim)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("intermediate_dim", intermediate_dim)
         check_dropout(dropout)
+        check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+        if num_key_value_heads is not None and num_heads % num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads`. "
+                f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
+            )
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
@@ -82,6 +92,7 @@ class EncoderBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.score = score
         self.window = window
+        self.num_key_value_heads = num_key_value_heads
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.supports_masking = True
 
@@ -92,6 +103,7 @@ class EncoderBlock(keras.layers.Layer):
             dropout=self.dropout,
             score=self.score,
             window=self.window,
+            num_key_value_heads=self.num_key_value_heads,
             kernel_initializer=self.kernel_initializer,
             dtype=self.dtype_policy,
             name=name,
@@ -160,6 +172,7 @@ class EncoderBlock(keras.layers.Layer):
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "score": self.score,
                 "window": self.window,
+                "num_key_value_heads": self.num_key_value_heads,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             }
         )

@@ -4,31 +4,24 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.attention import (
-    _check_positive_int,
-    _matmul_bias,
-    check_dropout,
-    dense,
-    gradient_recording,
-    quantized,
-    uses_decode_kernels,
-)
+from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
+from tfformer.layers.layer_utils import check_dropout, check_positive_int, dense, matmul_bias, quantized
 
 ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
 
 def _in_float32(fn, x):
     # erf/exp/sigmoid on bfloat16 tensors run element by element through float conversions on CPU:
-    # casting around them is about 2x faster (and more precise) than computing in bfloat16.
+    # casting around them is faster (and more precise) than computing in bfloat16.
     return ops.cast(fn(ops.cast(x, "float32")), x.dtype)
 
 
 @tf.custom_gradient
 def _gelu_with_gradient(x):
     """Exact (erf) GELU in float32, and its gradient, each one XLA computation: TF runs the erf, the products and
-    autodiff's gradient of them as about ten full-size passes; XLA fuses each direction into one. About 3x faster
-    forward and backward at (4096, 1024) on a 2-core CPU (benchmarks/RESULTS.md, "Training: where the time goes")."""
+    autodiff's gradient of them as about ten full-size passes; XLA fuses each direction into one
+    (docs/performance.md)."""
     return _gelu_forward(x), lambda dy: _gelu_backward(x, dy)
 
 
@@ -55,9 +48,7 @@ def _gelu_approximate_with_gradient(x):
     """GPT-2's tanh GELU, `x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2`, written as `x s` with
     `s = sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`, in float32, as one XLA computation each way. The forward pass
     keeps `s` (float32, the size of `x`), so the gradient `s + x s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2)` has
-    no transcendental left to compute. Alone on one core at (2048, 1024) bfloat16 forward + backward take ~1.6 ms
-    against the exact GELU's ~2.9; in a whole training step of the benchmark LM the two cost the same
-    (benchmarks/RESULTS.md, "Training: where the LM's bfloat16 step goes")."""
+    no transcendental left to compute (docs/performance.md)."""
     y, s = _gelu_approximate_forward(x)
     return y, lambda dy: _gelu_approximate_backward(x, s, dy)
 
@@ -91,8 +82,7 @@ class FeedForward(keras.layers.Layer):
     GPT-2 and keras-hub's `GPT2Backbone`; `"swiglu"` (Shazeer, 2020) computes
     `W_2 (silu(x W_g) * x W_1)` with `W_g` and `W_1` in one fused kernel.
     Masks pass through unchanged. Under a gradient tape (training) either GELU
-    and its gradient are XLA computations, compiled once per input shape
-    (about 0.1-0.2 s each on a 2-core CPU).
+    and its gradient are XLA computations, compiled once per input shape.
 
     Args:
         hidden_dim: int. Output width (`d_model`).
@@ -106,6 +96,7 @@ class FeedForward(keras.layers.Layer):
     Call arguments:
         inputs: `(B, T, D)`.
         training: bool, enables dropout.
+        plan: optional decode plan (see `layer_utils`): a decode step's kernels laid out before the loop.
 
     Returns:
         `(B, T, hidden_dim)`.
@@ -118,8 +109,8 @@ class FeedForward(keras.layers.Layer):
     """
 
     def __init__(self, hidden_dim, intermediate_dim, activation="relu", dropout=0.0, kernel_initializer="glorot_uniform", **kwargs):
-        _check_positive_int("hidden_dim", hidden_dim)
-        _check_positive_int("intermediate_dim", intermediate_dim)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("intermediate_dim", intermediate_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={activation!r}")
         check_dropout(dropout)
@@ -143,13 +134,13 @@ class FeedForward(keras.layers.Layer):
         self._dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy)
         self.built = True
 
-    def call(self, inputs, training=None):
-        # A decode step under XLA takes `dense`'s prepared kernels instead (attention.decode_kernels).
-        prepared = uses_decode_kernels(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
+    def call(self, inputs, training=None, plan=None):
+        # A decode step on the plan's kernel layout takes `dense` with the plan instead of the fused chain.
+        prepared = plan is not None and plan.uses(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         own_calls = any(quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
         if not training and self.activation != "swiglu" and not prepared and not own_calls:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
-        x = self._project(self.intermediate_dense, inputs)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
+        x = self._project(self.intermediate_dense, inputs, plan)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
             x = _in_float32(ops.silu, gate) * x
@@ -161,20 +152,19 @@ class FeedForward(keras.layers.Layer):
         else:
             x = ops.relu(x)
         x = self._dropout_layer(x, training=training)
-        return self._project(self.output_dense, x)
+        return self._project(self.output_dense, x, plan)
 
-    def _project(self, layer, x):
+    def _project(self, layer, x, plan=None):
         # `dense` on the layer's weights: a 2-D MatMul + BiasAdd (a matmul for the bias gradient under a tape), or a
         # decode step's prepared kernels. Quantized layers run their own call.
         if quantized(layer):
             return layer(x)
-        return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias)
+        return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias, plan=plan)
 
     def _fused_intermediate(self, inputs):
         # Inference: a 2-D matmul -> bias_add -> relu/gelu chain, the pattern grappler rewrites into one
-        # oneDNN kernel with the activation as a post-op (about 1.5x faster in float32 and 3x in bfloat16
-        # at (4096, 384) x (384, 1536) than the 3-D matmul, add and a separate erfc-based gelu; the tanh
-        # GELU fuses too).
+        # oneDNN kernel with the activation as a post-op (faster than the 3-D matmul, add and a separate
+        # erfc-based gelu, docs/performance.md; the tanh GELU fuses too).
         layer = self.intermediate_dense
         if self.activation == "relu":
             activation = tf.nn.relu
@@ -182,7 +172,7 @@ class FeedForward(keras.layers.Layer):
             approximate = self.activation == "gelu_approximate"
             activation = lambda h: tf.nn.gelu(h, approximate=approximate)  # noqa: E731
         kernel, bias = ops.cast(layer.kernel, inputs.dtype), ops.cast(layer.bias, inputs.dtype)
-        return _matmul_bias(inputs, kernel, bias, activation)  # (B, T, d_ff)
+        return matmul_bias(inputs, kernel, bias, activation)  # (B, T, d_ff)
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape[:-1]) + (self.hidden_dim,)

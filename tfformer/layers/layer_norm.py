@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from tfformer.layers.attention import gradient_recording
+from tfformer.compat import gradient_recording
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -23,10 +23,9 @@ class LayerNorm(keras.layers.LayerNormalization):
 
     Keras' version builds the `(rows, D)` product `rsqrt(var) * gamma` and two
     more full-size tensors from it, and its autodiff gradient runs through
-    `moments` (tiles, broadcasts and reductions). On a 2-core CPU this layer
-    takes 15-20% less time forward, and inside a training step about half the
-    op time of Keras' forward and backward; it is what tfformer's blocks and
-    models use (benchmarks/RESULTS.md, "Training: where the time goes"). Other axes,
+    `moments` (tiles, broadcasts and reductions). This layer takes less time
+    forward and backward (docs/performance.md); it is what tfformer's blocks and
+    models use. Other axes,
     `center=False`, `scale=False` or `rms_scaling=True` use Keras' code.
 
     Args:
@@ -87,7 +86,7 @@ def _layer_norm(x, gamma, beta, epsilon, dtype):
             mean_g = tf.reduce_mean(g, axis=-1, keepdims=True)  # (..., 1)
             mean_g_x_hat = tf.reduce_mean(g * x_hat, axis=-1, keepdims=True)  # (..., 1)
             dx = rstd * (g - mean_g - x_hat * mean_g_x_hat)  # (..., D)
-            # Sums over rows as (1, rows) @ (rows, D): oneDNN's matmul is 2-3x faster here than a column reduction.
+            # Sums over rows as (1, rows) @ (rows, D): oneDNN's matmul is faster here than a column reduction.
             ones = tf.ones([1, tf.size(dy) // gamma.shape[0]], dtype)  # (1, rows)
             dgamma = tf.matmul(ones, tf.reshape(dy * x_hat, [-1, gamma.shape[0]]))[0]  # (D,)
             dbeta = tf.matmul(ones, tf.reshape(dy, [-1, gamma.shape[0]]))[0]  # (D,)

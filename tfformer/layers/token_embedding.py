@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.attention import _check_positive_int, one_row_step
+from tfformer.layers.layer_utils import check_positive_int
 
 
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
@@ -47,6 +47,7 @@ class TokenEmbedding(keras.layers.Layer):
     Call arguments:
         inputs: int ids `(B, T)`, or with `reverse=True` hidden states `(B, T, hidden_dim)`.
         reverse: bool. Project hidden states to logits instead of looking up ids.
+        plan: optional decode plan (see `layer_utils`), with `reverse=True`.
 
     Returns:
         `(B, T, hidden_dim)` embeddings, or `(B, T, vocabulary_size)` float32 logits.
@@ -60,8 +61,8 @@ class TokenEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, vocabulary_size, hidden_dim, scale=True, mask_zero=False, initializer=None, **kwargs):
-        _check_positive_int("vocabulary_size", vocabulary_size)
-        _check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("vocabulary_size", vocabulary_size)
+        check_positive_int("hidden_dim", hidden_dim)
         super().__init__(**kwargs)
         self.autocast = False  # variables are read in float32; call() and attend() cast what they use
         self.vocabulary_size = vocabulary_size
@@ -78,34 +79,34 @@ class TokenEmbedding(keras.layers.Layer):
         )
         self.built = True
 
-    def call(self, inputs, reverse=False):
+    def call(self, inputs, reverse=False, plan=None):
         if reverse:
-            return self.attend(inputs)
+            return self.attend(inputs, plan)
         check_token_ids(inputs, self.vocabulary_size)
         # Gather from the float32 table, then cast the (B, T, D) rows: not the whole (V, D) table.
         x = ops.cast(ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)  # (B, T, D)
         return x * ops.cast(math.sqrt(self.hidden_dim), x.dtype) if self.scale else x
 
-    def attend(self, inputs):
-        """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32."""
-        if one_row_step(inputs):
-            # A batch-1 decode step under XLA (attention.decode_kernels, "rows"): float32 also under mixed
+    def attend(self, inputs, plan=None):
+        """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32; `plan`: a decode plan (`layer_utils`)."""
+        if plan is not None and plan.one_row(inputs):
+            # A batch-1 decode step under XLA (the plan's "rows" layout): float32 also under mixed
             # precision, so that XLA fuses the transposed table into one loop (a cast would be hoisted with it).
             return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(self.embeddings))  # (B, 1, V)
         kernel = ops.cast(self.embeddings, inputs.dtype)
         return ops.cast(ops.matmul(inputs, ops.transpose(kernel)), "float32")
 
-    def compute_mask(self, inputs, mask=None, reverse=False):
+    def compute_mask(self, inputs, mask=None, reverse=False, plan=None):
         if reverse or not self.mask_zero:
             return mask
         return ops.not_equal(inputs, 0)
 
-    def compute_output_shape(self, inputs_shape, reverse=False):
+    def compute_output_shape(self, inputs_shape, reverse=False, plan=None):
         if reverse:
             return tuple(inputs_shape[:-1]) + (self.vocabulary_size,)
         return tuple(inputs_shape) + (self.hidden_dim,)
 
-    def compute_output_spec(self, inputs, reverse=False):
+    def compute_output_spec(self, inputs, reverse=False, plan=None):
         shape = self.compute_output_shape(inputs.shape, reverse=reverse)
         return keras.KerasTensor(shape, dtype="float32" if reverse else self.compute_dtype)
 

@@ -46,6 +46,7 @@ def position_layer(config, name):
 def block_kwargs(config):
     return dict(
         num_heads=config.num_heads,
+        num_key_value_heads=config.num_key_value_heads,
         intermediate_dim=config.intermediate_dim,
         dropout=config.dropout,
         activation=config.activation,

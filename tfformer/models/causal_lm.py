@@ -2,6 +2,7 @@ import keras
 from keras import ops
 
 from tfformer import layers
+from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base
 
 
@@ -57,18 +58,19 @@ class CausalLM(base.TransformerModel):
 
     # === Incremental decoding ===
     def empty_cache(self, batch_size, max_length, dtype="float32"):
-        """A zero key/value cache `(L, B, 2, N, max_length, H)`."""
+        """A zero key/value cache `(L, B, 2, K, max_length, H)`, `K` the key/value heads."""
         c = self.config
-        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
+        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.key_value_heads, max_length, c.head_dim), dtype=dtype)
 
-    def decode_step(self, token_ids, cache, cache_index, last_only=False, logits_index=None):
+    def decode_step(self, token_ids, cache, cache_index, last_only=False, logits_index=None, plan=None):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.
 
         With `last_only=True` only the last position's logits are computed, `(B, 1, V)`: what a prefill
         needs (the vocabulary projection of a whole prompt is most of a prefill's cost). `logits_index`
         (an int scalar, may be a tensor) computes only the logits at that index of `token_ids`, `(B, 1, V)`:
         for a prefill of a whole right-padded prompt, where slicing the prompt to a computed length would
-        make XLA compile once per prompt.
+        make XLA compile once per prompt. `plan`: a decode plan (`generation.plan.DecodePlan`) for the layers, the
+        fast forms of a step inside a compiled decode loop.
         """
         if last_only and logits_index is not None:
             raise ValueError(f"Pass `last_only` or `logits_index`, not both. Received: last_only=True, "
@@ -80,7 +82,7 @@ class CausalLM(base.TransformerModel):
         per_layer = isinstance(cache, (list, tuple))
         for i, block in enumerate(self.decoder_blocks):
             # A split pair as a SplitCache: kept in its dtype (Keras casts a tuple's tensors to the compute dtype).
-            x, layer_cache = block(x, cache=layers.attention.uncast(cache[i]), cache_index=cache_index)
+            x, layer_cache = block(x, cache=uncast(cache[i]), cache_index=cache_index, plan=plan)
             caches.append(layer_cache)
         if logits_index is not None:
             x = ops.take(x, ops.reshape(logits_index, (1,)), axis=1)  # (B, T, D) -> (B, 1, D)
@@ -89,9 +91,9 @@ class CausalLM(base.TransformerModel):
         if self.final_norm:
             x = self.final_norm(x)
         if self.output_projection is None:
-            logits = self.token_embedding(x, reverse=True)
+            logits = self.token_embedding(x, reverse=True, plan=plan)
         else:
-            logits = layers.attention.apply_dense(self.output_projection, x)  # prepared kernels in XLA decode loops
+            logits = apply_dense(self.output_projection, x, plan)  # the plan's kernel layout in decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 

@@ -25,6 +25,7 @@ class TransformerConfig:
     vocabulary_size: int = 37000  # the paper's shared source/target BPE vocabulary
     hidden_dim: int = 512  # d_model
     num_heads: int = 8
+    num_key_value_heads: Optional[int] = None  # grouped-query attention; None = num_heads
     intermediate_dim: int = 2048  # d_ff
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
@@ -67,6 +68,12 @@ class TransformerConfig:
             positive(name, allow_zero=True)
         positive("num_classes", allow_none=True)
         positive("input_dim", allow_none=True)
+        positive("num_key_value_heads", allow_none=True)
+        if self.num_key_value_heads is not None and self.num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads`. "
+                f"Received: num_key_value_heads={self.num_key_value_heads}, num_heads={self.num_heads}"
+            )
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 f"`hidden_dim` must be divisible by `num_heads`. "
@@ -84,6 +91,11 @@ class TransformerConfig:
     @property
     def head_dim(self):
         return self.hidden_dim // self.num_heads
+
+    @property
+    def key_value_heads(self):
+        """Key/value heads of every attention layer (`num_key_value_heads`, or `num_heads`): the caches' `K`."""
+        return self.num_key_value_heads or self.num_heads
 
     def replace(self, **overrides):
         """A copy with some fields changed (validated); unknown names raise ValueError."""

@@ -2,6 +2,7 @@ import keras
 from keras import ops
 
 from tfformer import layers
+from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base
 
 
@@ -89,16 +90,20 @@ class Seq2SeqTransformer(base.TransformerModel):
         return (self.encoder_norm(x) if self.encoder_norm else x), mask
 
     def cross_attention_caches(self, encoder_outputs):
-        """Per-layer cross-attention keys/values of the encoder output, `(L, B, 2, N, S, H)`."""
+        """Per-layer cross-attention keys/values of the encoder output, `(L, B, 2, K, S, H)`."""
         return ops.stack([block.compute_cross_attention_cache(encoder_outputs) for block in self.decoder_blocks])
 
     def empty_cache(self, batch_size, max_length, dtype="float32"):
-        """A zero self-attention cache `(L, B, 2, N, max_length, H)`."""
+        """A zero self-attention cache `(L, B, 2, K, max_length, H)`, `K` the key/value heads."""
         c = self.config
-        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.num_heads, max_length, c.head_dim), dtype=dtype)
+        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.key_value_heads, max_length, c.head_dim), dtype=dtype)
 
-    def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask):
-        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache."""
+    def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask, plan=None):
+        """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.
+
+        `plan`: a decode plan (`generation.plan.DecodePlan`) for the layers, the fast forms of a step inside a
+        compiled decode loop.
+        """
         y = base.embed_tokens(self.decoder_token_embedding, self.decoder_position, token_ids, start_index=cache_index)
         caches = []
         # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
@@ -108,17 +113,18 @@ class Seq2SeqTransformer(base.TransformerModel):
             y, layer_cache = block(
                 y,
                 encoder_padding_mask=encoder_padding_mask,
-                cache=layers.attention.uncast(cache[i]),  # a split pair: kept in its dtype (SplitCache)
+                cache=uncast(cache[i]),  # a split pair: kept in its dtype (SplitCache)
                 cache_index=cache_index,
                 cross_attention_cache=cross_caches[i],
+                plan=plan,
             )
             caches.append(layer_cache)
         if self.decoder_norm:
             y = self.decoder_norm(y)
         if self.output_projection is None:
-            logits = self.token_embedding(y, reverse=True)
+            logits = self.token_embedding(y, reverse=True, plan=plan)
         else:
-            logits = layers.attention.apply_dense(self.output_projection, y)  # prepared kernels in XLA decode loops
+            logits = apply_dense(self.output_projection, y, plan)  # the plan's kernel layout in decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 

@@ -1,0 +1,264 @@
+"""The decode plan: which fast forms a compiled decode loop uses, chosen by the caller and passed to the layers.
+
+A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a signature shows it:
+
+- `kernel_layout`: the one-token matmuls read kernels laid out once, before the loop (`prepared_kernels`):
+  - `"rows"`, for a batch of one: `[x, 1] @ transpose([W^T | b])`. XLA's CPU backend fuses a vector times a
+    transposed matrix into one loop that reads each output's weights contiguously and runs on both threads,
+    while `x @ W + b` is a single-threaded matrix-vector call (docs/performance.md). The bias rides along as a
+    last column: a separate add would take the dot into an output fusion instead. The rows are in the compute
+    dtype of the layer that owns the kernel, as its forward pass multiplies them (bfloat16 under
+    mixed_bfloat16: half the bytes read a step); the product runs in float32, the rows converted inside the
+    fused loop. The loop carries non-float32 rows through an optimization barrier (`DecodePlan.while_loop`):
+    XLA would hoist the loop-invariant conversion out of the loop and read a float32 copy every step.
+    "rows" also keeps split caches (`split_caches`).
+  - `"halves"`, for larger batches: `concat([x @ W[:, :u/2], x @ W[:, u/2:]]) + b`, two independent dots that
+    XLA's executor runs on both threads (one small dot runs on one).
+  XLA does not hoist a lone transpose or slice out of a loop, hence laid out before it, and so only for code
+  compiled with XLA.
+- `in_place_cache_writes`: cache writes are in-place dynamic-update-slices, so a step writes `T` cache
+  positions instead of rewriting the whole buffer and its cost does not grow with the cache length; and one
+  query against a stacked cache uses the attention's fused one-step forms. XLA only: outside XLA (SavedModel
+  without XLA, TFLite) the slice update does not exist, hence the select form by default.
+- `split_caches` (with "rows"): per-layer caches as `(keys, values)` pairs `(B*N, S, H)` in float32 under any
+  policy, handed to the layers as `layer_utils.SplitCache` (Keras would cast a pair of tensors to the compute
+  dtype at every call); the attention reads each half with a batched matmul. At larger batches the stacked
+  cache's fused form is faster, which "halves" keeps (docs/performance.md).
+- `cache_segments`: the loop runs in up to this many segments whose caches grow (`segment_sizes`), so a step
+  attends over at most about twice the positions filled so far, not the whole buffer.
+
+Layers never import this module: they take the plan as a call argument and use the small protocol described in
+`tfformer.layers.layer_utils` (`in_place_cache_writes`, `dense`, `uses`, `one_row`).
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tfformer import compat
+from tfformer.layers.layer_utils import split_cache
+
+KERNEL_LAYOUTS = ("rows", "halves")
+# A segment smaller than MIN_SEGMENT slots saves less than its extra loop costs to trace and compile.
+CACHE_SEGMENTS = 4
+MIN_SEGMENT = 16
+# XLA's CPU backend emits each one-query attention dot over a split cache, (B*N, 1, H) x (B*N, S, H), as one kernel
+# that spreads the heads over the cores only when one head's buffer is larger than this; up to it, one core reads
+# every head. A split cache of 3/4 of that size or more is allocated past it: up to a third more (masked) slots, read
+# on every core (docs/performance.md).
+PARALLEL_HEAD_BYTES = 128 * 1024
+
+
+def check_kernel_layout(kernel_layout, allow_none=True):
+    if (kernel_layout is None and allow_none) or kernel_layout in KERNEL_LAYOUTS:
+        return
+    raise ValueError(f"`kernel_layout` must be one of {KERNEL_LAYOUTS}{' or None' if allow_none else ''}. "
+                     f"Received: kernel_layout={kernel_layout!r}")
+
+
+def prepared_kernels(model, layout):
+    """`{id(kernel): (parts, id(bias) or None)}` for `DecodePlan`; `layout` in `KERNEL_LAYOUTS`.
+
+    Every float 2-D weight of `model` named `*kernel`; its bias is the weight of the same layer named
+    with `bias` for `kernel`. "rows": parts = `[kernel^T | bias]` `(units, input_dim + 1)` (zeros for a
+    missing bias) in the compute dtype of the innermost layer holding the kernel; "halves": parts =
+    `(kernel[:, :units // 2], kernel[:, units // 2:])`. Quantized (integer) kernels are left out.
+    """
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"`layout` must be one of {KERNEL_LAYOUTS}. Received: layout={layout!r}")
+    by_path = {w.path: w for w in model.weights}
+    compute_dtype = {}
+    if layout == "rows":
+        for layer in compat.flatten_layers(model):  # outer first: the innermost wins
+            compute_dtype.update((id(w), layer.compute_dtype) for w in layer.weights)
+    kernels = {}
+    for w in model.weights:
+        if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
+            continue
+        bias = by_path.get(w.path[: -len("kernel")] + "bias")
+        if layout == "rows":
+            dtype = compute_dtype.get(id(w), model.compute_dtype)
+            column = ops.zeros((w.shape[1],), dtype) if bias is None else ops.cast(bias, dtype)
+            parts = ops.concatenate([ops.transpose(ops.cast(w, dtype)), column[:, None]], axis=1)  # (units, input_dim + 1)
+        else:
+            half = w.shape[1] // 2
+            parts = (tf.identity(w[:, :half]), tf.identity(w[:, half:]))  # (input_dim, units/2), (input_dim, rest)
+        kernels[id(w)] = parts, None if bias is None else id(bias)
+    return kernels
+
+
+def segment_sizes(max_new_tokens, segments=CACHE_SEGMENTS):
+    """Slots for new tokens in each segment's cache: with 4 segments N/8, N/4, N/2, N (rounded up; N always, the
+    others only from MIN_SEGMENT slots up)."""
+    sizes = [-(-max_new_tokens // 2**k) for k in reversed(range(1, segments))]
+    return [size for size in sizes if size >= MIN_SEGMENT] + [max_new_tokens]
+
+
+def split_slots(slots, head_dim, itemsize=4):
+    """The slots to allocate for a split cache that must hold `slots` (an int or an int32 scalar tensor).
+
+    `slots` itself, or, from 3/4 of `PARALLEL_HEAD_BYTES` per head on, the first multiple of 8 slots past it.
+    """
+    edge = PARALLEL_HEAD_BYTES // (head_dim * itemsize)  # the most slots whose heads XLA reads on one core
+    past = -(-(edge + 1) // 8) * 8
+    if isinstance(slots, int):
+        return past if edge * 3 // 4 <= slots <= edge else slots
+    return tf.where(tf.logical_and(slots >= edge * 3 // 4, slots <= edge), past, slots)
+
+
+def grown(cache, size):
+    """Per-layer caches (split, `(B*N, S, H)` pairs, or stacked) zero-padded along S to `size` slots (split ones to
+    `split_slots(size)`)."""
+    def pad(c):  # S is the second-to-last axis in both forms
+        target = split_slots(size, c.shape[-1], c.dtype.size) if len(c.shape) == 3 else size
+        return tf.pad(c, [[0, 0]] * (len(c.shape) - 2) + [[0, target - tf.shape(c)[-2]], [0, 0]])
+
+    return tf.nest.map_structure(pad, cache)
+
+
+def layer_caches(model, batch, slots, split=False, dtype="float32"):
+    """Per-layer empty caches (no re-stacking each step): split (`split_cache`, `split_slots(slots)` of them) or
+    stacked `(B, 2, K, S, H)`."""
+    if split:
+        slots = split_slots(slots, model.config.head_dim, tf.as_dtype(dtype).size)
+    caches = tf.unstack(model.empty_cache(batch, slots, dtype=dtype))
+    return tuple(split_cache(c) for c in caches) if split else tuple(caches)
+
+
+class DecodePlan:
+    """The fast forms of a decode loop (module docstring), and the protocol the layers use to apply them.
+
+    Args:
+        kernel_layout: `"rows"` (a batch of one), `"halves"` (larger batches) or None (plain matmuls).
+            XLA only.
+        in_place_cache_writes: bool. In-place cache writes and one-step attention forms. XLA only.
+        cache_segments: int >= 1. Segments of growing caches in a decode loop (1: one loop over the full cache).
+        kernels: the prepared kernels (`prepared_kernels`); set by `prepared`, inside the traced function.
+
+    Example:
+    ```python
+    plan = DecodePlan("rows", in_place_cache_writes=True)  # chosen outside; inside the traced function:
+    step_plan = plan.prepared(model)
+    logits, cache = model.decode_step(tokens, cache, index, plan=step_plan)
+    ```
+    """
+
+    def __init__(self, kernel_layout=None, in_place_cache_writes=False, cache_segments=CACHE_SEGMENTS, kernels=None):
+        check_kernel_layout(kernel_layout)
+        if isinstance(cache_segments, bool) or not isinstance(cache_segments, int) or cache_segments < 1:
+            raise ValueError(f"`cache_segments` must be a positive integer. Received: cache_segments={cache_segments!r}")
+        if kernels is not None and kernel_layout is None:
+            raise ValueError("`kernels` need a `kernel_layout`. Received: kernel_layout=None")
+        self.kernel_layout = kernel_layout
+        self.in_place_cache_writes = bool(in_place_cache_writes)
+        self.cache_segments = cache_segments
+        self.kernels = kernels
+
+    def __repr__(self):
+        return (f"DecodePlan(kernel_layout={self.kernel_layout!r}, in_place_cache_writes={self.in_place_cache_writes}, "
+                f"cache_segments={self.cache_segments}, prepared={self.kernels is not None})")
+
+    def key(self):
+        """What tells compiled decode functions apart (not the prepared kernels, which are made inside them); the
+        kernel layout last."""
+        return (self.in_place_cache_writes, self.cache_segments, self.kernel_layout)
+
+    @property
+    def split_caches(self):
+        """Whether decode loops keep split, float32 per-layer caches (the batch-1 "rows" layout)."""
+        return self.kernel_layout == "rows"
+
+    def _replace(self, **changes):
+        fields = dict(kernel_layout=self.kernel_layout, in_place_cache_writes=self.in_place_cache_writes,
+                      cache_segments=self.cache_segments, kernels=self.kernels)
+        return DecodePlan(**{**fields, **changes})
+
+    def prepared(self, model):
+        """This plan with `model`'s kernels laid out (call it inside the traced function, before the loop)."""
+        if self.kernel_layout is None:
+            return self
+        return self._replace(kernels=prepared_kernels(model, self.kernel_layout))
+
+    # === The layers' protocol (tfformer.layers.layer_utils) ===
+    def uses(self, x, kernel, bias=None):
+        """Whether `dense(x, kernel, bias)` uses the prepared kernels: one token, `kernel` among them, its own bias."""
+        if self.kernels is None or x.shape[1] != 1 or id(kernel) not in self.kernels:
+            return False
+        return bias is None or self.kernels[id(kernel)][1] == id(bias)
+
+    def one_row(self, x):
+        """Whether `x` `(B, T, D)` is one token in the "rows" layout (a batch-1 decode step under XLA)."""
+        return self.kernels is not None and self.kernel_layout == "rows" and x.shape[1] == 1
+
+    def dense(self, x, kernel, bias=None, start=0, stop=None):
+        """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype on the prepared kernel, or None without one
+        (column slices have none in the "halves" layout)."""
+        if not self.uses(x, kernel, bias):
+            return None
+        stop = kernel.shape[-1] if stop is None else stop
+        part = (start, stop) != (0, kernel.shape[-1])
+        parts = self.kernels[id(kernel)][0]
+        if self.kernel_layout == "rows":
+            rows = parts[start:stop] if part else parts  # (units, input_dim + 1), the bias last; the compute dtype
+            row = ops.cast(x, "float32")  # (B, 1, input_dim)
+            if bias is None:
+                rows = rows[:, :-1]
+            else:
+                row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
+            rows = ops.cast(rows, "float32")  # converted inside the fused product (see while_loop)
+            return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
+        if part:
+            return None
+        y = ops.concatenate([ops.matmul(x, ops.cast(h, x.dtype)) for h in parts], axis=-1)  # (B, 1, units)
+        return y if bias is None else y + ops.cast(bias, x.dtype)
+
+    # === Loops ===
+    def while_loop(self, cond, body, loop_vars):
+        """`tf.while_loop(cond, lambda *state: body(plan, *state), loop_vars)`, where `plan` is this one or, in the
+        "rows" layout, this one on its non-float32 rows carried in the loop state through an XLA optimization
+        barrier each step.
+
+        The rows are loop-invariant, so XLA would hoist their conversion to float32 out of the loop and read a
+        float32 copy every step; behind the barrier they are loop state, and each step's fused product reads the
+        narrow rows and converts them in registers.
+        """
+        carried = []
+        if self.kernels is not None and self.kernel_layout == "rows":
+            carried = [key for key, (rows, _) in self.kernels.items() if rows.dtype != tf.float32]
+        if not carried:
+            return tf.while_loop(cond, lambda *state: body(self, *state), loop_vars)
+
+        def carrying_body(*state):
+            *state, rows = state
+            rows = list(compat.optimization_barrier(*rows))
+            kernels = {**self.kernels, **{key: (r, self.kernels[key][1]) for key, r in zip(carried, rows)}}
+            return (*body(self._replace(kernels=kernels), *state), rows)
+
+        state = (*loop_vars, [self.kernels[key][0] for key in carried])
+        return tf.while_loop(lambda *state: cond(*state[:-1]), carrying_body, state)[:-1]
+
+    def segmented_loop(self, cond, body, loop_vars, cache_at, prefix, max_new_tokens):
+        """`self.while_loop(cond, body, loop_vars)` over growing caches.
+
+        `loop_vars` is `(i, ...)` with the per-layer caches at index `cache_at`; step `i` writes cache slot `i`.
+        Segment k runs while `i < prefix + segment_sizes(N)[k]` on caches of that many slots (split ones:
+        `split_slots` of them); between segments the caches are zero-padded to the next size. Sizes come from
+        static shapes, so XLA compiles each loop with a fixed cache length.
+        """
+        for size in segment_sizes(max_new_tokens, self.cache_segments):
+            stop = prefix + size
+            loop_vars = (*loop_vars[:cache_at], grown(loop_vars[cache_at], stop), *loop_vars[cache_at + 1:])
+            loop_vars = self.while_loop(lambda i, *rest, stop=stop: tf.logical_and(i < stop, cond(i, *rest)), body,
+                                        loop_vars)
+        return loop_vars
+
+    def first_segment(self, max_new_tokens):
+        """Slots for new tokens in the first segment's cache."""
+        return segment_sizes(max_new_tokens, self.cache_segments)[0]
+
+    def layer_caches(self, model, batch, slots, dtype="float32"):
+        """Empty per-layer caches for `slots` positions: split float32 pairs with `split_caches`, else stacked in
+        `dtype`."""
+        if self.split_caches:
+            return layer_caches(model, batch, slots, split=True)
+        return layer_caches(model, batch, slots, dtype=dtype)

@@ -1,0 +1,167 @@
+"""Helpers shared by tfformer's layers: argument checks, the matmul + bias they all use, key/value cache writes.
+
+Decode plans. Layers that run inside a decode loop take an optional `plan` call argument (None = the plain
+forms). A plan is any object with these members (`tfformer.generation.plan.DecodePlan` is the one tfformer
+builds; layers never import it):
+
+- `in_place_cache_writes`: bool. The graph is compiled with XLA: cache writes are in-place
+  dynamic-update-slices and one-query attention over a stacked cache uses its fused forms.
+- `dense(x, kernel, bias, start, stop)`: `x @ kernel[:, start:stop] + bias[start:stop]` on a kernel laid out
+  before the loop, or None when the plan has no layout for that kernel, bias and input.
+- `uses(x, kernel, bias)`: whether `dense` takes the plan's layout for the whole `kernel` (one token, `kernel`
+  among the plan's, with its own bias).
+- `one_row(x)`: whether `x` `(B, T, D)` is one token of a batch-1 loop in the "rows" layout (the tied output
+  projection then runs in float32, see `TokenEmbedding.attend`).
+"""
+
+import tensorflow as tf
+from keras import ops
+
+from tfformer.compat import gradient_recording
+
+
+def check_positive_int(name, value, allow_none=False):
+    """Raise a ValueError naming `name` unless `value` is a positive int (or None with `allow_none`)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer"
+            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
+        )
+
+
+def check_dropout(value, name="dropout"):
+    """Raise a ValueError naming `name` unless `value` is a float in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
+
+
+def dense(x, kernel, bias=None, start=0, stop=None, plan=None):
+    """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype, `x` `(B, T, input_dim)`.
+
+    With a decode `plan` (see the module docstring), a kernel it has laid out for the loop is used instead.
+    """
+    if plan is not None:
+        y = plan.dense(x, kernel, bias, start, stop)
+        if y is not None:
+            return y
+    stop = kernel.shape[-1] if stop is None else stop
+    part = (start, stop) != (0, kernel.shape[-1])
+    bias = None if bias is None else ops.cast(bias[start:stop] if part else bias, x.dtype)
+    return matmul_bias(x, ops.cast(kernel[:, start:stop] if part else kernel, x.dtype), bias)
+
+
+def matmul_bias(x, kernel, bias, activation=None):
+    """`activation(x (..., D) @ kernel (D, U) + bias)` as a 2-D MatMul, a BiasAdd and the activation.
+
+    On CPU grappler rewrites that chain (not a 3-D matmul and an add) into one
+    oneDNN kernel with the bias and a relu/gelu as post-ops in inference
+    graphs (docs/performance.md). Under a gradient tape the pair is
+    `matmul_bias_add`, whose bias gradient is a matmul.
+    """
+    x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+    flat = x if x.shape.rank == 2 else tf.reshape(x, [-1, kernel.shape[0]])  # (B*T, D)
+    if bias is not None and gradient_recording():
+        y = matmul_bias_add(flat, kernel, tf.convert_to_tensor(bias))  # (B*T, U)
+    else:
+        y = tf.matmul(flat, kernel)  # (B*T, U)
+        if bias is not None:
+            y = tf.nn.bias_add(y, bias)
+    if activation is not None:
+        y = activation(y)
+    if x.shape.rank == 2:
+        return y
+    lead = x.shape[:-1]
+    if lead.rank is not None and sum(d is None for d in lead) <= 1:
+        shape = [-1 if d is None else d for d in lead] + [kernel.shape[1]]  # a constant: no shape ops in the graph
+    else:
+        shape = tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[1:]], axis=0)
+    return tf.reshape(y, shape)  # (B, T, U)
+
+
+@tf.custom_gradient
+def matmul_bias_add(x, kernel, bias):
+    """`x (M, D) @ kernel (D, U) + bias (U,)` whose bias gradient is a `(1, M) @ (M, U)` matmul.
+
+    Hand-written because TF's BiasAddGrad (a column reduction) is several times slower than that matmul on
+    CPU (docs/performance.md). Built only under a tape (`compat.gradient_recording`): in inference graphs the
+    IdentityN ops of a custom gradient would sit between ops that grappler fuses.
+    """
+    y = tf.nn.bias_add(tf.matmul(x, kernel), bias)  # (M, U)
+
+    def grad(dy):
+        dx = tf.matmul(dy, kernel, transpose_b=True)  # (M, D)
+        dkernel = tf.matmul(x, dy, transpose_a=True)  # (D, U)
+        dbias = tf.matmul(tf.ones([1, tf.shape(dy)[0]], dy.dtype), dy)  # (1, U)
+        return dx, dkernel, tf.reshape(dbias, [-1])
+
+    return y, grad
+
+
+def quantized(layer):
+    """A Dense quantized by `keras.Layer.quantize` (int8/float8 kernels with scales): only its own call is right."""
+    return getattr(layer, "quantization_mode", None) is not None
+
+
+def apply_dense(layer, x, plan=None):
+    """`layer(x)` for a `keras.layers.Dense`, through `dense` on the `plan`'s kernel layout when it has one."""
+    if quantized(layer) or plan is None or not plan.uses(x, layer.kernel, layer.bias):
+        return layer(x)
+    return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias, plan=plan))
+
+
+def write_cache(cache, new, index, in_place=False):
+    """`cache` with `new` written at positions `index .. index+T-1` along its slot axis (the second to last).
+
+    `cache` is a stacked `(B, 2, N, S, H)` cache with `new` `(B, 2, N, T, H)`, or one half
+    `(B*N, S, H)` of a split cache with `new` `(B*N, T, H)`. By default a gather + select with
+    static shapes, instead of `ops.slice_update`: on TensorFlow that is XlaDynamicUpdateSlice,
+    which needs XLA at run time (not in every TF Serving build) and has no TFLite builtin, while a
+    dynamic pad would break XLA compilation. This form runs in all three; with `in_place` (code
+    compiled with XLA only) the slice update is used, so a step's cost does not grow with `S`.
+    """
+    axis = len(cache.shape) - 2
+    if in_place:
+        zero = ops.zeros((), "int32")
+        start = [zero] * len(cache.shape)
+        start[axis] = ops.cast(index, "int32")
+        return ops.slice_update(cache, start, new)
+    size, length = ops.shape(cache)[axis], ops.shape(new)[axis]
+    offset = ops.arange(size) - index  # slot s takes new[s - index]
+    written = ops.logical_and(offset >= 0, offset < length)
+    spread = ops.take(new, ops.clip(offset, 0, length - 1), axis=axis)  # the shape of `cache`
+    return ops.where(ops.reshape(written, (size, 1)), spread, cache)
+
+
+def split_cache(cache):
+    """A stacked cache `(B, 2, N, S, H)` as a split cache: `(keys, values)`, each `(B*N, S, H)`.
+
+    Same contents, for decode loops: the attention then reads each half as a buffer of its own
+    with a batched matmul. A half sliced from the stacked buffer is not one, and XLA copies
+    every cached key and value before each step's matmul (docs/performance.md).
+    """
+    b, _, n, s, h = ops.shape(cache)
+    return tuple(ops.reshape(cache[:, i], (b * n, s, h)) for i in range(2))  # 2 x (B*N, S, H)
+
+
+class SplitCache:
+    """A split cache `(keys, values)` (`split_cache`) as one object, which Keras hands to a layer's call as it is.
+
+    Keras casts every float tensor among a layer call's arguments, tuples included, to the layer's compute
+    dtype. A float32 split cache of a mixed_bfloat16 model would be cast to bfloat16 at every block and attention
+    call, a copy of every cached key and value each decode step, and back to float32 for the attention's products
+    (docs/performance.md). `MultiHeadAttention` and `DecoderBlock` take it where they take a pair and
+    return a plain pair.
+    """
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+def uncast(cache):
+    """`cache` for a layer call: a split pair as a `SplitCache` (kept in its dtype), anything else as it is."""
+    return SplitCache(*cache) if isinstance(cache, (tuple, list)) and len(cache) == 2 else cache
+
