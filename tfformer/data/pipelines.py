@@ -8,10 +8,10 @@ from tfformer.data.tokenizers import END_ID, START_ID
 def _finish(dataset):
     """Prefetch, with tf.data's autotuning off.
 
-    With autotuning on, deleting an iterator that lived through a training epoch blocked for up to ~60 s on
+    With autotuning on, deleting an iterator that lived through a training epoch could block for a minute on
     TF 2.21 (the iterator's destructor waited for one of its tf.data threads; with autotuning off it did not).
-    Keras deletes the training and the validation iterators at every epoch end, and a 10-minute translation run
-    lost 1-2 minutes to it (benchmarks/RESULTS.md, "Epoch boundaries"). Without autotuning, `AUTOTUNE`
+    Keras deletes the training and the validation iterators at every epoch end (docs/performance.md, "Data:
+    tf.data autotuning"). Without autotuning, `AUTOTUNE`
     parallelism means the number of cores, and these pipelines keep training fed on 2 cores.
     """
     options = tf.data.Options()

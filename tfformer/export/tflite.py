@@ -78,8 +78,8 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
             `representative_data`, an iterable of input dicts).
         sequence_length: fix the sequence length (static shapes convert to fewer ops); `None` keeps it dynamic.
         batch_size: fix the batch size too. With both fixed every shape is static: the converter folds the
-            shape arithmetic away and XNNPACK takes the whole graph (about 3x faster at batch 1, see
-            benchmarks/tflite_latency.py). `None` keeps the batch dynamic (`resize_tensor_input`).
+            shape arithmetic away and XNNPACK takes the whole graph (docs/performance.md,
+            "TFLite"). `None` keeps the batch dynamic (`resize_tensor_input`).
     """
     for name, value in (("sequence_length", sequence_length), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -12,8 +12,8 @@ from tfformer.recipes.translation import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
 
 def default_micro_batches(tokens_per_replica, on_gpu):
     """`compile(micro_batches=...)` for a replica's batch of `tokens_per_replica` tokens: 2 on CPUs from 4,096
-    tokens (gpt-mini's 32 x 128 trains 5-10% faster on 2 cores, `transformer-tiny`'s 64 x 16 5% slower; see
-    benchmarks/RESULTS.md), else 1."""
+    tokens (below that, the parts cost more than they overlap; docs/performance.md, "Training: micro-batches"),
+    else 1."""
     return 2 if not on_gpu and tokens_per_replica >= 4096 else 1
 
 
@@ -26,7 +26,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     `time_budget` covers vocabulary learning and training, with 5% of it left for the final evaluations and the
     sample (which may run over). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
     `default_micro_batches`. `cpu_threads=True` first calls `training.configure_cpu_threads` for those micro-batches
-    and replicas (one share of the cores per part, about 6-8% faster steps on 2 cores; process-wide, so only in a
+    and replicas (one share of the cores per part, docs/performance.md, "Training: CPU threads"; process-wide, so only in a
     process whose TensorFlow runtime has not started: it raises otherwise; the `tfformer train lm` command passes
     it). The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
