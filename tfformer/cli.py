@@ -150,7 +150,11 @@ def _demo_presets(args):
         config = models.get_preset(name)
         model = models.build_model(config)
         ids = np.random.default_rng(0).integers(1, config.vocabulary_size, size=(1, 8)).astype("int32")
-        inputs = {"seq2seq": {"encoder_token_ids": ids, "decoder_token_ids": ids}}.get(config.architecture, {"token_ids": ids})
+        inputs = {
+            "seq2seq": {"encoder_token_ids": ids, "decoder_token_ids": ids},
+            "speech_seq2seq": {"input_features": np.zeros((1, 2 * 8, config.num_mel_bins or 0), "float32"),
+                               "decoder_token_ids": ids},
+        }.get(config.architecture, {"token_ids": ids})
         if config.num_segments:
             inputs["segment_ids"] = np.zeros_like(ids)
         outputs = model(inputs, training=False)

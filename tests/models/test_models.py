@@ -140,8 +140,11 @@ def test_parameter_counts_of_the_paper():
 
 def test_presets_build_and_run():
     assert models.list_presets() == [
-        "all-minilm-l6-v2", "bert-mini", "gpt-mini", "transformer-base", "transformer-big", "transformer-tiny"
+        "all-minilm-l6-v2", "bert-mini", "gpt-mini", "smollm2-135m-instruct", "transformer-base", "transformer-big",
+        "transformer-tiny", "whisper-tiny-en",
     ]
+    assert models.get_preset("smollm2-135m-instruct").architecture == "causal_lm"
+    assert models.get_preset("whisper-tiny-en").architecture == "speech_seq2seq"
     tiny = models.from_preset("transformer-tiny")
     assert isinstance(tiny, models.Seq2SeqTransformer) and tiny.config.hidden_dim == 128
     bert = models.from_preset("bert-mini", num_encoder_layers=1)

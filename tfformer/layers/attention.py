@@ -8,6 +8,7 @@ from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.layer_utils import SplitCache, check_dropout, check_positive_int, dense, write_cache
+from tfformer.layers.rotary_embedding import RotaryEmbedding
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
@@ -29,6 +30,12 @@ class MultiHeadAttention(keras.layers.Layer):
     `K < N` the keys and values have `K` heads, each shared by `N / K`
     consecutive query heads, and the cache holds `K` heads. `K = N` (the
     default) is multi-head attention, `K = 1` multi-query attention.
+
+    Rotary positions (`rope_max_wavelength`; Su et al., 2021, as in Llama):
+    q and k are rotated by their absolute positions (`cache_index + i` when
+    decoding with a cache) after the projection and before the cache write,
+    with `RotaryEmbedding`'s interleaved pairs `(2i, 2i+1)` of each head. A
+    read-only cache (keys of a fixed memory) and its queries are not rotated.
 
     Score functions (`score=`): `"scaled_dot"` q.k/sqrt(key_dim) (the paper),
     `"dot"` q.k, `"general"` q^T W k (one `W` per head), and `"additive"`
@@ -53,6 +60,8 @@ class MultiHeadAttention(keras.layers.Layer):
             (restricted self-attention). Defaults to `None` (no restriction).
         num_key_value_heads: int. Number of key/value heads `K`; must divide
             `num_heads`. Defaults to `None` (`num_heads`).
+        rope_max_wavelength: float. If set, rotary positions with this base
+            on the projected q and k. Defaults to `None` (none).
         kernel_initializer: initializer for the projection kernels.
         bias_initializer: initializer for the projection biases.
         **kwargs: Base layer arguments (`name`, `dtype`, `trainable`).
@@ -113,6 +122,7 @@ class MultiHeadAttention(keras.layers.Layer):
         num_key_value_heads=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        rope_max_wavelength=None,
         **kwargs,
     ):
         check_positive_int("num_heads", num_heads)
@@ -126,6 +136,11 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
             )
         check_dropout(dropout)
+        rope = rope_max_wavelength
+        if rope is not None and (isinstance(rope, bool) or not isinstance(rope, (int, float)) or rope <= 1):
+            raise ValueError(
+                f"`rope_max_wavelength` must be a number > 1 or None. Received: rope_max_wavelength={rope!r}"
+            )
         if score not in SCORES:
             raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
@@ -142,8 +157,12 @@ class MultiHeadAttention(keras.layers.Layer):
         self.num_key_value_heads = num_key_value_heads
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.rope_max_wavelength = rope_max_wavelength
         self.supports_masking = True
         self._dropout_layer = Dropout(dropout)
+        self.rotary = None
+        if rope_max_wavelength is not None:  # no weights; rotates q and k laid out (B, N|K, T, H)
+            self.rotary = RotaryEmbedding(rope_max_wavelength, sequence_axis=2, dtype=self.dtype_policy)
 
     @property
     def _value_dim(self):
@@ -343,6 +362,9 @@ class MultiHeadAttention(keras.layers.Layer):
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         else:
             q, k, v = self._project(query, value, key, plan)
+            if self.rotary is not None:
+                start = 0 if cache_index is None else cache_index
+                q, k = self.rotary(q, start_index=start), self.rotary(k, start_index=start)
         if cache is not None and cache_index is not None:
             k, v, cache = self._update_cache(cache, k, v, cache_index, plan)
         k, v = self._shared_heads(k, q), self._shared_heads(v, q)  # K -> N heads
@@ -433,6 +455,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "num_key_value_heads": self.num_key_value_heads,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "rope_max_wavelength": self.rope_max_wavelength,
             }
         )
         return config

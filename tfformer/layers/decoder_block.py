@@ -2,6 +2,11 @@ import keras
 
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.encoder_block import EncoderBlock
+from tfformer.layers.gated_feedforward import GatedFeedForward
+from tfformer.layers.layer_norm import LayerNorm
+from tfformer.layers.rms_norm import RMSNorm
+
+NORMALIZATIONS = ("layer", "rms")
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -25,12 +30,23 @@ class DecoderBlock(EncoderBlock):
     `cross_attention_cache` (from `compute_cross_attention_cache`) saves
     re-projecting the encoder output at every step.
 
+    Llama-style blocks (SmolLM2): `normalization="rms"` (`RMSNorm`),
+    `use_bias=False` (no biases in the attention and feed-forward projections;
+    the feed-forward is then a `GatedFeedForward`, which needs
+    `activation="swiglu"`) and `rope_max_wavelength` (rotary positions on
+    the self-attention's q and k).
+
     Args:
         num_heads, intermediate_dim, dropout, activation, norm_first,
         layer_norm_epsilon, score, window, kernel_initializer,
         num_key_value_heads: as `EncoderBlock`.
         cross_attention: bool. Whether the block attends over an encoder
             output. Defaults to `True`.
+        normalization: str. `"layer"` (`LayerNorm`) or `"rms"` (`RMSNorm`), both
+            with `layer_norm_epsilon`. Defaults to `"layer"`.
+        use_bias: bool. Whether the projections have biases. Defaults to `True`.
+        rope_max_wavelength: float. If set, rotary positions with this base in
+            the self-attention. Defaults to `None` (none).
         **kwargs: Base layer arguments.
 
     Call arguments:
@@ -61,9 +77,38 @@ class DecoderBlock(EncoderBlock):
     ```
     """
 
-    def __init__(self, num_heads, intermediate_dim, cross_attention=True, **kwargs):
+    def __init__(self, num_heads, intermediate_dim, cross_attention=True, normalization="layer", use_bias=True,
+                 rope_max_wavelength=None, **kwargs):
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}. Received: normalization={normalization!r}")
+        if not use_bias and kwargs.get("activation", "relu") != "swiglu":
+            raise ValueError("`use_bias=False` needs activation='swiglu' (a GatedFeedForward). "
+                             f"Received: activation={kwargs.get('activation', 'relu')!r}")
+        if rope_max_wavelength is not None and (isinstance(rope_max_wavelength, bool)
+                                                  or not isinstance(rope_max_wavelength, (int, float))
+                                                  or rope_max_wavelength <= 1):
+            raise ValueError("`rope_max_wavelength` must be a number > 1 or None. "
+                             f"Received: rope_max_wavelength={rope_max_wavelength!r}")
         super().__init__(num_heads, intermediate_dim, **kwargs)
         self.cross_attention = cross_attention
+        self.normalization = normalization
+        self.use_bias = use_bias
+        self.rope_max_wavelength = rope_max_wavelength
+
+    def _attention(self, hidden_dim, name):
+        rope = self.rope_max_wavelength if name == "self_attention" else None
+        return super()._attention(hidden_dim, name, use_bias=self.use_bias, rope_max_wavelength=rope)
+
+    def _norm(self, name):
+        if self.normalization == "rms":
+            return RMSNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
+        return LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
+
+    def _feedforward(self, hidden_dim):
+        if self.use_bias:
+            return super()._feedforward(hidden_dim)
+        return GatedFeedForward(hidden_dim, self.intermediate_dim, use_bias=False,
+                                kernel_initializer=self.kernel_initializer, dtype=self.dtype_policy, name="feedforward")
 
     def build(self, inputs_shape, encoder_outputs_shape=None):
         self._build_common(inputs_shape)
@@ -152,5 +197,6 @@ class DecoderBlock(EncoderBlock):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"cross_attention": self.cross_attention})
+        config.update({"cross_attention": self.cross_attention, "normalization": self.normalization,
+                       "use_bias": self.use_bias, "rope_max_wavelength": self.rope_max_wavelength})
         return config

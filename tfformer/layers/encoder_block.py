@@ -96,8 +96,9 @@ class EncoderBlock(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.supports_masking = True
 
-    def _attention(self, hidden_dim, name):
-        layer = MultiHeadAttention(
+    def _attention(self, hidden_dim, name, **kwargs):
+        # Subclasses pass the arguments of their variants (DecoderBlock: use_bias, rope_max_wavelength).
+        return MultiHeadAttention(
             self.num_heads,
             check_heads(hidden_dim, self.num_heads),
             dropout=self.dropout,
@@ -107,8 +108,18 @@ class EncoderBlock(keras.layers.Layer):
             kernel_initializer=self.kernel_initializer,
             dtype=self.dtype_policy,
             name=name,
+            **kwargs,
         )
-        return layer
+
+    def _feedforward(self, hidden_dim):
+        return FeedForward(
+            hidden_dim,
+            self.intermediate_dim,
+            activation=self.activation,
+            kernel_initializer=self.kernel_initializer,
+            dtype=self.dtype_policy,
+            name="feedforward",
+        )
 
     def _norm(self, name):
         return LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
@@ -119,14 +130,7 @@ class EncoderBlock(keras.layers.Layer):
         self.self_attention.build(inputs_shape, inputs_shape)
         self.self_attention_norm = self._norm("self_attention_norm")
         self.self_attention_norm.build(inputs_shape)
-        self.feedforward = FeedForward(
-            hidden_dim,
-            self.intermediate_dim,
-            activation=self.activation,
-            kernel_initializer=self.kernel_initializer,
-            dtype=self.dtype_policy,
-            name="feedforward",
-        )
+        self.feedforward = self._feedforward(hidden_dim)
         self.feedforward.build(inputs_shape)
         self.feedforward_norm = self._norm("feedforward_norm")
         self.feedforward_norm.build(inputs_shape)

@@ -7,6 +7,7 @@ from tfformer.models.presets import build_model, from_preset, get_preset, list_p
 from tfformer.models.regressor import SequenceRegressor, build_regressor
 from tfformer.models.sentence_encoder import SentenceEncoder, cosine_similarity
 from tfformer.models.seq2seq import Seq2SeqTransformer, build_seq2seq
+from tfformer.models.whisper import WhisperModel, build_whisper
 
 __all__ = [
     "CausalLM",
@@ -15,11 +16,13 @@ __all__ = [
     "Seq2SeqTransformer",
     "TransformerConfig",
     "TransformerEncoder",
+    "WhisperModel",
     "build_causal_lm",
     "build_encoder",
     "build_model",
     "build_regressor",
     "build_seq2seq",
+    "build_whisper",
     "cosine_similarity",
     "from_preset",
     "get_preset",

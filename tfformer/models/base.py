@@ -58,9 +58,11 @@ def block_kwargs(config):
 
 
 def final_norm(config, name):
-    """Pre-LN stacks end with a LayerNorm (GPT-2); post-LN ones are already normalised."""
+    """Pre-LN stacks end with a LayerNorm (GPT-2) or an RMSNorm (Llama); post-LN ones are already normalised."""
     if not config.norm_first:
         return None
+    if config.normalization == "rms":
+        return layers.RMSNorm(epsilon=config.layer_norm_epsilon, name=name)
     return layers.LayerNorm(epsilon=config.layer_norm_epsilon, name=name)
 
 

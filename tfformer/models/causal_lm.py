@@ -14,6 +14,10 @@ class CausalLM(base.TransformerModel):
     keys are masked). Output: next-token logits `(B, T, V)` in float32, from the
     tied token embedding when `tie_embeddings`. Position `t` depends only on
     tokens `<= t`.
+
+    Llama-style models (SmolLM2) take `position="rotary"` (rotary positions on
+    q and k in every self-attention, no position embedding), `normalization="rms"`
+    and `use_bias=False` (gated feed-forward, no projection biases).
     """
 
     def _build(self, config):
@@ -24,14 +28,21 @@ class CausalLM(base.TransformerModel):
         if not config.tie_embeddings:
             output_projection = keras.layers.Dense(
                 config.vocabulary_size,
+                use_bias=config.use_bias,
                 kernel_initializer=base.kernel_initializer(config),
                 dtype="float32",
                 name="output_projection",
             )
-        position = base.position_layer(config, "position")
+        # Rotary positions live in the attention layers: no position added to the embeddings.
+        position = None if config.position == "rotary" else base.position_layer(config, "position")
         dropout = layers.Dropout(config.dropout, name="embedding_dropout")
+        variants = dict(
+            normalization=config.normalization,
+            use_bias=config.use_bias,
+            rope_max_wavelength=config.rope_max_wavelength if config.position == "rotary" else None,
+        )
         blocks = [
-            layers.DecoderBlock(**base.block_kwargs(config), cross_attention=False, name=f"decoder_block_{i}")
+            layers.DecoderBlock(**base.block_kwargs(config), **variants, cross_attention=False, name=f"decoder_block_{i}")
             for i in range(config.num_decoder_layers)
         ]
         norm = base.final_norm(config, "final_norm")
@@ -39,7 +50,7 @@ class CausalLM(base.TransformerModel):
         # === Functional model ===
         token_ids = base.token_ids_input("token_ids")
         padding_mask = base.padding_mask_of(token_ids)  # (B, T)
-        x = dropout(base.embed_tokens(token_embedding, position, token_ids))  # (B, T, D)
+        x = dropout(_embed(token_embedding, position, token_ids))  # (B, T, D)
         for block in blocks:
             x = block(x, padding_mask=padding_mask)
         if norm:
@@ -75,7 +86,7 @@ class CausalLM(base.TransformerModel):
         if last_only and logits_index is not None:
             raise ValueError(f"Pass `last_only` or `logits_index`, not both. Received: last_only=True, "
                              f"logits_index={logits_index!r}")
-        x = base.embed_tokens(self.token_embedding, self.position, token_ids, start_index=cache_index)
+        x = _embed(self.token_embedding, self.position, token_ids, start_index=cache_index)  # (B, T, D)
         caches = []
         # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
         # decode loops: no re-stacking).
@@ -95,6 +106,13 @@ class CausalLM(base.TransformerModel):
         else:
             logits = apply_dense(self.output_projection, x, plan)  # the plan's kernel layout in decode loops
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
+
+
+def _embed(token_embedding, position, token_ids, start_index=0):
+    """Token embeddings plus positions, or alone when the positions are rotary (`position` None), `(B, T, D)`."""
+    if position is None:
+        return token_embedding(token_ids)
+    return base.embed_tokens(token_embedding, position, token_ids, start_index=start_index)
 
 
 def build_causal_lm(config):

@@ -6,8 +6,9 @@ from typing import Optional
 
 from tfformer.layers.feedforward import ACTIVATIONS
 
-ARCHITECTURES = ("seq2seq", "encoder", "causal_lm", "regressor")
-POSITIONS = ("sinusoidal", "learned")
+ARCHITECTURES = ("seq2seq", "encoder", "causal_lm", "regressor", "speech_seq2seq")
+POSITIONS = ("sinusoidal", "learned", "rotary")
+NORMALIZATIONS = ("layer", "rms")
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
 
@@ -16,8 +17,10 @@ class TransformerConfig:
     """Hyperparameters of a Transformer, shared by every builder.
 
     `architecture` picks the builder: `"seq2seq"` (the paper's encoder-decoder),
-    `"encoder"` (BERT-style), `"causal_lm"` (GPT-style) or `"regressor"`
-    (encoder over continuous vectors, `input_dim` features per step).
+    `"encoder"` (BERT-style), `"causal_lm"` (GPT-style), `"regressor"`
+    (encoder over continuous vectors, `input_dim` features per step) or
+    `"speech_seq2seq"` (Whisper: a convolutional stem on `num_mel_bins` log-mel
+    features per frame, `max_source_positions` encoder positions after it).
     Token id 0 is padding in every token model.
     """
 
@@ -34,7 +37,7 @@ class TransformerConfig:
     activation: str = "relu"
     norm_first: bool = False  # the paper is post-LN
     layer_norm_epsilon: float = 1e-5
-    position: str = "sinusoidal"  # or "learned"
+    position: str = "sinusoidal"  # or "learned", or "rotary" (causal_lm: on q and k, `rope_max_wavelength`)
     scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
     tie_embeddings: bool = True  # share source, target and pre-softmax matrices
     score: str = "scaled_dot"
@@ -43,6 +46,11 @@ class TransformerConfig:
     input_dim: Optional[int] = None  # regressor: features per timestep
     output_dim: int = 1  # regressor: predicted values per sequence
     initializer_range: Optional[float] = None  # stddev of a truncated normal init; None = Glorot
+    num_mel_bins: Optional[int] = None  # speech_seq2seq: log-mel features per input frame
+    max_source_positions: Optional[int] = None  # speech_seq2seq: encoder positions (input frames / 2)
+    normalization: str = "layer"  # causal_lm: or "rms" (RMSNorm, Llama), both with layer_norm_epsilon
+    use_bias: bool = True  # causal_lm: False = no projection biases (a gated feed-forward: activation="swiglu")
+    rope_max_wavelength: float = 10000.0  # position="rotary": the rotary base (keras-hub's Llama name)
 
     def __post_init__(self):
         def choice(name, allowed):
@@ -62,6 +70,7 @@ class TransformerConfig:
         choice("position", POSITIONS)
         choice("activation", ACTIVATIONS)
         choice("score", SCORES)
+        choice("normalization", NORMALIZATIONS)
         for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length", "output_dim"):
             positive(name)
         for name in ("num_encoder_layers", "num_decoder_layers", "num_segments"):
@@ -69,6 +78,8 @@ class TransformerConfig:
         positive("num_classes", allow_none=True)
         positive("input_dim", allow_none=True)
         positive("num_key_value_heads", allow_none=True)
+        positive("num_mel_bins", allow_none=True)
+        positive("max_source_positions", allow_none=True)
         if self.num_key_value_heads is not None and self.num_heads % self.num_key_value_heads:
             raise ValueError(
                 "`num_key_value_heads` must divide `num_heads`. "
@@ -83,8 +94,28 @@ class TransformerConfig:
             raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={self.dropout!r}")
         if self.architecture == "regressor" and self.input_dim is None:
             raise ValueError("`input_dim` is required when architecture='regressor'. Received: input_dim=None")
+        if self.architecture == "speech_seq2seq":
+            for name in ("num_mel_bins", "max_source_positions"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"`{name}` is required when architecture='speech_seq2seq'. Received: {name}=None")
+        # Only CausalLM's DecoderBlocks take the Llama-style variants.
+        for name, value in {"position": "rotary", "normalization": "rms", "use_bias": False}.items():
+            if getattr(self, name) == value and self.architecture != "causal_lm":
+                raise ValueError(f"`{name}={value!r}` is only built by architecture='causal_lm'. "
+                                 f"Received: architecture={self.architecture!r}")
+        if not isinstance(self.use_bias, bool):
+            raise ValueError(f"`use_bias` must be a bool. Received: use_bias={self.use_bias!r}")
+        if not self.use_bias and self.activation != "swiglu":
+            raise ValueError(f"`use_bias=False` needs activation='swiglu'. Received: activation={self.activation!r}")
+        rope = self.rope_max_wavelength
+        if isinstance(rope, bool) or not isinstance(rope, (int, float)) or rope <= 1:
+            raise ValueError(f"`rope_max_wavelength` must be a number > 1. Received: rope_max_wavelength={rope!r}")
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ValueError(f"position='rotary' needs an even head_dim (hidden_dim / num_heads). "
+                             f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}")
         needs = {"seq2seq": ("num_encoder_layers", "num_decoder_layers"), "encoder": ("num_encoder_layers",),
-                 "regressor": ("num_encoder_layers",), "causal_lm": ("num_decoder_layers",)}
+                 "regressor": ("num_encoder_layers",), "causal_lm": ("num_decoder_layers",),
+                 "speech_seq2seq": ("num_encoder_layers", "num_decoder_layers")}
         for name in needs[self.architecture]:
             positive(name)
 

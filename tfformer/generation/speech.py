@@ -1,0 +1,119 @@
+"""Decoding for speech encoder-decoders (Whisper): a prompt of special tokens and token suppression.
+
+`generate_ids` starts every sequence from one start id and never masks a token; Whisper starts from a prompt
+(`<|startoftranscript|>` `<|notimestamps|>` for tiny.en) and, as faster-whisper/CTranslate2 decode it,
+suppresses `suppress_ids` at every step and `suppress_ids_begin` (blank, end of text) at the first. The loop
+runs the model's `decode_step` with the key/value cache, one token per step after the prompt.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfformer.generation.samplers import as_sampler
+
+# Whisper's <|endoftext|>, and the prompt of the English-only models without timestamps.
+WHISPER_END_ID = 50256
+WHISPER_PROMPT = (50257, 50362)
+
+
+def _check_ids(name, ids, vocabulary_size, allow_empty=True):
+    ids = [int(i) for i in ids]
+    if (not ids and not allow_empty) or any(not 0 <= i < vocabulary_size for i in ids):
+        raise ValueError(f"`{name}` must be {'' if allow_empty else 'a non-empty list of '}ids in "
+                         f"[0, vocabulary_size={vocabulary_size}). Received: {name}={ids!r}")
+    return ids
+
+
+def _suppression(ids, vocabulary_size):
+    """`(V,)` float32: -inf at `ids`, 0 elsewhere, added to the logits."""
+    bias = np.zeros([vocabulary_size], np.float32)
+    bias[ids] = -np.inf
+    return tf.constant(bias)
+
+
+def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
+                     end_id=WHISPER_END_ID, sampler=None):
+    """The (untraced) decoding function `input_features (B, F, M) -> ids (B, max_new_tokens)` of `model`.
+
+    `model` has Whisper's decode path (`tfformer.models.WhisperModel`): `encode`, `cross_attention_caches`,
+    `empty_cache` and `decode_step`. The prompt goes through the decoder in one step; then each step feeds the
+    previous token. Before the sampler (greedy by default) picks a token, `suppress_ids` get -inf logits at
+    every step and `suppress_ids_begin` at the first. Each row stops at `end_id`; slots after it (and the
+    `end_id` itself) hold `end_id`.
+
+    Args:
+        model: a Whisper-style encoder-decoder.
+        max_new_tokens: int >= 1. Tokens after the prompt; the prompt plus these must fit the decoder's
+            `max_sequence_length` positions.
+        prompt: the ids every sequence starts with.
+        suppress_ids: ids never produced.
+        suppress_ids_begin: ids not produced as the first token.
+        end_id: int. The end-of-text id.
+        sampler: a `generation.Sampler` or None (greedy).
+    """
+    config = model.config
+    vocabulary_size = config.vocabulary_size
+    prompt = _check_ids("prompt", prompt, vocabulary_size, allow_empty=False)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+    if len(prompt) + max_new_tokens > config.max_sequence_length:
+        raise ValueError(f"The prompt ({len(prompt)} ids) plus `max_new_tokens` must be at most "
+                         f"max_sequence_length={config.max_sequence_length}. Received: max_new_tokens={max_new_tokens}")
+    if isinstance(end_id, bool) or not isinstance(end_id, (int, np.integer)) or not 0 <= end_id < vocabulary_size:
+        raise ValueError(f"`end_id` must be an id in [0, vocabulary_size={vocabulary_size}). "
+                         f"Received: end_id={end_id!r}")
+    end_id = int(end_id)
+    every_step = _suppression(_check_ids("suppress_ids", suppress_ids, vocabulary_size), vocabulary_size)
+    first_step = every_step + _suppression(
+        _check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size), vocabulary_size)
+    sampler = as_sampler(sampler)
+    prompt_length = len(prompt)
+
+    def run(input_features):
+        batch = tf.shape(input_features)[0]
+        encoder_outputs, encoder_mask = model.encode(input_features)  # (B, S, D)
+        cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))  # L x (B, 2, K, S, H)
+        # Per-layer caches (a tuple): decode_step then returns them without re-stacking.
+        cache = tuple(tf.unstack(model.empty_cache(batch, prompt_length + max_new_tokens, cross[0].dtype)))
+        prompt_ids = tf.tile(tf.constant([prompt], tf.int32), [batch, 1])  # (B, P)
+        logits, cache = model.decode_step(prompt_ids, cache, 0, cross, encoder_mask)  # (B, P, V)
+        next_ids = sampler(logits[:, -1, :] + first_step, 0)  # (B,)
+        output = tf.fill([batch, max_new_tokens], end_id)
+        done = tf.zeros([batch], tf.bool)
+
+        def cond(i, next_ids, cache, output, done):
+            return tf.logical_and(i < max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+
+        def body(i, next_ids, cache, output, done):
+            ids = tf.where(done, end_id, next_ids)  # (B,)
+            output = tf.tensor_scatter_nd_update(output, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), ids)
+            done = done | tf.equal(ids, end_id)
+            logits, cache = model.decode_step(ids[:, None], cache, prompt_length + i, cross, encoder_mask)  # (B, 1, V)
+            return i + 1, sampler(logits[:, -1, :] + every_step, i + 1), cache, output, done
+
+        _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), next_ids, cache, output, done))
+        return output
+
+    return run
+
+
+def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PROMPT, suppress_ids=(),
+                   suppress_ids_begin=(), end_id=WHISPER_END_ID, sampler=None, jit_compile=False):
+    """Generated ids `(B, max_new_tokens)` int32 numpy for log-mel features `(B, F, M)`, after the prompt,
+    `end_id`-filled after each row's end (see `speech_decode_fn`). The compiled function is kept on the model
+    per set of options; `max_new_tokens` defaults to what fits the decoder after the prompt."""
+    if max_new_tokens is None:
+        max_new_tokens = model.config.max_sequence_length - len(prompt)
+    sampler = as_sampler(sampler)
+    key = ("speech", max_new_tokens, tuple(prompt), tuple(suppress_ids), tuple(suppress_ids_begin), end_id,
+           sampler.key(), bool(jit_compile))
+    compiled = model.__dict__.setdefault("_tfformer_speech_fns", {})
+    if key not in compiled:
+        run = speech_decode_fn(model, max_new_tokens, prompt, suppress_ids, suppress_ids_begin, end_id, sampler)
+        spec = tf.TensorSpec([None, None, model.config.num_mel_bins], tf.float32)
+        compiled[key] = tf.function(run, input_signature=[spec], jit_compile=bool(jit_compile))
+    features = tf.convert_to_tensor(input_features, tf.float32)
+    if features.shape.rank != 3 or features.shape[-1] != model.config.num_mel_bins:
+        raise ValueError(f"`input_features` must be (batch, frames, num_mel_bins={model.config.num_mel_bins}). "
+                         f"Received: shape={tuple(features.shape)}")
+    return compiled[key](features).numpy()
