@@ -109,11 +109,13 @@ class _Checker(ast.NodeVisitor):
     def check_attribute(self, node, owner, name):
         if not _is_private(name):
             return
-        if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+        # `super()` reaches the same class hierarchy as `self`: our own private methods, or Keras' (caught below).
+        is_super = isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+        if not (is_super or isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
             self.report(node, f"private attribute `{ast.unparse(owner)}.{name}`")
             return
         if self.in_keras_class() and name in self.private_names:
-            self.report(node, f"`{owner.id}.{name}` is a private attribute of a Keras/TF base class")
+            self.report(node, f"`{ast.unparse(owner)}.{name}` is a private attribute of a Keras/TF base class")
 
     def visit_Import(self, node):
         for alias in node.names:
@@ -190,7 +192,8 @@ PLANTED = {
     "import tensorflow as tf\ntf.python.eager": "use of tf.python",
     "y = model._compile_config": "private attribute `model._compile_config`",
     "y = layer._private_helper": "private attribute `layer._private_helper`",
-    "y = super()._apply_weight_decay(v)": "private attribute `super()._apply_weight_decay`",
+    "y = super()._apply_weight_decay(v)": "`super()._apply_weight_decay` is a private attribute",
+    "y = super(A, self)._apply_weight_decay(v)": "`super(A, self)._apply_weight_decay` is a private attribute",
     "y = getattr(model, '_compile_config', None)": "private attribute `model._compile_config`",
     "hasattr(x, '_keras_mask')": "private attribute `x._keras_mask`",
     "class A:\n    def f(self):\n        return self._loss_tracker": "`self._loss_tracker` is a private attribute",
@@ -212,6 +215,7 @@ def test_checker_catches_a_planted_violation(source, private_names):
     "from tensorflow import keras",
     "import keras_hub.src",  # another package's layout is not Keras' internals
     "class A:\n    def f(self):\n        self._hidden_model = None\n        return self._projection_inputs",
+    "class A:\n    def _block(self):\n        return super()._block()",  # our own private method, one level up
     "class A:\n    def __init__(self):\n        super().__init__()\n        x = self.__class__",
     "getattr(model, 'name')",
     "from . import _private",

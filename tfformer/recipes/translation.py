@@ -50,13 +50,14 @@ def compile_model(model, config, warmup_steps, label_smoothing=0.1, clipnorm=1.0
     )
 
 
-def translate_texts(model, tokenizer, texts, max_new_tokens=64, batch_size=64, beam_size=None):
+def translate_texts(model, tokenizer, texts, max_new_tokens=64, batch_size=64, beam_size=None, jit_compile=True):
     """Translate strings with placeholder protection (`tfformer.data.placeholders`): each output holds every
-    placeholder and the leading/trailing whitespace of its source exactly once. Returns a list of str."""
+    placeholder and the leading/trailing whitespace of its source exactly once. Returns a list of str.
+    `jit_compile=False` decodes with the graph an exported SavedModel holds (no XLA)."""
     masked = [placeholders.mask(text) for text in texts]
     todo = [i for i, m in enumerate(masked) if m.translatable]
     outputs = generation.translate(model, tokenizer, [masked[i].text for i in todo], max_new_tokens=max_new_tokens,
-                                   batch_size=batch_size, beam_size=beam_size) if todo else []
+                                   batch_size=batch_size, beam_size=beam_size, jit_compile=jit_compile) if todo else []
     by_index = dict(zip(todo, outputs))
     return [placeholders.restore(m, by_index.get(i, "")) for i, m in enumerate(masked)]
 
