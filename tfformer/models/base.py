@@ -57,6 +57,19 @@ def block_kwargs(config):
     )
 
 
+def encoder_blocks(config):
+    """`config.num_encoder_layers` `EncoderBlock`s named `encoder_block_{i}`."""
+    return [layers.EncoderBlock(**block_kwargs(config), name=f"encoder_block_{i}")
+            for i in range(config.num_encoder_layers)]
+
+
+def decoder_blocks(config, **variants):
+    """`config.num_decoder_layers` `DecoderBlock`s named `decoder_block_{i}`; `variants` are DecoderBlock-only
+    arguments (`cross_attention`, `normalization`, ...)."""
+    return [layers.DecoderBlock(**block_kwargs(config), **variants, name=f"decoder_block_{i}")
+            for i in range(config.num_decoder_layers)]
+
+
 def final_norm(config, name):
     """Pre-LN stacks end with a LayerNorm (GPT-2) or an RMSNorm (Llama); post-LN ones are already normalised."""
     if not config.norm_first:

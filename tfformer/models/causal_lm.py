@@ -41,10 +41,7 @@ class CausalLM(base.TransformerModel):
             use_bias=config.use_bias,
             rope_max_wavelength=config.rope_max_wavelength if config.position == "rotary" else None,
         )
-        blocks = [
-            layers.DecoderBlock(**base.block_kwargs(config), **variants, cross_attention=False, name=f"decoder_block_{i}")
-            for i in range(config.num_decoder_layers)
-        ]
+        blocks = base.decoder_blocks(config, **variants, cross_attention=False)
         norm = base.final_norm(config, "final_norm")
 
         # === Functional model ===

@@ -33,10 +33,7 @@ class TransformerEncoder(base.TransformerModel):
             )
         embedding_norm = layers.LayerNorm(epsilon=config.layer_norm_epsilon, name="embedding_norm")
         dropout = layers.Dropout(config.dropout, name="embedding_dropout")
-        blocks = [
-            layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
-            for i in range(config.num_encoder_layers)
-        ]
+        blocks = base.encoder_blocks(config)
         norm = base.final_norm(config, "final_norm")
         pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init, name="pooler")
         classifier = None

@@ -20,10 +20,7 @@ class SequenceRegressor(base.TransformerModel):
         input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init, name="input_projection")
         position = base.position_layer(config, "position")
         dropout = layers.Dropout(config.dropout, name="embedding_dropout")
-        blocks = [
-            layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
-            for i in range(config.num_encoder_layers)
-        ]
+        blocks = base.encoder_blocks(config)
         norm = base.final_norm(config, "final_norm")
         head = keras.layers.Dense(config.output_dim, kernel_initializer=init, dtype="float32", name="regression_head")
 

@@ -126,14 +126,8 @@ class WhisperModel(Seq2SeqTransformer):
         decoder_position = base.position_layer(config, "decoder_position")
         encoder_dropout = layers.Dropout(config.dropout, name="encoder_embedding_dropout")
         decoder_dropout = layers.Dropout(config.dropout, name="decoder_embedding_dropout")
-        encoder_blocks = [
-            layers.EncoderBlock(**base.block_kwargs(config), name=f"encoder_block_{i}")
-            for i in range(config.num_encoder_layers)
-        ]
-        decoder_blocks = [
-            layers.DecoderBlock(**base.block_kwargs(config), name=f"decoder_block_{i}")
-            for i in range(config.num_decoder_layers)
-        ]
+        encoder_blocks = base.encoder_blocks(config)
+        decoder_blocks = base.decoder_blocks(config)
         encoder_norm = base.final_norm(config, "encoder_norm")
         decoder_norm = base.final_norm(config, "decoder_norm")
 
