@@ -140,7 +140,7 @@ def test_sampling_is_reproducible_with_a_seed(seq2seq, kind, extra):
 def test_top_p_only_samples_from_the_nucleus():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], "float32"))
     sampler = generation.Sampler("top_p", p=0.75)
-    seen = {int(sampler(logits, step)[0]) for step in range(200)}
+    seen = {int(sampler.get_next_token(logits, step)[0]) for step in range(200)}
     assert seen == {0, 1}
 
 
@@ -331,7 +331,9 @@ def test_decode_steps_attend_over_growing_caches(request, fixture, beam_size, ke
     monkeypatch.setattr(plan_lib, "MIN_SEGMENT", 1)  # tiny models: segment from one slot up
     model = request.getfixturevalue(fixture)
     inputs, new_tokens = (SOURCE, 7) if fixture == "seq2seq" else (PROMPTS, 7)
-    inputs = inputs[:1] if kernel_layout == "rows" else inputs
+    # A batch of one: a prompt as wide as the input, so that its 7 new tokens reach the last segment (the last
+    # token is written, not fed to a step: a shorter prompt's steps end in an earlier segment).
+    inputs = inputs[1:2] if kernel_layout == "rows" else inputs
     prefix = 0 if fixture == "seq2seq" else PROMPTS.shape[1]
     seen = []  # (first position written, cache slots) per decode_step call
     step = model.decode_step

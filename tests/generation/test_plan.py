@@ -164,12 +164,14 @@ def test_layer_caches(kv_heads):
 def test_beam_search_refuses_a_kernel_layout():
     """Beam search reorders stacked caches along the batch axis: a plan with split caches or prepared kernels is
     an error, not a silent misorder; `decode_fn` hands it a plan without a layout."""
-    from tfformer.generation import beam, decode
+    from tfformer.generation import decode
+    from tfformer.generation.beam import BeamSampler
 
     model = models.build_causal_lm(models.TransformerConfig(architecture="causal_lm", **CFG))
-    for fn in (beam.causal_beam_fn, beam.seq2seq_beam_fn):
+    for plan in (DecodePlan("rows"), DecodePlan("halves")):
         with pytest.raises(ValueError, match="kernel_layout"):
-            fn(model, 4, 2, 0.6, DecodePlan("rows"))
+            BeamSampler(2).run(None, tf.zeros([1, 4], tf.int32), (), 0, 3, 4, ids=tf.zeros([2, 1], tf.int32),
+                               plan=plan)
     assert callable(decode.decode_fn(model, 4, beam_size=2, plan=DecodePlan("rows", in_place_cache_writes=True)))
     with pytest.raises(ValueError, match="not both"):
         decode.decode_fn(model, 4, kernel_layout="halves", plan=DecodePlan("rows"))

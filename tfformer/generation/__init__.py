@@ -1,12 +1,15 @@
-"""Decoding, kept apart from the models (keras-hub's sampler pattern)."""
+"""Decoding, kept apart from the models (keras-hub's sampler pattern): one loop in `Sampler.run`, driven by a
+task's `next` callback; beam search in `BeamSampler`; the CPU fast paths in `DecodePlan`."""
 
-from tfformer.generation.decode import decode_fn, generate_ids, strip_after_end
+from tfformer.generation.beam import BeamSampler
+from tfformer.generation.decode import decode_fn, generate_ids, reset_compiled, strip_after_end
 from tfformer.generation.plan import DecodePlan
-from tfformer.generation.samplers import Sampler
+from tfformer.generation.samplers import (GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler,
+                                          as_sampler)
 from tfformer.generation.speech import speech_decode_fn, transcribe_ids
-from tfformer.generation.text import generate, translate
 
 __all__ = [
-    "DecodePlan", "Sampler", "decode_fn", "generate", "generate_ids", "speech_decode_fn", "strip_after_end",
-    "transcribe_ids", "translate",
+    "BeamSampler", "DecodePlan", "GreedySampler", "Sampler", "TemperatureSampler", "TopKSampler", "TopPSampler",
+    "as_sampler", "decode_fn", "generate_ids", "reset_compiled", "speech_decode_fn", "strip_after_end",
+    "transcribe_ids",
 ]

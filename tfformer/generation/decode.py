@@ -1,10 +1,10 @@
-"""In-graph decoding with a per-layer key/value cache (tf.while_loop; XLA-compilable).
+"""The text tasks' decodes: set-up (encoder pass or prompt prefill, per-layer key/value caches) and a `next`
+callback over `model.decode_step`, driven by a sampler's loop (`Sampler.run`, `BeamSampler.run`).
 
-Each step feeds one token and attends over the cache, so a new token costs
-O(current length) instead of a full re-run. Compiled functions are cached per
-model, sampler, length and decode plan (`generation.plan.DecodePlan`: under XLA,
-one for a batch of one, one for larger batches); they take dynamic batch/length
-shapes, so repeated calls do not retrace.
+Each step feeds one token and attends over the cache, so a new token costs O(current length) instead of a full
+re-run. Compiled functions are kept on the model (`reset_compiled` drops them) per sampler, length and decode
+plan (`generation.plan.DecodePlan`: under XLA, one for a batch of one, one for larger batches); they take
+dynamic batch/length shapes, so repeated calls do not retrace.
 """
 
 import warnings
@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfformer.generation import beam
+from tfformer.generation.beam import BeamSampler
 from tfformer.generation.plan import DecodePlan, check_kernel_layout
 from tfformer.generation.samplers import as_sampler
 from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
@@ -23,11 +23,18 @@ def _check_max_new_tokens(max_new_tokens):
         raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
 
 
-def _compiled(model, key, make):
+def cached_function(model, key, make):
+    """`make()`'s function, kept on `model` under `key` (in its `__dict__`: Keras would track an attribute)."""
     cache = model.__dict__.setdefault("_tfformer_generate_fns", {})
     if key not in cache:
         cache[key] = make()
     return cache[key]
+
+
+def reset_compiled(model):
+    """Drops the decode functions kept on `model`; its `compile` calls this, as keras-hub's tasks drop their
+    generate function there: a function traced before a change of the model (e.g. quantization) would keep it."""
+    model.__dict__.pop("_tfformer_generate_fns", None)
 
 
 def _ids_spec():
@@ -35,71 +42,62 @@ def _ids_spec():
 
 
 def _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan):
+    beams = sampler.beams
+
     def run(encoder_token_ids):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop
         batch = tf.shape(encoder_token_ids)[0]
         encoder_outputs, encoder_mask = model.encode(encoder_token_ids)
+        if beams > 1:
+            encoder_outputs, encoder_mask = tf.repeat(encoder_outputs, beams, 0), tf.repeat(encoder_mask, beams, 0)
         cross = model.cross_attention_caches(encoder_outputs)
-        cache = step_plan.layer_caches(model, batch, step_plan.first_segment(max_new_tokens), cross.dtype)  # grows
+        # Each row's beams adjacent, (B*K, ...); grows in the loop.
+        cache = step_plan.layer_caches(model, batch * beams, step_plan.first_segment(max_new_tokens), cross.dtype)
         cross = tuple(tf.unstack(cross))
-        tokens = tf.fill([batch, 1], START_ID)
-        output = tf.zeros([batch, max_new_tokens], tf.int32)
-        done = tf.zeros([batch], tf.bool)
 
-        def cond(i, tokens, cache, output, done):
-            return tf.logical_not(tf.reduce_all(done))
+        def next(ids, cache, index, plan=None):
+            logits, cache = model.decode_step(ids, cache, index, cross, encoder_mask, plan=plan)  # (B, 1, V)
+            return logits[:, -1, :], None, cache
 
-        def body(plan, i, tokens, cache, output, done):
-            logits, cache = model.decode_step(tokens, cache, i, cross, encoder_mask, plan=plan)  # (B, 1, V)
-            next_ids = sampler(logits[:, -1, :], i)
-            next_ids = tf.where(done, PAD_ID, next_ids)  # (B,)
-            output = tf.tensor_scatter_nd_update(
-                output, tf.stack([tf.range(batch), tf.fill([batch], i)], axis=1), next_ids
-            )
-            done = done | tf.equal(next_ids, end_id)
-            return i + 1, next_ids[:, None], cache, output, done
-
-        loop_vars = (tf.constant(0), tokens, cache, output, done)
-        _, _, _, output, _ = step_plan.segmented_loop(cond, body, loop_vars, 2, 0, max_new_tokens)
-        return output
+        return sampler.run(next, tf.zeros([batch, max_new_tokens], tf.int32), cache, 0, end_id, max_new_tokens,
+                           ids=tf.fill([batch * beams, 1], START_ID), plan=step_plan)
 
     return run
 
 
 def _causal_fn(model, max_new_tokens, sampler, end_id, plan):
+    beams = sampler.beams
+
     def run(prompt_ids):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
         lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
         tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
         start = tf.reduce_min(lengths)
-        # Prompt + the first segment's slots; grows in the loop.
-        cache = step_plan.layer_caches(model, batch, prompt_length + step_plan.first_segment(max_new_tokens))
+        # Prompt + the first segment's slots, each row's beams adjacent; grows in the loop.
+        cache = step_plan.layer_caches(model, batch * beams, prompt_length + step_plan.first_segment(max_new_tokens))
         # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
         # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
         # for that position overwrites them.
-        logits, cache = model.decode_step(prompt_ids, cache, 0, logits_index=start - 1, plan=step_plan)
-        next_ids = sampler(logits[:, -1, :], start)
-        done = tf.zeros([batch], tf.bool)
+        prompts = prompt_ids if beams == 1 else tf.repeat(prompt_ids, beams, axis=0)  # (B*K, P)
+        logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1, plan=step_plan)
 
-        def cond(i, next_ids, tokens, cache, done):
-            return tf.logical_and(i < tf.reduce_max(lengths) + max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+        def next(ids, cache, index, plan=None):
+            logits, cache = model.decode_step(ids, cache, index, plan=plan)  # (B, 1, V)
+            return logits[:, -1, :], None, cache
 
-        def body(plan, i, next_ids, tokens, cache, done):
-            in_prompt = i < lengths
-            chosen = tf.where(in_prompt, tokens[:, i], tf.where(done, PAD_ID, next_ids))  # (B,)
-            tokens = tf.tensor_scatter_nd_update(tokens, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), chosen)
-            done = done | (~in_prompt & tf.equal(chosen, end_id)) | (i + 1 >= lengths + max_new_tokens)
-            logits, cache = model.decode_step(chosen[:, None], cache, i, plan=plan)
-            return i + 1, sampler(logits[:, -1, :], i + 1), tokens, cache, done
-
-        loop_vars = (start, next_ids, tokens, cache, done)
-        _, _, tokens, _, _ = step_plan.segmented_loop(cond, body, loop_vars, 3, prompt_length, max_new_tokens)
+        tokens = sampler.run(next, tokens, cache, start, end_id, max_new_tokens, logits=logits[:, -1, :],
+                             prompt_lengths=lengths, plan=step_plan, prefix=prompt_length)
         # Each row's continuation starts at its own prompt length.
         index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
         return tf.gather(tokens, index, batch_dims=1)
 
     return run
+
+
+def _method(sampler, beam_size, length_penalty):
+    """The `Sampler` that decodes: a `BeamSampler` for a `beam_size`, else `sampler` (None: greedy)."""
+    return BeamSampler(beam_size, length_penalty) if beam_size else as_sampler(sampler)
 
 
 def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID,
@@ -108,6 +106,8 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
+    `sampler`: a `Sampler` (`BeamSampler` included), one of `samplers.KINDS` or None (greedy);
+    a `beam_size` takes `BeamSampler(beam_size, length_penalty)` instead.
     `plan` (a `generation.plan.DecodePlan`) picks the loop's fast forms; by default
     `DecodePlan(kernel_layout)`, which without a layout runs in any graph (SavedModel without
     XLA, TFLite). `kernel_layout` ("rows" for a batch
@@ -122,17 +122,13 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
     elif kernel_layout is not None and kernel_layout != plan.kernel_layout:
         raise ValueError(f"Pass `kernel_layout` or a `plan`, not both. Received: kernel_layout={kernel_layout!r}, "
                          f"plan={plan!r}")
-    sampler = as_sampler(sampler)
-    architecture = model.config.architecture
-    if beam_size:
+    sampler = _method(sampler, beam_size, length_penalty)
+    if isinstance(sampler, BeamSampler):
         plan = DecodePlan(in_place_cache_writes=plan.in_place_cache_writes, cache_segments=plan.cache_segments)
+    architecture = model.config.architecture
     if architecture == "seq2seq":
-        if beam_size:
-            return beam.seq2seq_beam_fn(model, max_new_tokens, beam_size, length_penalty, plan, end_id)
         return _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan)
     if architecture == "causal_lm":
-        if beam_size:
-            return beam.causal_beam_fn(model, max_new_tokens, beam_size, length_penalty, plan, end_id)
         return _causal_fn(model, max_new_tokens, sampler, end_id, plan)
     raise ValueError(f"Decoding needs a seq2seq or causal_lm model. Received architecture={architecture!r}")
 
@@ -160,8 +156,8 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
-    Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` for beam
-    search with the GNMT `length_penalty`.
+    Greedy by default; pass a `Sampler` for temperature/top-k/top-p sampling, or `beam_size` (or a
+    `BeamSampler`) for beam search with the GNMT `length_penalty`.
 
     XLA is on by default: it makes batch-1 decoding several times faster on CPU (docs/performance.md).
     Inputs are right-padded to a multiple of 16 tokens, and batches to `batch_bucket(B)` rows (copies of the
@@ -175,9 +171,10 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     `DecodePlan("rows" or "halves", in_place_cache_writes=True)`, without it `DecodePlan()`.
     """
     _check_max_new_tokens(max_new_tokens)
-    sampler = as_sampler(sampler)
     if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
         raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
+    sampler = _method(sampler, beam_size, length_penalty)
+    beam = isinstance(sampler, BeamSampler)
     token_ids = _as_ids(token_ids, model.config.vocabulary_size)  # (B, L) int32
     limit = model.config.max_sequence_length
     architecture = model.config.architecture
@@ -210,22 +207,21 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
         # Under XLA, kernels laid out for the decode loop (a batch of one gets its own compiled function), and
         # cache writes that cost O(new tokens), not O(cache size).
         kernel_layout = None
-        if jit_compile and not beam_size:
+        if jit_compile and not beam:
             kernel_layout = "rows" if token_ids.shape[0] == 1 else "halves"
         plan = DecodePlan(kernel_layout, in_place_cache_writes=jit_compile)
     if plan.kernels is not None:
         raise ValueError("`plan` must not hold prepared kernels: `generate_ids` lays them out inside the compiled "
                          f"function. Received: plan={plan!r}")
-    if beam_size:
+    if beam:
         plan = DecodePlan(in_place_cache_writes=plan.in_place_cache_writes, cache_segments=plan.cache_segments)
-    key = (architecture, max_new_tokens, ("beam", beam_size, length_penalty) if beam_size else sampler.key(), jit_compile,
-           end_id, *plan.key())
+    key = (architecture, max_new_tokens, sampler.key(), jit_compile, end_id, *plan.key())
 
     def make():
-        run = decode_fn(model, max_new_tokens, sampler, beam_size, length_penalty, end_id, plan=plan)
+        run = decode_fn(model, max_new_tokens, sampler, end_id=end_id, plan=plan)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 
-    new_ids = _compiled(model, key, make)(token_ids)  # (B', max_new_tokens)
+    new_ids = cached_function(model, key, make)(token_ids)  # (B', max_new_tokens)
     return new_ids if new_ids.shape[0] == rows else new_ids[:rows]  # (B, max_new_tokens)
 
 

@@ -2,13 +2,15 @@
 
 `generate_ids` starts every sequence from one start id and never masks a token; Whisper starts from a prompt
 (`<|startoftranscript|>` `<|notimestamps|>` for tiny.en) and, as faster-whisper/CTranslate2 decode it,
-suppresses `suppress_ids` at every step and `suppress_ids_begin` (blank, end of text) at the first. The loop
-runs the model's `decode_step` with the key/value cache, one token per step after the prompt.
+suppresses `suppress_ids` at every step and `suppress_ids_begin` (blank, end of text) at the first: the set-up
+prefills the prompt, and the `next` callback of the sampler's loop (`Sampler.run`) adds the suppression to each
+step's logits.
 """
 
 import numpy as np
 import tensorflow as tf
 
+from tfformer.generation.decode import cached_function
 from tfformer.generation.samplers import as_sampler
 
 # Whisper's <|endoftext|>, and the prompt of the English-only models without timestamps.
@@ -67,6 +69,8 @@ def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=
     first_step = every_step + _suppression(
         _check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size), vocabulary_size)
     sampler = as_sampler(sampler)
+    if sampler.beams != 1:
+        raise ValueError(f"`sampler` must pick one token per row (no beam search). Received: sampler={sampler!r}")
     prompt_length = len(prompt)
 
     def run(input_features):
@@ -77,22 +81,15 @@ def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=
         cache = tuple(tf.unstack(model.empty_cache(batch, prompt_length + max_new_tokens, cross[0].dtype)))
         prompt_ids = tf.tile(tf.constant([prompt], tf.int32), [batch, 1])  # (B, P)
         logits, cache = model.decode_step(prompt_ids, cache, 0, cross, encoder_mask)  # (B, P, V)
-        next_ids = sampler(logits[:, -1, :] + first_step, 0)  # (B,)
-        output = tf.fill([batch, max_new_tokens], end_id)
-        done = tf.zeros([batch], tf.bool)
 
-        def cond(i, next_ids, cache, output, done):
-            return tf.logical_and(i < max_new_tokens, tf.logical_not(tf.reduce_all(done)))
+        def next(ids, cache, index, plan=None):
+            logits, cache = model.decode_step(ids, cache, index, cross, encoder_mask, plan=plan)  # (B, 1, V)
+            return logits[:, -1, :] + every_step, None, cache
 
-        def body(i, next_ids, cache, output, done):
-            ids = tf.where(done, end_id, next_ids)  # (B,)
-            output = tf.tensor_scatter_nd_update(output, tf.stack([tf.range(batch), tf.fill([batch], i)], 1), ids)
-            done = done | tf.equal(ids, end_id)
-            logits, cache = model.decode_step(ids[:, None], cache, prompt_length + i, cross, encoder_mask)  # (B, 1, V)
-            return i + 1, sampler(logits[:, -1, :] + every_step, i + 1), cache, output, done
-
-        _, _, _, output, _ = tf.while_loop(cond, body, (tf.constant(0), next_ids, cache, output, done))
-        return output
+        # Column c of the output is position P + c: the prompt's logits pick column 0, and the step at cache
+        # index P + c feeds it.
+        return sampler.run(next, tf.fill([batch, max_new_tokens], end_id), cache, prompt_length, end_id,
+                           max_new_tokens, column=0, logits=logits[:, -1, :] + first_step, fill=end_id)
 
     return run
 
@@ -107,13 +104,15 @@ def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PR
     sampler = as_sampler(sampler)
     key = ("speech", max_new_tokens, tuple(prompt), tuple(suppress_ids), tuple(suppress_ids_begin), end_id,
            sampler.key(), bool(jit_compile))
-    compiled = model.__dict__.setdefault("_tfformer_speech_fns", {})
-    if key not in compiled:
+
+    def make():
         run = speech_decode_fn(model, max_new_tokens, prompt, suppress_ids, suppress_ids_begin, end_id, sampler)
         spec = tf.TensorSpec([None, None, model.config.num_mel_bins], tf.float32)
-        compiled[key] = tf.function(run, input_signature=[spec], jit_compile=bool(jit_compile))
+        return tf.function(run, input_signature=[spec], jit_compile=bool(jit_compile))
+
+    compiled = cached_function(model, key, make)
     features = tf.convert_to_tensor(input_features, tf.float32)
     if features.shape.rank != 3 or features.shape[-1] != model.config.num_mel_bins:
         raise ValueError(f"`input_features` must be (batch, frames, num_mel_bins={model.config.num_mel_bins}). "
                          f"Received: shape={tuple(features.shape)}")
-    return compiled[key](features).numpy()
+    return compiled(features).numpy()
