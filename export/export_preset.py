@@ -9,7 +9,8 @@ import tfformer.export
 from tfformer.recipes import translation
 
 run_dir, name = sys.argv[1], sys.argv[2]
-model, tokenizer = translation.load_run(run_dir)
+model = translation.load_run(run_dir)
+tokenizer = model.preprocessor
 print(tfformer.export.saved_model(model, f"export/models/{name}", tokenizer=tokenizer))
 print(tfformer.export.tflite(model, f"export/models/{name}/model.tflite", quantize="dynamic"))
 print(tfformer.export.tflite_decoder(model, f"export/models/{name}/decoder.tflite", tokenizer=tokenizer))

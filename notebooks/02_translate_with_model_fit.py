@@ -169,12 +169,14 @@ display(viz.plot_history(history, title="English→German"))
 # %% [markdown]
 # ## Translation and BLEU
 #
-# Greedy decoding runs in the graph with a per-layer key/value cache (`tfformer.generation.translate`). BLEU is
+# The model is a task: give it its tokenizer as `preprocessor` and `translate` takes strings. Greedy decoding runs in
+# the graph with a per-layer key/value cache; placeholders (`%s`, tags, edge whitespace) are protected. BLEU is
 # sacreBLEU's corpus BLEU on the held-out test pairs.
 
 # %%
+model.preprocessor = tokenizer
 t = time.monotonic()
-hypotheses = generation.translate(model, tokenizer, [s for s, _ in test_pairs], max_new_tokens=max_length)
+hypotheses = model.translate([s for s, _ in test_pairs], max_new_tokens=max_length)
 bleu = training.corpus_bleu(hypotheses, [t for _, t in test_pairs])
 print(f"BLEU {bleu:.2f} on {len(test_pairs)} test pairs ({time.monotonic() - t:.0f}s)")
 for (source, reference), hypothesis in list(zip(test_pairs, hypotheses))[:8]:
@@ -191,7 +193,7 @@ for (source, reference), hypothesis in list(zip(test_pairs, hypotheses))[:8]:
 sentence = "Could not open file"
 source_ids = tokenizer.tokenize([sentence]).to_tensor()  # (1, S)
 # jit_compile=False: the same graph ops as the full pass below, so the comparison in the last cell is exact.
-new_ids = generation.generate_ids(model, source_ids, max_new_tokens=max_length, jit_compile=False)  # (1, max_length)
+new_ids = model.generate(source_ids, max_new_tokens=max_length, jit_compile=False)  # ids in, ids out: (1, max_length)
 translation_ids = generation.strip_after_end(new_ids)[0]
 decoder_ids = tf.constant([[data.START_ID] + translation_ids], tf.int32)  # (1, T)
 
@@ -207,7 +209,7 @@ logits = model.token_embedding(y, reverse=True)  # (1, T, V)
 
 source_pieces = pieces(source_ids[0].numpy())
 target_pieces = ["<start>"] + pieces(translation_ids)
-print(sentence, "->", generation.translate(model, tokenizer, [sentence], max_new_tokens=max_length)[0])
+print(sentence, "->", model.translate(sentence, max_new_tokens=max_length))
 display(viz.plot_attention(cross_attention[-1], source_pieces, target_pieces,
                            title=f"cross-attention, last decoder block: {sentence!r}"))
 

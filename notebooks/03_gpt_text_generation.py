@@ -99,6 +99,7 @@ display(viz.plot_history(history, title="stdlib GPT"))
 # an argmax between two almost equal logits of a barely trained model.
 
 # %%
+model.preprocessor = tokenizer  # the task now takes strings: model.generate(prompts)
 prompts = ["def __init__(self", "import ", "for i in range(", "if __name__ =="]
 n = SETTINGS["max_new_tokens"]
 decoders = {
@@ -110,7 +111,7 @@ decoders = {
 outputs = {}
 for name, kwargs in decoders.items():
     t = time.monotonic()
-    outputs[name] = generation.generate(model, tokenizer, prompts, max_new_tokens=n, jit_compile=False, **kwargs)
+    outputs[name] = model.generate(prompts, max_new_tokens=n, jit_compile=False, **kwargs)
     print(f"{name:14s} {time.monotonic() - t:5.2f}s")
 for i, prompt in enumerate(prompts):
     print(f"\n{prompt!r}")
@@ -143,8 +144,7 @@ t_cached = t_uncached = 0.0
 for prompt in prompts:
     prompt_ids = tokenizer.tokenize([prompt])[0].numpy().tolist()
     t = time.monotonic()
-    cached.append(generation.strip_after_end(generation.generate_ids(model, [prompt_ids], max_new_tokens=n,
-                                                                           jit_compile=False))[0])
+    cached.append(generation.strip_after_end(model.generate([prompt_ids], max_new_tokens=n, jit_compile=False))[0])
     t_cached += time.monotonic() - t
     t = time.monotonic()
     uncached.append(uncached_greedy(prompt_ids, n))
@@ -159,7 +159,7 @@ print(f"cached {t_cached:.2f}s, uncached {t_uncached:.2f}s (eager, model re-run 
 # %%
 assert cached == uncached, "KV-cached greedy decoding differs from the uncached loop"
 assert all(len(tokens) > 0 or QUICK for tokens in cached)
-assert outputs["greedy"] == generation.generate(model, tokenizer, prompts, max_new_tokens=n, jit_compile=False), \
+assert outputs["greedy"] == model.generate(prompts, max_new_tokens=n, jit_compile=False), \
     "greedy decoding is deterministic"
 loss = history.history["loss"]
 assert loss[-1] < loss[0], f"training did not reduce the loss: {loss}"

@@ -36,7 +36,6 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_text  # noqa: E402,F401  (registers the tokenizer ops the SavedModel uses)
 
 from tfformer import data, export, generation, models, training  # noqa: E402
-from tfformer.recipes.translation import translate_texts  # noqa: E402
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 if QUICK:
@@ -82,8 +81,9 @@ history = model.fit(
 )
 sentences = ["File not found", "Permission denied", "Could not open file"]
 # jit_compile=False: the decoding graph the SavedModel holds (no XLA), so local and served outputs compare exactly.
-# translate_texts: the same placeholder protection (printf conversions, tags, edge whitespace) as the SavedModel.
-local = translate_texts(model, tokenizer, sentences, max_new_tokens=max_length, jit_compile=False)
+# The task's `translate` protects placeholders (printf conversions, tags, edge whitespace) as the SavedModel does.
+model.preprocessor = tokenizer
+local = model.translate(sentences, max_new_tokens=max_length, jit_compile=False)
 for s, t in zip(sentences, local):
     print(f"{s!r} -> {t!r}")
 

@@ -96,8 +96,8 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     assert translated.returncode == 0, translated.stderr[-3000:]
     from tfformer.recipes import translation
 
-    model, tokenizer = translation.load_run(str(out))
-    expected = translation.translate_texts(model, tokenizer, ["open the file 3", "save a folder 9"], max_new_tokens=8)
+    translator = translation.load_run(str(out))
+    expected = translator.translate(["open the file 3", "save a folder 9"], max_new_tokens=8)
     assert translated.stdout.splitlines()[-2:] == expected
     exported = _cli("export", str(out), "--format", "all", "--out", str(tmp_path / "models" / "en-de"),
                     "--max-new-tokens", "8")

@@ -13,12 +13,14 @@ import tfformer
 from tfformer import cli, layers
 
 ROOT = pathlib.Path(tfformer.__file__).parent
-# Which tfformer packages each package may import (the brief: layers -> models -> generation -> export;
-# data and training beside them; nothing imports cli).
+# Which tfformer packages each package may import (layers -> generation -> models -> export; data and training
+# beside them; nothing imports cli). Generation sits below models, as keras-hub's samplers do: its loops are driven
+# through the model's decode step and import no model, and a task's `generate` calls them.
 ALLOWED = {
     "layers": {"layers"},
-    "models": {"layers", "models"},
-    "generation": {"layers", "models", "generation"},
+    "generation": {"layers", "generation"},
+    # tasks tokenize with tfformer.data and decode with tfformer.generation
+    "models": {"layers", "generation", "data", "models"},
     # export may read the run's tokenizer (tfformer.data) to put it in the graph
     "export": {"layers", "models", "generation", "export", "data"},
     # edge applies the same text pre/post-processing as the SavedModel (tfformer.data.placeholders), on the host
@@ -26,7 +28,8 @@ ALLOWED = {
     "data": {"data"},
     "training": {"models", "data", "training", "layers"},
     "serving": {"serving", "export"},
-    "convert": {"layers", "models", "convert"},
+    # converters attach the checkpoint's tokenizer (tfformer.data) and decoding settings to the task they build
+    "convert": {"layers", "generation", "models", "data", "convert"},
     # recipes are end-to-end jobs: everything but the CLI
     "recipes": {"layers", "models", "generation", "export", "data", "training", "serving", "convert", "recipes"},
 }
@@ -53,6 +56,32 @@ def test_imports_flow_one_way():
             assert imported != "cli" or package == "cli.py", f"{path} imports tfformer.cli"
             if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training", "serving", "convert"}:
                 assert imported in ALLOWED[package], f"{path} ({package}) must not import tfformer.{imported}"
+
+
+def test_allowed_imports_have_no_cycle():
+    # A package may import itself; between packages the allowed imports must form a DAG.
+    done, active = set(), set()
+
+    def visit(package):
+        assert package not in active, f"import cycle through {package}"
+        if package in done:
+            return
+        active.add(package)
+        for imported in ALLOWED.get(package, set()) - {package}:
+            visit(imported)
+        active.remove(package)
+        done.add(package)
+
+    for package in ALLOWED:
+        visit(package)
+    # and the check fails on a planted cycle
+    ALLOWED["layers"].add("models")
+    try:
+        with pytest.raises(AssertionError, match="import cycle"):
+            done.clear()
+            visit("models")
+    finally:
+        ALLOWED["layers"].discard("models")
 
 
 def test_every_public_layer_is_registered():

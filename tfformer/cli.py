@@ -78,32 +78,50 @@ def _translate(args):
         raise ValueError("Give TEXT... to translate, or --po CATALOG --out OUT.po.")
     if not all(text.strip() for text in args.texts):
         raise ValueError("`texts` holds an empty or whitespace-only string; there is nothing to translate.")
-    model, tokenizer = translation.load_run(args.run)
-    for line in translation.translate_texts(model, tokenizer, args.texts, max_new_tokens=args.max_new_tokens or 64,
-                                            beam_size=args.beam_size):
+    translator = translation.load_run(args.run)
+    for line in translator.translate(args.texts, max_new_tokens=args.max_new_tokens or 64, beam_size=args.beam_size):
         print(line)
     return 0
 
 
 def _generate(args):
-    from tfformer import generation
-    from tfformer.recipes import translation
+    from tfformer import models
 
-    model, tokenizer = translation.load_run(args.run)
-    for line in generation.generate(model, tokenizer, args.prompts, max_new_tokens=args.max_new_tokens):
+    lm = models.from_preset(args.run or args.preset)
+    for line in lm.generate(args.prompts, max_new_tokens=args.max_new_tokens):
         print(line)
     return 0
 
 
+def _chat(args):
+    from tfformer import models
+
+    lm = models.from_preset(args.run or args.preset)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = not args.message and sys.stdin.isatty()
+    lines = iter(args.message or sys.stdin)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = next(lines, None)
+        if line is None:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = ""
+        for piece in lm.chat(messages, max_new_tokens=args.max_new_tokens, stream=True):
+            print(piece, end="", flush=True)
+            reply += piece
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
 def _export(args):
     from tfformer import export, models
-    from tfformer.models.presets import PRETRAINED
-    from tfformer.recipes import translation
 
-    if args.run in PRETRAINED and not os.path.exists(args.run):  # a pretrained preset, e.g. all-minilm-l6-v2
-        model, tokenizer = models.from_preset(args.run), None
-    else:
-        model, tokenizer = translation.load_run(args.run)
+    model = models.from_preset(args.run)  # a run directory or a pretrained preset, e.g. all-minilm-l6-v2
+    tokenizer = model.preprocessor
     if isinstance(model, models.SentenceEncoder):  # text -> embedding; no decoder
         if args.format in ("saved_model", "all"):
             path = export.saved_model(model, args.out, version=args.version)
@@ -123,20 +141,23 @@ def _export(args):
         os.makedirs(args.out, exist_ok=True)
         ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize,
                             sequence_length=args.sequence_length, batch_size=args.batch_size)
-        decoder = export.tflite_decoder(model, os.path.join(args.out, "decoder.tflite"), tokenizer=tokenizer,
-                                        quantize=args.quantize)
-        print(f"TFLite: {ids} (token ids -> logits), {decoder} (single-step decoder + tokenizer, for tfformer.edge)")
+        # A tokenizer with TF-Text TFLite ops goes into the file; a byte-pair one stays on the host (edge.Generator).
+        in_file = tokenizer if hasattr(tokenizer, "tokenize_for_tflite") else None
+        decoder = export.tflite_decoder(model, os.path.join(args.out, "decoder.tflite"), tokenizer=in_file,
+                                        max_length=args.max_length, quantize=args.quantize)
+        where = "+ tokenizer" if in_file is not None else "(tokenize on the host: edge.Generator(path, tokenizer=...))"
+        print(f"TFLite: {ids} (token ids -> logits), {decoder} (single-step decoder {where}, for tfformer.edge)")
     return 0
 
 
 def _evaluate(args):
     from tfformer.recipes import rundir, translation
 
-    model, tokenizer = translation.load_run(args.run)
+    translator = translation.load_run(args.run)
     run = rundir.read_json(os.path.join(args.run, translation.RUN_FILE))
     splits = translation.load_pairs(run["target_language"], run["data_file"])
-    pairs = translation.filter_by_length(splits[args.split], tokenizer, run["max_length"])
-    bleu, _ = translation.evaluate_bleu(model, tokenizer, pairs, max_new_tokens=run["max_length"])
+    pairs = translation.filter_by_length(splits[args.split], translator.preprocessor, run["max_length"])
+    bleu, _ = translation.evaluate_bleu(translator, pairs, max_new_tokens=run["max_length"])
     print(f"BLEU {bleu:.2f} on {len(pairs)} {args.split} pairs")
     return 0
 
@@ -225,6 +246,27 @@ def _serving_predict(args):
     return 0
 
 
+def _transcribe(args):
+    from tfformer import models
+    from tfformer.data import audio
+
+    # Every file is read and checked before the model loads, so a bad one fails fast.
+    waveforms = []
+    for path in args.files:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file.")
+        waveforms.append(audio.read_wav(path))
+    asr = models.from_preset(args.preset)
+    if not isinstance(asr, models.WhisperModel):
+        raise ValueError(f"`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'. Received: "
+                         f"{args.preset!r}")
+    texts = asr.transcribe(waveforms, sample_rate=audio.SAMPLE_RATE, max_new_tokens=args.max_new_tokens,
+                           batch_size=args.batch_size)
+    for path, text in zip(args.files, texts):
+        print(f"{path}\t{' '.join(text.split())}")  # one line per file, whatever whitespace the text holds
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -260,11 +302,23 @@ def main(argv=None):
     translate.add_argument("texts", nargs="*", metavar="TEXT")
     translate.set_defaults(fn=_translate)
 
-    generate = commands.add_parser("generate", help="generate with a trained run")
-    generate.add_argument("--run", required=True)
+    generate = commands.add_parser("generate", help="continue PROMPT... with a trained run or a pretrained LM")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a run directory (or any preset directory)")
+    source.add_argument("--preset", help="a pretrained preset, e.g. smollm2-135m-instruct")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("prompts", nargs="+")
     generate.set_defaults(fn=_generate)
+
+    chat = commands.add_parser("chat", help="chat with a pretrained LM, streaming its replies (one turn per line "
+                               "of standard input, or --message)")
+    source = chat.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s")
+    source.add_argument("--run", help="a preset directory of a chat model")
+    chat.add_argument("--message", action="append", help="a user turn; repeat for several (default: read stdin)")
+    chat.add_argument("--system", help="a system message before the first turn")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.set_defaults(fn=_chat)
 
     exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
                                    "SavedModel and/or TFLite")
@@ -276,6 +330,8 @@ def main(argv=None):
     exporter.add_argument("--beam-size", type=int)
     exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
     exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
+    exporter.add_argument("--max-length", type=int, help="decoder.tflite's cache positions, prompt + new tokens "
+                          "(default: the model's max_sequence_length; e.g. 512 for a small LLM on a device)")
     exporter.add_argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                           "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)")
     exporter.set_defaults(fn=_export)
@@ -324,6 +380,15 @@ def main(argv=None):
     predict.add_argument("--label")
     predict.add_argument("--timeout", type=float, default=30.0)
     predict.set_defaults(fn=_serving_predict)
+
+    transcribe = commands.add_parser("transcribe", help="speech to text: print PATH<TAB>TEXT for each WAV file")
+    transcribe.add_argument("files", nargs="+", metavar="WAV", help="WAV files (any sample rate; stereo is mixed "
+                            "down with a warning); audio over 30 s is transcribed in windows cut at pauses")
+    transcribe.add_argument("--preset", default="whisper-tiny-en", help="a speech-to-text preset or preset "
+                            "directory (default: %(default)s)")
+    transcribe.add_argument("--max-new-tokens", type=int, help="tokens per 30-second window (default: all that fit)")
+    transcribe.add_argument("--batch-size", type=int, default=8, help="30-second windows per model call")
+    transcribe.set_defaults(fn=_transcribe)
 
     args = parser.parse_args(argv)
     try:

@@ -276,3 +276,33 @@ def test_greedy_continuations_equal_reference(reference, smollm2):
     got = np.asarray(generation.generate_ids(smollm2, prompts, max_new_tokens=32, end_id=-1))
     for row, case in zip(got, reference):
         assert row.tolist() == case["greedy"].tolist(), case["text"]
+
+
+@needs_wheel
+def test_task_takes_strings_and_chat_messages(reference, smollm2, tokenizer):
+    """The preset is a task: strings (plain prompts, chat messages) in, the reference's greedy text out."""
+    assert smollm2.end_ids == [tokenizer.token_to_id["<|im_end|>"]]
+    for case in reference:
+        greedy = case["greedy"].tolist()
+        cut = greedy[: greedy.index(smollm2.end_ids[0])] if smollm2.end_ids[0] in greedy else greedy
+        expected = tokenizer.detokenize(np.array(cut, "int32")).numpy().decode()
+        if case["kind"] == "chat":
+            messages = [{"role": "user", "content": case["text"]}]
+            assert smollm2.chat(messages, max_new_tokens=32) == expected, case["text"]
+            assert "".join(smollm2.chat(messages, max_new_tokens=32, stream=True)) == expected, case["text"]
+        else:
+            assert smollm2.generate(case["text"], max_new_tokens=32) == expected, case["text"]
+
+
+@needs_wheel
+def test_bad_prompts_are_named(smollm2):
+    with pytest.raises(ValueError, match="Prompt of 8001 tokens .* exceeds max_sequence_length=8192"):
+        smollm2.generate("hello " * 8000, max_new_tokens=300)  # 8001 tokens
+    with pytest.raises(ValueError, match="`inputs` holds an empty"):
+        smollm2.generate("")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        smollm2.generate("hello", max_new_tokens=0)
+    with pytest.raises(ValueError, match="messages"):
+        smollm2.chat([{"role": "user"}])
+    with pytest.raises(ValueError, match="exceeds max_sequence_length"):
+        next(smollm2.stream("hello", max_new_tokens=9000))

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import random
@@ -10,7 +11,6 @@ import pytest
 
 from tfformer import export, generation
 from tfformer.data import placeholders
-from tfformer.recipes import translation
 
 FRESH = os.path.join(os.path.dirname(__file__), "fresh_process.py")
 TEXTS = ["open the file", "delete a file", "Error: %s\n", "", "save the folder and close the file"]
@@ -28,6 +28,16 @@ def _fresh(path, request, tmp_path):
     return dict(np.load(out, allow_pickle=True))
 
 
+@contextlib.contextmanager
+def _preprocessor(task, tokenizer):
+    """`task` with `tokenizer` as its preprocessor for a while (the fixtures are shared by the session)."""
+    task.preprocessor = tokenizer
+    try:
+        yield task
+    finally:
+        task.preprocessor = None
+
+
 def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2seq, tokenizer):
     base = tmp_path / "models" / "translator"
     path = export.saved_model(seq2seq, str(base), tokenizer=tokenizer, max_new_tokens=12)
@@ -40,11 +50,13 @@ def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2
         "predict_ids": {"encoder_token_ids": [ids.tolist(), "int32"], "decoder_token_ids": [dec.tolist(), "int32"]},
     }, tmp_path)
     served = [s.decode("utf-8") for s in out["serving_default/translation"]]
-    expected = translation.translate_texts(seq2seq, tokenizer, [t for t in TEXTS if t], max_new_tokens=12)
+    with _preprocessor(seq2seq, tokenizer):
+        expected = seq2seq.translate([t for t in TEXTS if t], max_new_tokens=12)
+        local_protected = seq2seq.translate(PROTECTED, max_new_tokens=12)
     assert [s for t, s in zip(TEXTS, served) if t] == expected  # same strings as `tfformer translate`
     # Placeholder protection in the graph: the same strings as the Python path, every placeholder kept.
     protected = served[len(TEXTS) + 1:]
-    assert protected == translation.translate_texts(seq2seq, tokenizer, PROTECTED, max_new_tokens=12)
+    assert protected == local_protected
     for source, target in zip(PROTECTED, protected):
         assert sorted(placeholders.find_placeholders(target)) == sorted(placeholders.find_placeholders(source))
         start, end = source[: len(source) - len(source.lstrip())], source[len(source.rstrip()):]
@@ -61,7 +73,8 @@ def test_causal_lm_saved_model_and_generate_ids(tmp_path, causal_lm, tokenizer):
     out = _fresh(path, {"serving_default": {"text": [prompts, "bytes"]},
                         "generate_ids": {"token_ids": [[[5, 6, 7]], "int32"]}}, tmp_path)
     served = [s.decode("utf-8") for s in out["serving_default/continuation"]]
-    assert served == generation.generate(causal_lm, tokenizer, prompts, max_new_tokens=6)
+    with _preprocessor(causal_lm, tokenizer):
+        assert served == causal_lm.generate(prompts, max_new_tokens=6)
     np.testing.assert_array_equal(out["generate_ids/token_ids"],
                                   generation.generate_ids(causal_lm, np.array([[5, 6, 7]], "int32"), 6).numpy())
 

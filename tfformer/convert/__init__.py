@@ -4,7 +4,7 @@ CTranslate2 (Whisper).
 Imports `models` and `layers`, never `training`, `data` or the CLI.
 """
 
-from tfformer.convert.bert_tokenizer import BertTokenizer
+from tfformer.data.bert_tokenizer import BertTokenizer
 from tfformer.convert.huggingface import from_huggingface
 from tfformer.convert.pretrained import load_all_minilm_l6_v2
 from tfformer.convert.sentence_transformers import from_sentence_transformers, tokenizer_from_huggingface

@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import safetensors.numpy
 
-from tfformer.convert.bert_tokenizer import read_vocabulary
+from tfformer.data.bert_tokenizer import read_vocabulary
 from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import build_encoder
 

@@ -8,7 +8,7 @@ Transformer, Pooling, optionally Normalize), `1_Pooling/config.json` and
 import json
 import os
 
-from tfformer.convert.bert_tokenizer import BertTokenizer
+from tfformer.data.bert_tokenizer import BertTokenizer
 from tfformer.convert.huggingface import from_huggingface
 from tfformer.models.sentence_encoder import SentenceEncoder
 

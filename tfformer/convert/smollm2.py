@@ -14,6 +14,7 @@ transformers proves it, tests/convert/test_smollm2.py).
 import numpy as np
 
 from tfformer.convert.gguf import SMOLLM2_FILE, SMOLLM2_WHEEL, GGUFFile, smollm2_path
+from tfformer.data.byte_pair import BytePairTokenizer
 from tfformer.models.causal_lm import CausalLM
 from tfformer.models.config import TransformerConfig
 
@@ -96,5 +97,9 @@ def smollm2_135m_instruct_path():
 
 
 def load_smollm2_135m_instruct():
-    """HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) as a `CausalLM`."""
-    return from_gguf(smollm2_135m_instruct_path(), name="smollm2_135m_instruct")
+    """HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) as a `CausalLM` whose preprocessor
+    is the GGUF's byte-level BPE tokenizer (with its chat template; generation ends at `<|im_end|>`)."""
+    path = smollm2_135m_instruct_path()
+    model = from_gguf(path, name="smollm2_135m_instruct")
+    model.preprocessor = BytePairTokenizer.from_gguf(path)
+    return model

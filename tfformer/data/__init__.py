@@ -1,7 +1,8 @@
 """Offline corpora, in-graph tokenizers, audio features and tf.data pipelines."""
 
-from tfformer.data import placeholders  # mask / restore: tfformer.data.placeholders.mask
-from tfformer.data.audio import log_mel_spectrogram, mel_filters, prepare_waveform, read_wav
+from tfformer.data import assets, placeholders  # placeholders.mask / restore; assets.save_tokenizer / load_tokenizer
+from tfformer.data.bert_tokenizer import BertTokenizer
+from tfformer.data.audio import log_mel_spectrogram, mel_filters, prepare_waveform, read_wav, split_windows
 from tfformer.data.byte_pair import BytePairTokenizer, render_chat_template
 from tfformer.data.corpora import gettext_pairs, read_mo, read_tsv_pairs, split_of, split_pairs, text_corpus, tfds_pairs
 from tfformer.data.pipelines import make_lm_dataset, make_translation_dataset
@@ -12,6 +13,7 @@ __all__ = [
     "PAD_ID",
     "START_ID",
     "UNK_ID",
+    "BertTokenizer",
     "BytePairTokenizer",
     "SubwordTokenizer",
     "gettext_pairs",
@@ -26,6 +28,7 @@ __all__ = [
     "read_tsv_pairs",
     "split_of",
     "split_pairs",
+    "split_windows",
     "text_corpus",
     "tfds_pairs",
 ]

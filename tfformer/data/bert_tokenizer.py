@@ -72,7 +72,7 @@ class BertTokenizer(tf.Module):
 
     Example:
     ```python
-    tokenizer = tfformer.convert.BertTokenizer.from_vocabulary("vocab.txt", max_length=256)
+    tokenizer = tfformer.data.BertTokenizer.from_vocabulary("vocab.txt", max_length=256)
     tokenizer(["Hello, world!"])["token_ids"]  # [[101, 7592, 1010, 2088, 999, 102]]
     ```
     """

@@ -95,6 +95,8 @@ class BytePairTokenizer(tf.Module):
             text). Each must be in `vocabulary`.
         pre_tokenizer: str. "gpt2" (GPT-2's regex) or "smollm" (every digit alone, then GPT-2's regex).
         chat_template: optional str. A Jinja chat template (`apply_chat_template`).
+        end_tokens: list of str. The tokens that end a generated text (end of turn, end of text), first the one
+            generation stops at (`end_id`). Each must be in `vocabulary`.
         name: str. Module name.
 
     Example:
@@ -107,7 +109,7 @@ class BytePairTokenizer(tf.Module):
     """
 
     def __init__(self, vocabulary, merges, special_tokens=(), pre_tokenizer="gpt2", chat_template=None,
-                 name="byte_pair_tokenizer"):
+                 end_tokens=(), name="byte_pair_tokenizer"):
         super().__init__(name=name)
         if pre_tokenizer not in PRE_TOKENIZERS:
             raise ValueError(f"`pre_tokenizer` must be one of {PRE_TOKENIZERS}; received {pre_tokenizer!r}.")
@@ -130,6 +132,13 @@ class BytePairTokenizer(tf.Module):
         for token in self.special_tokens:
             if token not in ids:
                 raise ValueError(f"`special_tokens` entry {token!r} is not in `vocabulary`.")
+        if isinstance(end_tokens, str):
+            raise ValueError(f"`end_tokens` must be a list of str. Received: end_tokens={end_tokens!r}")
+        self.end_tokens = [str(token) for token in end_tokens]
+        for token in self.end_tokens:
+            if token not in ids:
+                raise ValueError(f"`end_tokens` entry {token!r} is not in `vocabulary`.")
+        self.end_ids = [ids[token] for token in self.end_tokens]
 
         lefts, rights, results = [], [], []
         for rank, merge in enumerate(self.merges):
@@ -198,8 +207,10 @@ class BytePairTokenizer(tf.Module):
         tokens = list(metadata["tokenizer.ggml.tokens"])
         types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         specials = [t for t, kind in zip(tokens, types) if kind in (3, 4)]
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        end_tokens = [] if eos is None else [tokens[int(eos)]]
         return cls(tokens, list(metadata["tokenizer.ggml.merges"]), specials, pre,
-                   metadata.get("tokenizer.chat_template"), name=name)
+                   metadata.get("tokenizer.chat_template"), end_tokens=end_tokens, name=name)
 
     @classmethod
     def from_gguf(cls, path, name="byte_pair_tokenizer"):
@@ -211,10 +222,11 @@ class BytePairTokenizer(tf.Module):
         return cls.from_gguf_metadata(metadata, name=name)
 
     @classmethod
-    def from_huggingface(cls, path, chat_template=None, name="byte_pair_tokenizer"):
+    def from_huggingface(cls, path, chat_template=None, end_tokens=(), name="byte_pair_tokenizer"):
         """From a Hugging Face `tokenizer.json` with a BPE model and a ByteLevel pre-tokenizer (GPT-2, Whisper).
 
         Added tokens are the special tokens; the post-processor (e.g. Whisper's start/end tokens) is not applied.
+        `end_tokens`: see the class arguments (a tokenizer.json does not say which tokens end a text).
         """
         with open(path, encoding="utf-8") as handle:
             spec = json.load(handle)
@@ -246,7 +258,7 @@ class BytePairTokenizer(tf.Module):
             vocabulary[i] = token
         merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
         specials = [t["content"] for t in added]
-        return cls(vocabulary, merges, specials, pre_tokenizer, chat_template, name=name)
+        return cls(vocabulary, merges, specials, pre_tokenizer, chat_template, end_tokens=end_tokens, name=name)
 
     # --- TensorFlow ops -----------------------------------------------------------------------------------
 

@@ -5,10 +5,12 @@ import inspect
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfformer import compat, layers
+from tfformer import compat, generation, layers
 from tfformer.layers import masks
+from tfformer.models import task
 from tfformer.models.config import TransformerConfig
 
 
@@ -139,11 +141,16 @@ class _StepGraphs:
     A plain object, so that Keras neither tracks nor saves what it holds.
     """
 
-    def __init__(self, model, inputs, projection_inputs):
-        # The graph up to the projection's inputs, a second functional model on the same layers.
-        self.hidden = None if projection_inputs is None else _MicroBatches(
-            keras.Model(inputs, projection_inputs, name=f"{model.name}_hidden_states", dtype=model.dtype_policy),
-            name=f"{model.name}_hidden_state_parts")
+    def __init__(self, model, inputs, hidden_states, projection_inputs):
+        # The graph up to the hidden states (the backbone) and up to the projection's inputs: functional models on
+        # the same layers.
+        self.backbone = None if hidden_states is None else keras.Model(
+            inputs, hidden_states, name=f"{model.name}_backbone", dtype=model.dtype_policy)
+        self.hidden = None
+        if projection_inputs is not None:
+            hidden = self.backbone if projection_inputs is hidden_states else keras.Model(
+                inputs, projection_inputs, name=f"{model.name}_hidden_states", dtype=model.dtype_policy)
+            self.hidden = _MicroBatches(hidden, name=f"{model.name}_hidden_state_parts")
         self.outputs = _MicroBatches(model, name=f"{model.name}_parts")
 
 
@@ -163,13 +170,15 @@ class _FusedStep:
         self.loss, self.return_logits, self.return_statistics = loss, return_logits, return_statistics
 
 
-class TransformerModel(keras.Model):
-    """A functional `keras.Model` built from a `TransformerConfig`.
+class TransformerModel(task.Task, keras.Model):
+    """A functional `keras.Model` built from a `TransformerConfig`: a task (`models.task.Task`) whose backbone is
+    the graph up to its hidden states.
 
     Subclasses implement `_build(config)` returning `(inputs, outputs,
     sublayers)`; `sublayers` (a dict) become attributes once the graph exists. `get_config()` is `{"config": ...}`
-    so `.keras` files reload with `safe_mode=True`. A sublayer entry `projection_inputs` (a symbolic tensor) names
-    the inputs of a tied output projection, `outputs = token_embedding(projection_inputs, reverse=True)`.
+    so `.keras` files reload with `safe_mode=True`. A sublayer entry `hidden_states` (a symbolic tensor) is the
+    backbone's output; `projection_inputs` names the inputs of a tied output projection,
+    `outputs = token_embedding(projection_inputs, reverse=True)`.
 
     Training with the output projection fused with the loss: when the model was compiled with one loss that offers
     `call_on_hidden_states` and `fuses_projection` (`training.MaskedSparseCrossEntropy`), no `loss_weights`, a
@@ -190,14 +199,43 @@ class TransformerModel(keras.Model):
         config = as_config(config)
         inputs, outputs, sublayers = self._build(config)
         projection_inputs = sublayers.pop("projection_inputs", None)
+        hidden_states = sublayers.pop("hidden_states", None)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.config = config
         # Named handles on the layers for incremental decoding and conversion.
         for name, layer in sublayers.items():
             setattr(self, name, layer)
         self._projection_inputs = projection_inputs  # (B, T, D) symbolic, or None
-        self._step_graphs = _StepGraphs(self, inputs, projection_inputs)
+        self._step_graphs = _StepGraphs(self, inputs, hidden_states, projection_inputs)
         self._compile_arguments = None
+
+    @property
+    def backbone(self):
+        """The functional `keras.Model` from this task's inputs to its hidden states `(B, T, D)` (the decoder's for
+        an encoder-decoder), on the task's layers."""
+        if self._step_graphs.backbone is None:
+            raise NotImplementedError(f"{type(self).__name__} names no hidden states")
+        return self._step_graphs.backbone
+
+    def predict(self, x, *args, **kwargs):
+        """`keras.Model.predict`; `x` may also be a str or a list of str, tokenized by the preprocessor."""
+        if isinstance(x, str) or (isinstance(x, (list, tuple)) and x and all(isinstance(t, str) for t in x)):
+            x = self.preprocess(task.as_texts(x, "x")[0])
+        return super().predict(x, *args, **kwargs)
+
+    def preprocess(self, texts):
+        """The model inputs of a list of str: `{"token_ids": (B, L) int32}` (and zero `segment_ids` when the model
+        takes them)."""
+        names = set(self.input) if isinstance(self.input, dict) else set()
+        if not names <= {"token_ids", "segment_ids"} or "token_ids" not in names:
+            raise ValueError(f"{type(self).__name__} takes {sorted(names)}, not strings.")
+        tokenizer = self.require_preprocessor("preprocess")
+        # A BertTokenizer is called to add [CLS]/[SEP]; the others' ids go in as they are.
+        token_ids = np.asarray(tokenizer(texts)["token_ids"]) if callable(tokenizer) else self.tokenize(texts)  # (B, L)
+        inputs = {"token_ids": token_ids}
+        if "segment_ids" in names:
+            inputs["segment_ids"] = np.zeros_like(token_ids)
+        return inputs
 
     def _build(self, config):
         raise NotImplementedError
@@ -224,6 +262,7 @@ class TransformerModel(keras.Model):
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                         weighted_metrics=weighted_metrics, **kwargs)
         self._compile_arguments = _CompileArguments(loss_weights, metrics, weighted_metrics, micro_batches)
+        generation.reset_compiled(self)  # the task's compiled generate functions are rebuilt on next use
 
     @property
     def micro_batches(self):

@@ -1,9 +1,12 @@
 import keras
+import numpy as np
+import tensorflow as tf
 from keras import ops
 
-from tfformer import layers
+from tfformer import generation, layers
+from tfformer.generation.decode import cached_function
 from tfformer.layers.layer_utils import apply_dense, uncast
-from tfformer.models import base
+from tfformer.models import base, task
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -60,9 +63,87 @@ class CausalLM(base.TransformerModel):
             position=position,
             decoder_blocks=blocks,
             final_norm=norm,
+            hidden_states=x,  # (B, T, D)
             projection_inputs=x if output_projection is None else None,  # (B, T, D)
         )
         return {"token_ids": token_ids}, logits, sublayers
+
+    # === Strings in, strings out ===
+    def generate(self, inputs, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6, jit_compile=True):
+        """Continue prompts.
+
+        Args:
+            inputs: a str or a list of str (tokenized by the preprocessor), or right-padded prompt ids `(B, L)`.
+            max_new_tokens: int > 0. Tokens to generate after each prompt.
+            sampler: a `tfformer.generation.Sampler` or its kind ("greedy", "top_k", ...). Defaults to greedy.
+            beam_size: int or None. Beam search with the GNMT `length_penalty` instead of the sampler.
+            jit_compile: bool. Decode with XLA (`generation.generate_ids`).
+
+        Returns:
+            The continuations without the prompt: a str for a str, a list of str for a list, new ids
+            `(B, max_new_tokens)` for ids. Generation stops at the preprocessor's end token (`end_ids`).
+        """
+        if task.is_token_ids(inputs):
+            return generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty,
+                                           jit_compile=jit_compile, end_id=self.end_ids[0])
+        texts, single = task.as_texts(inputs, "inputs")
+        new_ids = generation.generate_ids(self, self.tokenize(texts), max_new_tokens, sampler, beam_size,
+                                          length_penalty, jit_compile=jit_compile, end_id=self.end_ids[0])
+        outputs = self.detokenize(new_ids)
+        return outputs[0] if single else outputs
+
+    def chat(self, messages, max_new_tokens=256, sampler=None, stream=False, jit_compile=True, **template_variables):
+        """The assistant's reply to `messages` (a list of `{"role": str, "content": str}`), rendered with the
+        preprocessor's chat template (`BytePairTokenizer.apply_chat_template`). With `stream=True`, a generator of
+        the reply's text pieces as they are produced (`stream`)."""
+        tokenizer = self.require_preprocessor("chat")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"`chat` needs a preprocessor with a chat template; this {type(self).__name__}'s "
+                             f"{type(tokenizer).__name__} has none. Use `generate`.")
+        check_messages(messages)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_variables)
+        if stream:
+            return self.stream(prompt, max_new_tokens=max_new_tokens, sampler=sampler)
+        return self.generate(prompt, max_new_tokens=max_new_tokens, sampler=sampler, jit_compile=jit_compile)
+
+    def stream(self, prompt, max_new_tokens=256, sampler=None):
+        """Continue one prompt (a str), yielding the continuation's text piece by piece as tokens are produced.
+
+        The same tokens as `generate(prompt, jit_compile=False)` with the same sampler: the prompt goes through
+        `decode_step` in one pass, then one compiled step per token on the key/value cache. A piece is yielded when
+        its bytes form whole characters; generation stops at the end token or after `max_new_tokens`.
+        """
+        (prompt,), _ = task.as_texts([prompt] if isinstance(prompt, str) else prompt, "prompt")
+        sampler = generation.samplers.as_sampler(sampler)
+        ids = self.tokenize([prompt])  # (1, L)
+        length = ids.shape[1]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+        if length + max_new_tokens > self.config.max_sequence_length:
+            raise ValueError(f"Prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_sequence_length={self.config.max_sequence_length}; shorten the prompt or ask for "
+                             "fewer tokens.")
+        step = self._stream_step()
+        cache = self.empty_cache(1, length + max_new_tokens, self.compute_dtype)  # (L, 1, 2, K, T, H)
+        logits, cache = step(ids, cache, tf.constant(0))  # (1, L, V): the whole prompt
+        new_ids, shown = [], ""
+        for i in range(max_new_tokens):
+            token = int(sampler.get_next_token(logits[:, -1, :], tf.constant(length + i))[0])
+            if token in self.end_ids:
+                break
+            new_ids.append(token)
+            text = self.detokenize([new_ids])[0]
+            if not text.endswith("\ufffd"):  # a character's bytes may span tokens: wait for the rest
+                yield text[len(shown):]
+                shown = text
+            if i + 1 < max_new_tokens:
+                logits, cache = step(np.array([[token]], np.int32), cache, tf.constant(length + i))  # (1, 1, V)
+
+    def _stream_step(self):
+        """`decode_step` as a `tf.function`, kept with the generate functions (`compile` drops them); no XLA: each
+        prompt length would compile."""
+        return cached_function(self, ("stream_step",), lambda: tf.function(
+            lambda ids, cache, index: self.decode_step(ids, cache, index), reduce_retracing=True))
 
     # === Incremental decoding ===
     def empty_cache(self, batch_size, max_length, dtype="float32"):
@@ -110,6 +191,17 @@ def _embed(token_embedding, position, token_ids, start_index=0):
     if position is None:
         return token_embedding(token_ids)
     return base.embed_tokens(token_embedding, position, token_ids, start_index=start_index)
+
+
+def check_messages(messages):
+    """`messages` must be a non-empty list of `{"role": str, "content": str}` dicts."""
+    if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError('`messages` must be a non-empty list of {"role": ..., "content": ...} dicts. '
+                         f"Received: messages={messages!r:.120}")
+    for i, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise ValueError(f'`messages[{i}]` must be a dict with str "role" and "content". Received: {message!r:.120}')
 
 
 def build_causal_lm(config):

@@ -66,6 +66,7 @@ class TransformerEncoder(base.TransformerModel):
             final_norm=norm,
             pooler=pooler,
             classifier=classifier,
+            hidden_states=x,  # (B, T, D)
         )
         return inputs, outputs, sublayers
 

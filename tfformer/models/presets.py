@@ -2,12 +2,14 @@
 
 import dataclasses
 import importlib
+import os
 
 from tfformer.models.causal_lm import build_causal_lm
 from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import build_encoder
 from tfformer.models.regressor import build_regressor
 from tfformer.models.seq2seq import build_seq2seq
+from tfformer.models.task import load_preset
 from tfformer.models.whisper import build_whisper
 
 BUILDERS = {
@@ -132,7 +134,7 @@ PRETRAINED = {
             rope_max_wavelength=100000.0,
         ),
         loader="tfformer.convert.smollm2:load_smollm2_135m_instruct",
-        description="a small chat LLM (135M parameters), returns a CausalLM",
+        description="a small chat LLM (135M parameters), returns a CausalLM: generate(str), chat(messages)",
     ),
     # Whisper tiny.en (Radford et al. 2022): 4 + 4 pre-LN layers, d=384, 6 heads, exact GELU, 80 mel bins,
     # 1500 encoder positions (30 s), 448 decoder positions, tied output; CTranslate2 weights from
@@ -158,7 +160,7 @@ PRETRAINED = {
             max_source_positions=1500,
         ),
         loader="tfformer.convert.whisper:load_whisper_tiny_en",
-        description="English speech recognition (log-mel frames -> token ids), returns a WhisperModel",
+        description="English speech to text, returns a WhisperModel: transcribe(wav path or waveform)",
     ),
 }
 
@@ -189,14 +191,23 @@ def load_pretrained(name):
 
 
 def from_preset(name, **overrides):
-    """Build preset `name` with `overrides` applied.
+    """The task of preset `name`, or of the preset directory `name`, with `overrides` applied.
 
-    Architecture presets are randomly initialised; pretrained presets
-    (`PRETRAINED`, e.g. `"all-minilm-l6-v2"`, a `SentenceEncoder`) load their
-    weights and take no overrides.
+    Architecture presets are randomly initialised and have no preprocessor (set `task.preprocessor`); pretrained
+    presets (`PRETRAINED`, e.g. `"all-minilm-l6-v2"`, a `SentenceEncoder`) load their weights and tokenizer and
+    take no overrides; a directory written by `task.save_to_preset` (or a `tfformer train` run) is loaded as
+    saved, with `safe_mode=True`.
 
-    Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`.
+    Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`, `from_preset("runs/de")`.
     """
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and os.sep in name) or (
+            isinstance(name, str) and name not in PRETRAINED and name not in PRESETS and os.path.isdir(name)):
+        if overrides:
+            raise ValueError(f"A preset directory loads as saved and takes no overrides. Received: {sorted(overrides)}")
+        if not os.path.isdir(name):
+            raise ValueError(f"`name` {os.fspath(name)!r} is not a preset directory (it does not exist), nor one of "
+                             f"{list_presets()}.")
+        return load_preset(os.fspath(name))
     if name in PRETRAINED:
         if overrides:
             raise ValueError(

@@ -34,7 +34,8 @@ class SequenceRegressor(base.TransformerModel):
             x = norm(x)
         predictions = head(ops.mean(x, axis=1))  # (B, output_dim)
 
-        sublayers = dict(input_projection=input_projection, position=position, encoder_blocks=blocks, final_norm=norm, head=head)
+        sublayers = dict(input_projection=input_projection, position=position, encoder_blocks=blocks, final_norm=norm,
+                         head=head, hidden_states=x)  # hidden states: (B, T, D)
         return {"inputs": features}, {"predictions": predictions}, sublayers
 
 

@@ -3,6 +3,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfformer.models import task
+
 
 def cosine_similarity(a, b=None):
     """Cosine similarity matrix `(n, m)` of row vectors `a` `(n, D)` and `b` `(m, D)` (default `a`)."""
@@ -14,7 +16,7 @@ def cosine_similarity(a, b=None):
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
-class SentenceEncoder(keras.Model):
+class SentenceEncoder(task.Task, keras.Model):
     """Sentence embeddings: an encoder, mean pooling over real tokens, L2 norm.
 
     The sentence-transformers recipe (`Transformer -> Pooling(mean) ->
@@ -25,7 +27,7 @@ class SentenceEncoder(keras.Model):
     The tokenizer is attached to the model, not part of its graph: `model(...)`
     takes token ids, `encode(texts)` tokenizes and batches for you. It is saved
     in the `.keras` file with the model when it is Keras-serializable (like
-    `tfformer.convert.BertTokenizer`).
+    `tfformer.data.BertTokenizer`).
 
     Args:
         encoder: a `TransformerEncoder` (its `segment_ids`, if any, are zeros).
@@ -70,6 +72,26 @@ class SentenceEncoder(keras.Model):
         self.tokenizer = tokenizer
         self.normalize = normalize
 
+    # The tokenizer is in the Keras config (`get_config`), so `save_to_preset` writes no file for it.
+    saves_preprocessor_in_config = True
+
+    @property
+    def preprocessor(self):
+        return self.tokenizer
+
+    @preprocessor.setter
+    def preprocessor(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @property
+    def backbone(self):
+        """The encoder's backbone (token ids to hidden states)."""
+        return self.encoder.backbone
+
+    @property
+    def transformer_config(self):
+        return self.encoder.config
+
     def tokenize(self, texts):
         """`{"token_ids": int32 (B, T), "padding_mask": int32 (B, T)}` numpy arrays, padded with 0."""
         if self.tokenizer is None:
@@ -109,7 +131,7 @@ class SentenceEncoder(keras.Model):
         Keras nor a SavedModel export (which saves a layer's `tf.function` attributes) tracks it."""
         holder = getattr(self, "_inference", None)
         if holder is None:
-            holder = self._inference = _Untracked(
+            holder = self._inference = task.Untracked(
                 tf.function(lambda batch: self(batch, training=False), reduce_retracing=True, jit_compile=False))
         return holder.function
 
@@ -129,10 +151,3 @@ class SentenceEncoder(keras.Model):
         if config.get("tokenizer") is not None:
             config["tokenizer"] = keras.saving.deserialize_keras_object(config["tokenizer"])
         return cls(**config)
-
-
-class _Untracked:
-    """Holds a `tf.function` out of sight of Keras' and TensorFlow's attribute tracking."""
-
-    def __init__(self, function):
-        self.function = function

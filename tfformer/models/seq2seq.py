@@ -1,9 +1,10 @@
 import keras
 from keras import ops
 
-from tfformer import layers
+from tfformer import generation, layers
+from tfformer.data import placeholders
 from tfformer.layers.layer_utils import apply_dense, uncast
-from tfformer.models import base
+from tfformer.models import base, task
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -70,9 +71,56 @@ class Seq2SeqTransformer(base.TransformerModel):
             decoder_blocks=decoder_blocks,
             encoder_norm=encoder_norm,
             decoder_norm=decoder_norm,
+            hidden_states=y,  # (B, T, D)
             projection_inputs=y if output_projection is None else None,  # (B, T, D)
         )
         return inputs, logits, sublayers
+
+    # === Strings in, strings out ===
+    def generate(self, inputs, max_new_tokens=None, beam_size=None, length_penalty=0.6, sampler=None,
+                 batch_size=64, protect_placeholders=True, jit_compile=True):
+        """Translate (or otherwise transduce) source texts.
+
+        Args:
+            inputs: a str or a list of str (tokenized by the preprocessor), or source ids `(B, S)`.
+            max_new_tokens: int > 0, or None for `max_sequence_length`.
+            beam_size: int or None. Beam search with the GNMT `length_penalty` instead of the sampler.
+            sampler: a `tfformer.generation.Sampler` or its kind. Defaults to greedy.
+            batch_size: texts per decoding call.
+            protect_placeholders: bool. Mask printf conversions, brace fields, tags, accelerators and edge
+                whitespace before the model and put them back after (`tfformer.data.placeholders`), as the
+                exported SavedModel does: each output keeps them exactly.
+            jit_compile: bool. Decode with XLA; False runs the graph an exported SavedModel holds.
+
+        Returns:
+            A str for a str, a list of str for a list, new ids `(B, max_new_tokens)` for ids.
+        """
+        if max_new_tokens is None:
+            max_new_tokens = self.config.max_sequence_length
+        if task.is_token_ids(inputs):
+            return generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty,
+                                           jit_compile=jit_compile, end_id=self.end_ids[0])
+        # Protected, a blank text is its own translation (its whitespace is kept, nothing goes to the model).
+        texts, single = task.as_texts(inputs, "inputs", allow_blank=protect_placeholders)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        masked = [placeholders.mask(text) if protect_placeholders else None for text in texts]
+        todo = [i for i, m in enumerate(masked) if m is None or m.translatable]
+        sources = [texts[i] if masked[i] is None else masked[i].text for i in todo]
+        outputs = []
+        for start in range(0, len(sources), batch_size):
+            new_ids = generation.generate_ids(self, self.tokenize(sources[start:start + batch_size]), max_new_tokens,
+                                              sampler, beam_size, length_penalty, jit_compile=jit_compile,
+                                              end_id=self.end_ids[0])
+            outputs += self.detokenize(new_ids)
+        by_index = dict(zip(todo, outputs))
+        results = [by_index.get(i, "") if m is None else placeholders.restore(m, by_index.get(i, ""))
+                   for i, m in enumerate(masked)]
+        return results[0] if single else results
+
+    def translate(self, inputs, **kwargs):
+        """`generate`, under the name translators look for."""
+        return self.generate(inputs, **kwargs)
 
     # === Incremental decoding ===
     def encode(self, encoder_token_ids):

@@ -5,9 +5,9 @@ import time
 
 import tensorflow as tf
 
-from tfformer import data, generation, models, training
+from tfformer import data, models, training
 from tfformer.recipes import rundir
-from tfformer.recipes.translation import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
+from tfformer.recipes.translation import CONFIG_FILE, TOKENIZER_FILE
 
 
 def default_micro_batches(tokens_per_replica, on_gpu):
@@ -82,7 +82,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=[evaluator], strategy=strategy,
                  run_dir=out, time_budget=max(remaining - 0.05 * budget, 1.0), backup_every=eval_every, verbose=0)
     train_seconds = time.monotonic() - fit_start
-    model.save(os.path.join(out, MODEL_FILE))
+    model.preprocessor = tokenizer
+    model.save_to_preset(out, overwrite=True)  # the run directory is a preset: model, config, tokenizer
     val = model.evaluate(val_ds, verbose=0, return_dict=True)
     test_perplexity = None
     if not splits["test"]:
@@ -94,7 +95,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
             printer(f"no test perplexity: {len(splits['test'])} test lines; {error}")
         else:
             test_perplexity = float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
-    sample = generation.generate(model, tokenizer, ["def "], max_new_tokens=min(48, sequence_length - 8))[0]
+    sample = model.generate("def ", max_new_tokens=min(48, sequence_length - 8))
     metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]),
                "test_perplexity": test_perplexity, "steps": int(model.optimizer.iterations.numpy()),
                "train_seconds": round(train_seconds, 1), "parameters": model.count_params(), "curve": evaluator.rows,

@@ -1,7 +1,8 @@
 """English -> X translation: learn a vocabulary, train with model.fit, report BLEU. The main job (`make demo`).
 
-`translate_texts` and `translate_catalog` (a .pot/.po in, a .po with fuzzy machine translations out) protect
-placeholders, edge whitespace and accelerator marks with `tfformer.data.placeholders`, as the SavedModel does.
+The run directory is a preset (`tfformer.models.from_preset(run)`). `translate_catalog` (a .pot/.po in, a .po
+with fuzzy machine translations out) translates through the task's `translate`, which protects placeholders, edge
+whitespace and accelerator marks with `tfformer.data.placeholders`, as the SavedModel does.
 """
 
 import codecs
@@ -13,7 +14,7 @@ import warnings
 
 import keras
 
-from tfformer import data, generation, models, training
+from tfformer import data, models, training
 from tfformer.data import placeholders
 from tfformer.recipes import rundir
 
@@ -50,21 +51,9 @@ def compile_model(model, config, warmup_steps, label_smoothing=0.1, clipnorm=1.0
     )
 
 
-def translate_texts(model, tokenizer, texts, max_new_tokens=64, batch_size=64, beam_size=None, jit_compile=True):
-    """Translate strings with placeholder protection (`tfformer.data.placeholders`): each output holds every
-    placeholder and the leading/trailing whitespace of its source exactly once. Returns a list of str.
-    `jit_compile=False` decodes with the graph an exported SavedModel holds (no XLA)."""
-    masked = [placeholders.mask(text) for text in texts]
-    todo = [i for i, m in enumerate(masked) if m.translatable]
-    outputs = generation.translate(model, tokenizer, [masked[i].text for i in todo], max_new_tokens=max_new_tokens,
-                                   batch_size=batch_size, beam_size=beam_size, jit_compile=jit_compile) if todo else []
-    by_index = dict(zip(todo, outputs))
-    return [placeholders.restore(m, by_index.get(i, "")) for i, m in enumerate(masked)]
-
-
-def evaluate_bleu(model, tokenizer, pairs, max_new_tokens, batch_size=64):
-    hypotheses = translate_texts(model, tokenizer, [s for s, _ in pairs], max_new_tokens=max_new_tokens,
-                                 batch_size=batch_size)
+def evaluate_bleu(translator, pairs, max_new_tokens, batch_size=64):
+    """`(BLEU, hypotheses)` of a `Seq2SeqTransformer` task (with its preprocessor) on `(source, reference)` pairs."""
+    hypotheses = translator.translate([s for s, _ in pairs], max_new_tokens=max_new_tokens, batch_size=batch_size)
     return training.corpus_bleu(hypotheses, [t for _, t in pairs]), hypotheses
 
 
@@ -144,10 +133,11 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
                            strategy=strategy, run_dir=out, time_budget=train_seconds, backup_every=eval_every,
                            verbose=0)
     fit_seconds = time.monotonic() - fit_start
-    model.save(os.path.join(out, MODEL_FILE))
+    model.preprocessor = tokenizer
+    model.save_to_preset(out, overwrite=True)  # the run directory is a preset: model, config, tokenizer
 
     test = splits["test"]
-    bleu, hypotheses = evaluate_bleu(model, tokenizer, test, max_new_tokens=max_length)
+    bleu, hypotheses = evaluate_bleu(model, test, max_new_tokens=max_length)
     metrics = {
         "bleu_test": bleu,
         "test_pairs": len(test),
@@ -172,17 +162,17 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
 
 
 def load_run(run_dir):
-    """(model, tokenizer) of a finished translation run."""
+    """The translator (a `Seq2SeqTransformer` with its tokenizer as `preprocessor`) of a finished translation run."""
     path = os.path.join(run_dir, MODEL_FILE)
     if not os.path.exists(path):
         raise ValueError(f"No trained model in {run_dir!r} (expected {MODEL_FILE}); train one with `tfformer train`.")
-    model = keras.models.load_model(path, safe_mode=True)
-    tokenizer = data.SubwordTokenizer.load(os.path.join(run_dir, TOKENIZER_FILE))
+    translator = models.from_preset(run_dir)
+    tokenizer = translator.require_preprocessor("translate")
     if data.UNK_ID in tokenizer.tokenize([placeholders.RESERVED_SYMBOLS[0]]).flat_values.numpy():
         # Translation masks placeholders; a model that never saw the masked pieces translates much worse.
         warnings.warn(f"The run in {run_dir!r} was trained before placeholder masking (its vocabulary lacks the "
                       "reserved pieces); retrain it for good translations.", stacklevel=2)
-    return model, tokenizer
+    return translator
 
 
 # Plural-Forms headers (GNU gettext manual, "Plural forms") for catalogs that do not carry one yet (a .pot).
@@ -270,19 +260,21 @@ def _progress(done, total, stream):
 
 
 def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_tokens=None, beam_size=None,
-                      progress=None, model=None, tokenizer=None, target_language=None):
+                      progress=None, translator=None, target_language=None):
     """Fill the untranslated entries of a .pot or .po with machine translations, marked `fuzzy`; write `out`.
 
     Existing translations, comments, flags, references, contexts and the order of entries are kept. A plural entry
     gets `msgstr[1..n-1]` from `msgid_plural` and `msgstr[0]` from `msgid`, or from `msgid_plural` too when the two
     differ in placeholders and form 0 serves more than n == 1 ("One file" is wrong for 21 in Russian); n comes
     from the catalog's Plural-Forms, or a default for the target language, then written to the header.
-    Placeholders, leading/trailing whitespace and accelerator marks are protected (`translate_texts`). Returns a
+    Placeholders, leading/trailing whitespace and accelerator marks are protected (`Seq2SeqTransformer.translate`).
+    Returns a
     dict: `translated` (entries filled), `messages` (texts sent to the model), `written` (the path, or None when
     there was nothing to translate: then nothing is written).
 
     Args:
-        run: a translation run directory (model.keras, tokenizer.model, run.json), or None with `model`/`tokenizer`.
+        run: a translation run directory (a preset with run.json), or None with `translator`.
+        translator: a `Seq2SeqTransformer` with its preprocessor, instead of `run`.
         po, out: the input catalog and the output path. An existing `out` is replaced only with `overwrite`.
         progress: a progress bar on stderr; None shows one when there is more than one batch.
     """
@@ -295,10 +287,10 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
     todo = catalog.untranslated_entries()
     if not todo:
         return {"translated": 0, "messages": 0, "written": None}
-    if model is None:
+    if translator is None:
         if run is None:
-            raise ValueError("Give `run` (a translation run directory) or `model` and `tokenizer`.")
-        model, tokenizer = load_run(run)
+            raise ValueError("Give `run` (a translation run directory) or `translator`.")
+        translator = load_run(run)
     if target_language is None and run is not None and os.path.exists(os.path.join(run, RUN_FILE)):
         target_language = rundir.read_json(os.path.join(run, RUN_FILE)).get("target_language")
     nplurals = _nplurals(catalog, target_language, po) if any(e.msgid_plural for e in todo) else None
@@ -309,15 +301,15 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
         catalog.metadata["Content-Transfer-Encoding"] = "8bit"
     if not catalog.metadata.get("Language") and target_language:
         catalog.metadata["Language"] = target_language
-    max_new_tokens = max_new_tokens or model.config.max_sequence_length
+    max_new_tokens = max_new_tokens or translator.config.max_sequence_length
 
     texts = list(dict.fromkeys(t for e in todo for t in ([e.msgid, e.msgid_plural] if e.msgid_plural else [e.msgid])))
     show = progress if progress is not None else len(texts) > batch_size
     translated = {}
     for start in range(0, len(texts), batch_size):
         batch = texts[start : start + batch_size]
-        translated.update(zip(batch, translate_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens,
-                                                     batch_size=batch_size, beam_size=beam_size)))
+        translated.update(zip(batch, translator.translate(batch, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                                          beam_size=beam_size)))
         if show:
             _progress(start + len(batch), len(texts), sys.stderr)
     only_one = re.search(r"plural=\(?n!=1\)?;?$", re.sub(r"\s", "", catalog.metadata.get("Plural-Forms", "")))
