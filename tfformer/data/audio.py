@@ -7,7 +7,8 @@ window) of the waveform followed by 160 zeros, power spectrum, 80 Slaney mel fil
 clamp to (maximum - 8), `(x + 4) / 4`, the extractor's last frame dropped, zero frames after the audio.
 
 `read_wav` and `prepare_waveform` run in numpy before the graph: they validate the audio, mix it down to mono
-and resample it to 16 kHz (`soundfile` reads, `soxr` resamples).
+and resample it to 16 kHz (`soundfile` reads, `soxr` resamples). `split_windows` cuts long audio into pieces of
+at most 30 seconds at pauses.
 """
 
 import math
@@ -23,6 +24,7 @@ HOP_LENGTH = 160
 NUM_MEL_BINS = 80
 CHUNK_SECONDS = 30
 NUM_FRAMES = CHUNK_SECONDS * SAMPLE_RATE // HOP_LENGTH  # 3000 frames = one 30-second window
+WINDOW_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # one window of long audio, the encoder's 30 seconds
 # File formats libsndfile reports for RIFF/WAVE files (plain, WAVE_FORMAT_EXTENSIBLE, 64-bit RF64).
 WAV_FORMATS = ("WAV", "WAVEX", "RF64")
 
@@ -149,7 +151,7 @@ def prepare_waveform(waveform, sample_rate, name="waveform"):
         float32 array `(samples,)` at 16 kHz. More than one channel is averaged to mono, with a warning.
     """
     waveform = np.asarray(waveform)
-    if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
         raise ValueError(f"`sample_rate` must be a positive int (Hz). Received: sample_rate={sample_rate!r}")
     if waveform.ndim not in (1, 2):
         raise ValueError(f"{name} must have shape (samples,) or (samples, channels). Received: shape={waveform.shape}")
@@ -198,3 +200,60 @@ def read_wav(path):
         raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
     waveform, sample_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (samples, channels)
     return prepare_waveform(waveform, sample_rate, name=str(path))
+
+
+def split_windows(waveform, window_samples=WINDOW_SAMPLES, search_samples=5 * SAMPLE_RATE, frame_samples=320,
+                  smoothing_frames=10):
+    """Sample bounds that cut a long waveform into windows of at most `window_samples`, each cut in a pause.
+
+    A waveform that fits one window is one window. Otherwise each cut falls in the last `search_samples` of
+    the window that starts at the previous cut: at the middle of the quietest stretch there, so that a pause
+    rather than a word is cut. Quietness is the mean power of `frame_samples`-sample frames averaged over
+    `smoothing_frames` frames (a pause outlasts the silent closure of a stop consonant); when several
+    stretches are equally quiet (digital silence), the longest one wins. Speech without any pause in the
+    searched span is still cut there, at its quietest point.
+
+    Args:
+        waveform: float array `(samples,)`.
+        window_samples: int. The longest window (default: 30 s at 16 kHz, Whisper's encoder input).
+        search_samples: int. Where to look for a pause before each window's end (default: 5 s).
+        frame_samples: int. Frame of the power measure (default: 20 ms).
+        smoothing_frames: int. Frames averaged per quietness value (default: 10, i.e. 200 ms).
+
+    Returns:
+        list of `(start, end)` ints: consecutive, without gaps or overlap, covering `[0, len(waveform))`,
+        each `end - start <= window_samples`.
+    """
+    waveform = np.asarray(waveform)
+    if waveform.ndim != 1:
+        raise ValueError(f"`waveform` must have shape (samples,). Received: shape={waveform.shape}")
+    for name, value in (("window_samples", window_samples), ("search_samples", search_samples),
+                        ("frame_samples", frame_samples), ("smoothing_frames", smoothing_frames)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+    if search_samples > window_samples or smoothing_frames * frame_samples > search_samples:
+        raise ValueError(
+            "Need smoothing_frames * frame_samples <= search_samples <= window_samples. Received: "
+            f"window_samples={window_samples}, search_samples={search_samples}, frame_samples={frame_samples}, "
+            f"smoothing_frames={smoothing_frames}")
+    bounds, start, total = [], 0, len(waveform)
+    while total - start > window_samples:
+        low = start + window_samples - search_samples
+        num_frames = search_samples // frame_samples
+        frames = waveform[low:low + num_frames * frame_samples].astype(np.float64)
+        frames = frames.reshape(num_frames, frame_samples)  # (F, frame_samples)
+        power = np.mean(frames ** 2, axis=1)  # (F,)
+        kernel = np.ones(smoothing_frames) / smoothing_frames
+        quiet = np.convolve(power, kernel, mode="valid")  # (F - smoothing_frames + 1,)
+        # Equal within rounding: a stretch of digital silence averages to (almost) exactly the minimum.
+        is_min = quiet <= quiet.min() + 1e-12
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], is_min.astype(np.int8), [0]])))  # run starts, ends
+        run_starts, run_ends = edges[::2], edges[1::2]
+        longest = int(np.argmax(run_ends - run_starts))
+        # The run's middle, shifted by half the smoothing span: value j averages frames j onwards.
+        middle = (run_starts[longest] + run_ends[longest] - 1) / 2 + smoothing_frames / 2
+        cut = low + int(round(middle * frame_samples))
+        bounds.append((start, cut))
+        start = cut
+    bounds.append((start, total))
+    return bounds

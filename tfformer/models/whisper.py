@@ -1,12 +1,16 @@
 """Whisper (Radford et al., 2022): the encoder-decoder Transformer over log-mel frames."""
 
 import math
+import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from tfformer import layers
+from tfformer.data import audio as audio_io
+from tfformer.generation import speech
 from tfformer.layers.layer_utils import check_positive_int
 from tfformer.models import base
 from tfformer.models.seq2seq import Seq2SeqTransformer
@@ -95,8 +99,43 @@ class WhisperModel(Seq2SeqTransformer):
 
     Decoding (as `Seq2SeqTransformer`): `encode(features)`, `cross_attention_caches`, `empty_cache`,
     `decode_step(token_ids, cache, cache_index, cross_caches, None)`; `tfformer.generation.speech` runs the
-    greedy loop with Whisper's token suppression.
+    greedy loop with Whisper's token suppression. `transcribe(audio)` goes from WAV files or waveforms to text
+    with the decoding fields below and the tokenizer in `preprocessor`; `tfformer.models.from_preset(
+    "whisper-tiny-en")` sets both.
+
+    Args:
+        config: `TransformerConfig` (or dict) with `num_mel_bins` and `max_source_positions`.
+        prompt: list of int. The ids every transcript starts from (defaults to English-only Whisper's
+            `<|startoftranscript|>` `<|notimestamps|>`).
+        suppress_ids: list of int. Ids never produced (a checkpoint's `suppress_ids`).
+        suppress_ids_begin: list of int. Ids not produced first (blank, end of text).
+        end_id: int. The end-of-text id; ids at or above it are Whisper's special tokens, not text.
+        **kwargs: `keras.Model` arguments (`name`).
+
+    Example:
+    ```python
+    asr = tfformer.models.from_preset("whisper-tiny-en")
+    asr.transcribe("clip.wav")                          # "The quick brown fox ..."
+    asr.transcribe(samples, sample_rate=44100)          # a float waveform, resampled to 16 kHz
+    ```
     """
+
+    def __init__(self, config, prompt=speech.WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
+                 end_id=speech.WHISPER_END_ID, **kwargs):
+        super().__init__(config, **kwargs)
+        # Checked against the vocabulary when a decoding function is built (`generation.speech_decode_fn`).
+        self.prompt = _int_list("prompt", prompt)
+        self.suppress_ids = _int_list("suppress_ids", suppress_ids)
+        self.suppress_ids_begin = _int_list("suppress_ids_begin", suppress_ids_begin)
+        if isinstance(end_id, bool) or not isinstance(end_id, (int, np.integer)):
+            raise ValueError(f"`end_id` must be an int. Received: end_id={end_id!r}")
+        self.end_id = int(end_id)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(prompt=list(self.prompt), suppress_ids=list(self.suppress_ids),
+                      suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id)
+        return config
 
     def _build(self, config):
         if config.num_mel_bins is None or config.max_source_positions is None:
@@ -160,9 +199,82 @@ class WhisperModel(Seq2SeqTransformer):
             decoder_blocks=decoder_blocks,
             encoder_norm=encoder_norm,
             decoder_norm=decoder_norm,
+            hidden_states=y,  # (B, T, D)
             projection_inputs=y if output_projection is None else None,  # (B, T, D)
         )
         return inputs, logits, sublayers
+
+    # === Speech in, text out ===
+    def transcribe(self, audio, sample_rate=None, max_new_tokens=None, batch_size=8, jit_compile=False):
+        """Transcribe WAV files or waveforms with greedy decoding.
+
+        Audio longer than 30 seconds is cut into windows of at most 30 seconds by
+        `tfformer.data.audio.split_windows`, each cut in the quietest stretch of the window's last 5 seconds
+        (a pause, when there is one), so that a word is cut only when a window's last 5 seconds hold no
+        pause. Each window is transcribed on its own (no text of the previous window is given as a prompt,
+        unlike faster-whisper) and the window texts are joined with a space. Each window's log-mel features
+        are normalised over that window (faster-whisper normalises over the whole recording). Beam search is not offered: `tfformer.generation` has no speech beam
+        search yet.
+
+        Args:
+            audio: a path to a WAV file (str or `os.PathLike`; any sample rate, mixed down to mono with a
+                warning when it has several channels), a waveform array `(samples,)` (or `(samples,
+                channels)`, mixed down the same way) of float samples in [-1, 1] or integer PCM, or a list of
+                these.
+            sample_rate: int. Sample rate of the waveform arrays in Hz, resampled to 16 kHz with soxr.
+                Required when `audio` holds an array; not allowed for paths only (a WAV file has its own).
+            max_new_tokens: int or None. Tokens per 30-second window; None allows what fits the decoder
+                after the prompt.
+            batch_size: int. Windows per decoding call (each holds `num_heads * 1500 ** 2` encoder
+                attention weights).
+            jit_compile: bool. Decode with XLA.
+
+        Returns:
+            str for a single path or array, list of str for a list.
+
+        Raises:
+            FileNotFoundError: a path that is not a file.
+            ValueError: not a WAV file, an empty waveform, NaN or infinite samples, a missing or
+                non-positive `sample_rate`, `audio` of another type, an empty list, no preprocessor.
+        """
+        if self.preprocessor is None:
+            raise ValueError("`transcribe` turns ids into text with the tokenizer, and this WhisperModel has no "
+                             "preprocessor. Set `model.preprocessor = tokenizer` or load it with "
+                             "`tfformer.models.from_preset`.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        waveforms, single = _as_waveforms(audio, sample_rate)
+        windows = [(index, waveform[start:end]) for index, waveform in enumerate(waveforms)
+                   for start, end in audio_io.split_windows(waveform)]
+        texts = [[] for _ in waveforms]
+        for first in range(0, len(windows), batch_size):
+            part = windows[first:first + batch_size]
+            lengths = [len(piece) for _, piece in part]
+            batch = np.zeros((len(part), max(lengths)), np.float32)  # (B, S)
+            for row, (_, piece) in zip(batch, part):
+                row[:len(piece)] = piece
+            features, _ = audio_io.log_mel_spectrogram(batch, lengths)  # (B, 3000, num_mel_bins)
+            ids = speech.transcribe_ids(self, features, max_new_tokens=max_new_tokens, prompt=self.prompt,
+                                        suppress_ids=self.suppress_ids, suppress_ids_begin=self.suppress_ids_begin,
+                                        end_id=self.end_id, jit_compile=jit_compile)  # (B, N)
+            for (index, _), text in zip(part, self.ids_to_text(ids)):
+                texts[index].append(text)
+        results = [" ".join(text for text in parts if text) for parts in texts]
+        return results[0] if single else results
+
+    def generate(self, inputs, **kwargs):
+        """`transcribe(inputs, **kwargs)`: Whisper generates text from audio, not from source texts."""
+        return self.transcribe(inputs, **kwargs)
+
+    def ids_to_text(self, ids):
+        """str per row of generated ids `(B, N)`: the ids before the first `end_id`, without special tokens
+        (ids at or above `end_id`, as Whisper's tokenizer decodes), stripped of surrounding spaces."""
+        rows = []
+        for row in np.asarray(ids).tolist():
+            row = row[:row.index(self.end_id)] if self.end_id in row else row
+            rows.append([i for i in row if i < self.end_id])
+        ragged = tf.ragged.constant(rows, dtype=tf.int32, ragged_rank=1)  # (B, None)
+        return [text.decode("utf-8").strip() for text in self.preprocessor.detokenize(ragged).numpy()]
 
     # === Incremental decoding ===
     def encode(self, input_features):
@@ -178,6 +290,54 @@ class WhisperModel(Seq2SeqTransformer):
         for block in self.encoder_blocks:
             x = block(x)
         return (self.encoder_norm(x) if self.encoder_norm else x), None
+
+
+def _int_list(name, ids):
+    if isinstance(ids, (str, bytes)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"`{name}` must be a list of int ids. Received: {name}={ids!r}")
+    return tuple(int(i) for i in ids)
+
+
+def _as_waveforms(audio, sample_rate):
+    """`(list of 16 kHz float32 waveforms, single)` for `WhisperModel.transcribe`'s `audio`."""
+    single = isinstance(audio, (str, os.PathLike, np.ndarray)) or tf.is_tensor(audio)
+    items = [audio] if single else audio
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("`audio` must be a path to a WAV file, a waveform array, or a list of them. Received: "
+                         f"{type(audio).__name__}")
+    if not items:
+        raise ValueError("`audio` is an empty list; pass at least one WAV path or waveform array.")
+    kinds = []
+    for i, item in enumerate(items):
+        if isinstance(item, (str, os.PathLike)):
+            kinds.append("path")
+        elif isinstance(item, np.ndarray) or tf.is_tensor(item):
+            kinds.append("array")
+        else:
+            raise ValueError(f"`audio[{i}]` must be a path to a WAV file or a waveform array. Received: "
+                             f"{type(item).__name__}")
+    if "array" in kinds and sample_rate is None:
+        raise ValueError("`sample_rate` is required with a waveform array: pass the rate the samples were "
+                         "recorded at in Hz (e.g. sample_rate=16000).")
+    if "array" not in kinds and sample_rate is not None:
+        raise ValueError(f"`sample_rate` applies to waveform arrays; a WAV file carries its own rate. Received: "
+                         f"sample_rate={sample_rate!r} with file paths only.")
+    waveforms = []
+    for i, (item, kind) in enumerate(zip(items, kinds)):
+        name = "`audio`" if single else f"`audio[{i}]`"
+        if kind == "path":
+            path = os.fspath(item)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{name} is not a file. Received: {path!r}")
+            waveforms.append(audio_io.read_wav(path))
+            continue
+        array = np.asarray(item)
+        if array.ndim == 2 and array.shape[1] > array.shape[0]:
+            raise ValueError(f"{name} must have shape (samples,) or (samples, channels); shape {array.shape} has "
+                             "more channels than samples. Pass a batch of waveforms as a list of 1-D arrays.")
+        waveforms.append(audio_io.prepare_waveform(array, sample_rate, name=name))
+    return waveforms, single
 
 
 def build_whisper(config):
