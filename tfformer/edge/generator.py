@@ -2,7 +2,7 @@
 
 import numpy as np
 
-UNK_ID, START_ID, END_ID = 1, 2, 3
+PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
 UNK_TEXT = " \u2047 "  # how SentencePiece writes the unknown piece
 # The whitespace SentencePiece would fold and the symbols tfformer.data.SubwordTokenizer maps it to.
 WHITESPACE_SYMBOLS = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
@@ -14,18 +14,32 @@ class Generator:
     Args:
         path: the .tflite file.
         num_threads: interpreter threads.
+        tokenizer: optional host-side tokenizer for `generate_text`, for files without tokenizer signatures
+            (a byte-level BPE's ops are not TFLite ops): an object with `tokenize(str) -> ids` and
+            `detokenize(ids) -> str` (tensors of them are fine), e.g. a `tfformer.data.BytePairTokenizer`. Its
+            `end_ids` (if any) end a completion, and so does the padding id 0; without them, END_ID does.
 
     Example:
     ```python
     gen = tfformer.edge.Generator("gpt.tflite")
     gen.generate([5, 17, 9], max_new_tokens=20)      # causal LM: prompt ids -> new ids
     gen.translate([12, 40, 7], max_new_tokens=20)    # seq2seq: source ids -> target ids
+    gen = tfformer.edge.Generator("smollm2.tflite", tokenizer=tfformer.data.BytePairTokenizer.from_gguf(path))
+    gen.generate_text("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", max_new_tokens=20)
     ```
     """
 
-    def __init__(self, path, num_threads=2):
+    def __init__(self, path, num_threads=2, tokenizer=None):
         from ai_edge_litert.interpreter import Interpreter, InterpreterWithCustomOps
 
+        if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
+                                          and callable(getattr(tokenizer, "detokenize", None))):
+            raise ValueError("`tokenizer` must have `tokenize(text)` and `detokenize(ids)` (e.g. a BytePairTokenizer). "
+                             f"Received: tokenizer={tokenizer!r}")
+        self.tokenizer = tokenizer
+        ids = [int(i) for i in getattr(tokenizer, "end_ids", None) or []]
+        # Id 0 is padding to a tfformer model: never a token to continue from (SmolLM2's <|endoftext|>).
+        self.end_ids = ids + [PAD_ID] if ids else [END_ID]
         self.interpreter = Interpreter(model_path=path, num_threads=num_threads)
         signatures = self.interpreter.get_signature_list()
         if "tokenize" in signatures:
@@ -42,37 +56,65 @@ class Generator:
         details = self._step.get_input_details()
         self.cache_shape = tuple(details["cache"]["shape"])
         self.max_length = self.cache_shape[4]
+        self.vocabulary_size = int(self._step.get_output_details()["logits"]["shape"][-1])
         self.is_seq2seq = "encode" in signatures
         if self.is_seq2seq:
             self._encode = self.interpreter.get_signature_runner("encode")
             self.source_length = int(self._encode.get_input_details()["encoder_token_ids"]["shape"][1])
 
     def _check(self, ids, max_new_tokens, limit, what):
-        if max_new_tokens <= 0:
-            raise ValueError(f"`max_new_tokens` must be positive. Received: max_new_tokens={max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+            raise ValueError(f"`max_new_tokens` must be a positive integer. "
+                             f"Received: max_new_tokens={max_new_tokens!r}")
         if not len(ids):
             raise ValueError(f"The {what} is empty.")
         if len(ids) > limit:
             raise ValueError(f"The {what} has {len(ids)} tokens; this file holds at most {limit}.")
+        bad = [int(t) for t in ids if not 0 <= int(t) < self.vocabulary_size]
+        if bad:
+            raise ValueError(f"The {what} holds ids outside [0, {self.vocabulary_size}): {bad[:5]}")
 
-    def generate(self, prompt_ids, max_new_tokens=32):
-        """Causal LM: greedy continuation ids of `prompt_ids` (stops after the end token)."""
+    def generate(self, prompt_ids, max_new_tokens=32, end_ids=None):
+        """Causal LM: greedy continuation ids of `prompt_ids`, ending with the first of `end_ids` if one is chosen.
+
+        `end_ids`: the ids that stop generation (included in the result); defaults to `self.end_ids`, `()` never
+        stops. The prompt and the new tokens must fit the file's cache (`max_length` positions).
+        """
         self._check(prompt_ids, max_new_tokens, self.max_length - 1, "prompt")
+        if len(prompt_ids) + max_new_tokens > self.max_length:
+            raise ValueError(f"`max_new_tokens`={max_new_tokens} after a prompt of {len(prompt_ids)} tokens overflows "
+                             f"this file's cache of {self.max_length} positions; ask for at most "
+                             f"{self.max_length - len(prompt_ids)}.")
+        end_ids = set(self.end_ids if end_ids is None else (int(i) for i in end_ids))
         cache = np.zeros(self.cache_shape, np.float32)
         new, logits = [], None
         for index, token in enumerate(prompt_ids):  # prefill, one token per call (fixed shapes)
             out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32))
             logits, cache = out["logits"], out["cache"]
         index = len(prompt_ids)
-        while len(new) < max_new_tokens and index < self.max_length:
+        while True:
             token = int(np.argmax(logits[0, -1]))
             new.append(token)
-            if token == END_ID or index + 1 >= self.max_length:
-                break
+            if token in end_ids or len(new) == max_new_tokens:
+                return new
             out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32))
             logits, cache = out["logits"], out["cache"]
             index += 1
-        return new
+
+    def generate_text(self, text, max_new_tokens=32):
+        """Causal LM, text in and out with the host `tokenizer`: the greedy completion of `text`, up to (without)
+        the first end id. A chat prompt is `tokenizer.apply_chat_template(messages)`."""
+        if self.tokenizer is None:
+            raise ValueError("`generate_text` needs the host tokenizer: pass `tokenizer=` to Generator.")
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"`text` must be a non-empty str. Received: text={text!r:.80}")
+        ids = [int(t) for t in np.asarray(self.tokenizer.tokenize(text)).reshape(-1) if int(t) != PAD_ID]
+        new = self.generate(ids, max_new_tokens=max_new_tokens)
+        if new and new[-1] in self.end_ids:
+            new = new[:-1]
+        if not new:
+            return ""
+        return _as_str(self.tokenizer.detokenize(np.array(new, np.int32)))
 
     def translate(self, source_ids, max_new_tokens=32):
         """Seq2seq: greedy target ids for `source_ids` (stops after the end token)."""
@@ -136,3 +178,10 @@ class Generator:
         new = self.translate(source, max_new_tokens=max_new_tokens) if source else []
         new = new[: new.index(END_ID)] if END_ID in new else new
         return placeholders.restore(masked, self.detokenize(new))
+
+
+def _as_str(value):
+    """A detokenizer's result (str, bytes, or a scalar / one-element string tensor or array) as str."""
+    value = value.numpy() if hasattr(value, "numpy") else value
+    value = np.asarray(value).reshape(-1)[0] if not isinstance(value, (str, bytes)) else value
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

@@ -18,6 +18,8 @@ import tensorflow as tf
 from tfformer.data import placeholders
 from tfformer.export import signatures as sig
 from tfformer.generation.decode import decode_fn
+from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
+from tfformer.models.presets import from_preset
 from tfformer.models.sentence_encoder import SentenceEncoder
 
 _TMP = re.compile(r"^\.tmp-(\d+)-(\d+)$")
@@ -61,6 +63,106 @@ def _clean_text(text):
     return tf.strings.unicode_transcode(text, "UTF-8", "UTF-8", errors="replace")
 
 
+def _check_tokenizer(model, tokenizer):
+    """A text-in signature's tokenizer: present, with `tokenize`/`detokenize`, ids inside the model's vocabulary."""
+    if tokenizer is None:
+        raise ValueError("`tokenizer` is required to export a text-in signature: the run's SubwordTokenizer, or a "
+                         "BytePairTokenizer (e.g. `BytePairTokenizer.from_gguf(path)` for SmolLM2). Received: "
+                         "tokenizer=None")
+    if not (callable(getattr(tokenizer, "tokenize", None)) and callable(getattr(tokenizer, "detokenize", None))):
+        raise ValueError("`tokenizer` must have `tokenize` and `detokenize` (a SubwordTokenizer or a "
+                         f"BytePairTokenizer). Received: tokenizer={tokenizer!r}")
+    size = getattr(tokenizer, "vocabulary_size", None)
+    if size is not None and size > model.config.vocabulary_size:
+        raise ValueError(f"`tokenizer` has {size} ids, more than the model's vocabulary_size="
+                         f"{model.config.vocabulary_size}.")
+
+
+def _end_ids(tokenizer):
+    """The ids that end a causal LM's completion: a byte-pair tokenizer's `end_ids` (end of turn, end of text) and
+    the padding id 0 (never a token the model continues from; SmolLM2's `<|endoftext|>`), else tfformer's END_ID."""
+    ids = list(getattr(tokenizer, "end_ids", None) or [])
+    return ids + [PAD_ID] if ids else [END_ID]
+
+
+def decode_sizes(max_new_tokens):
+    """The lengths the text signature's decode loops are compiled for: doubling from 16, up to `max_new_tokens`.
+
+    A request runs the shortest loop that holds its largest `max_new_tokens`, so it costs at most twice the steps
+    asked for (or 16), not always the cap."""
+    sizes, size = [], 16
+    while size < max_new_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_new_tokens]
+
+
+def _cut(new_ids, end_ids, counts=None):
+    """`new_ids` `(B, N)` with every id from a row's first end id on (or from its `counts[b]`-th) set to 0."""
+    ended = tf.reduce_any(tf.equal(new_ids[:, :, None], tf.constant(end_ids, tf.int32)), axis=-1)  # (B, N)
+    if counts is not None:
+        ended |= tf.range(tf.shape(new_ids)[1])[None, :] >= counts[:, None]
+    keep = tf.equal(tf.cumsum(tf.cast(ended, tf.int32), axis=1), 0)
+    return tf.where(keep, new_ids, PAD_ID)
+
+
+def _causal_lm_endpoints(model, tokenizer, max_new_tokens, beam_size):
+    """serving_default (text), generate_text (text + max_new_tokens per row), predict_ids, generate_ids."""
+    limit = model.config.max_sequence_length
+    end_ids = _end_ids(tokenizer)
+    sizes = decode_sizes(max_new_tokens)
+    decoders = {n: decode_fn(model, n, beam_size=beam_size, end_id=end_ids[0]) for n in sizes}
+
+    def prompts(text):
+        ragged = tokenizer.tokenize(_clean_text(text))
+        ragged = tf.ragged.boolean_mask(ragged, tf.not_equal(ragged, PAD_ID))  # id 0 is padding to the model
+        ragged = ragged[:, -(limit - max_new_tokens):]  # the last tokens: room for the new ones
+        lengths = ragged.row_lengths()
+        ids = ragged.to_tensor()  # right-padded prompts (B, L)
+        ids = tf.pad(ids, [[0, 0], [0, tf.maximum(0, 1 - tf.shape(ids)[1])]])
+        # An empty prompt gets a placeholder token so the batch still decodes; its output is blanked.
+        first = tf.equal(tf.range(tf.shape(ids)[1]), 0)[None, :]
+        ids = tf.where(tf.equal(lengths, 0)[:, None] & first, START_ID, ids)
+        return ids, tf.equal(lengths, 0)
+
+    def completions(new_ids, empty, counts=None):
+        ids = tf.RaggedTensor.from_tensor(_cut(new_ids, end_ids, counts), padding=PAD_ID)
+        return tf.where(empty, "", tokenizer.detokenize(ids))
+
+    def serve_text(text):
+        ids, empty = prompts(text)
+        return {sig.CONTINUATION: completions(decoders[max_new_tokens](ids), empty)}
+
+    def generate_text(text, counts):  # counts: the `max_new_tokens` input, (B,)
+        checks = [
+            tf.debugging.assert_equal(tf.size(counts), tf.size(text), message=(
+                f"`{sig.MAX_NEW_TOKENS}` must hold one count per text")),
+            tf.debugging.assert_positive(counts, message=f"`{sig.MAX_NEW_TOKENS}` must be >= 1"),
+            tf.debugging.assert_less_equal(counts, max_new_tokens, message=(
+                f"`{sig.MAX_NEW_TOKENS}` must be <= {max_new_tokens}, the cap this model was exported with")),
+        ]
+        with tf.control_dependencies(checks):
+            ids, empty = prompts(text)
+        # The shortest compiled loop that holds the longest request; every branch pads to the cap.
+        branch = tf.reduce_sum(tf.cast(tf.constant(sizes) < tf.reduce_max(counts), tf.int32))
+        new_ids = tf.switch_case(branch, [
+            (lambda n=n: tf.pad(decoders[n](ids), [[0, 0], [0, max_new_tokens - n]])) for n in sizes])  # (B, cap)
+        return {sig.CONTINUATION: completions(new_ids, empty, counts)}
+
+    def predict_ids(inputs):
+        return {sig.LOGITS: model(inputs)}
+
+    def generate(inputs):
+        return {sig.TOKEN_IDS: decoders[max_new_tokens](inputs[sig.TOKEN_IDS])}
+
+    return {
+        sig.SERVING_DEFAULT: (serve_text, [sig.text_spec()]),
+        sig.GENERATE_TEXT: (generate_text, [sig.text_spec(), sig.count_spec()]),
+        sig.PREDICT_IDS: (predict_ids, [{sig.TOKEN_IDS: sig.ids_spec(sig.TOKEN_IDS)}]),
+        sig.GENERATE_IDS: (generate, [{sig.TOKEN_IDS: sig.ids_spec(sig.TOKEN_IDS)}]),
+    }, [tokenizer]
+
+
 def _endpoints(model, tokenizer, max_new_tokens, beam_size):
     """{name: (fn, input_signature)} for the model's architecture."""
     if isinstance(model, SentenceEncoder):
@@ -77,52 +179,41 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
 
     architecture = model.config.architecture
     limit = model.config.max_sequence_length
-    if architecture == "seq2seq":
-        decode = decode_fn(model, max_new_tokens, beam_size=beam_size)
-        names = ("encoder_token_ids", "decoder_token_ids")
-        ids_inputs = {name: sig.ids_spec(name) for name in names}
-        output_name, keep = sig.TRANSLATION, lambda ids: ids[:, :limit]  # noqa: E731  (source truncated to the model)
-    elif architecture == "causal_lm":
-        decode = decode_fn(model, max_new_tokens, beam_size=beam_size)
-        ids_inputs = {sig.TOKEN_IDS: sig.ids_spec(sig.TOKEN_IDS)}
-        output_name, keep = sig.CONTINUATION, lambda ids: ids[:, -(limit - max_new_tokens):]  # noqa: E731  (last tokens)
-    else:
+    if architecture not in ("seq2seq", "causal_lm"):
         raise ValueError(f"No string signature for architecture {architecture!r}; export seq2seq, causal_lm or a SentenceEncoder.")
-    if tokenizer is None:
-        raise ValueError("`tokenizer` is required to export a text-in signature (the run's SubwordTokenizer).")
+    _check_tokenizer(model, tokenizer)
+    if architecture == "causal_lm":
+        if max_new_tokens >= limit:
+            raise ValueError(f"`max_new_tokens` must be below the model's max_sequence_length={limit} (the cache holds "
+                             f"the prompt and the new tokens). Received: max_new_tokens={max_new_tokens}")
+        return _causal_lm_endpoints(model, tokenizer, max_new_tokens, beam_size)
+    if max_new_tokens > limit and model.config.position == "learned":
+        raise ValueError(f"`max_new_tokens` must be at most the model's max_sequence_length={limit} (learned "
+                         f"positions). Received: max_new_tokens={max_new_tokens}")
+    decode = decode_fn(model, max_new_tokens, beam_size=beam_size)
+    names = ("encoder_token_ids", "decoder_token_ids")
+    ids_inputs = {name: sig.ids_spec(name) for name in names}
 
     def serve_text(text):
-        text = _clean_text(text)
-        if architecture == "seq2seq":  # placeholders, edge whitespace and accelerators are masked, then restored
-            masked = placeholders.mask_tf(text)
-            text = masked["text"]
-        ragged = keep(tokenizer.tokenize(text))
+        # Placeholders, edge whitespace and accelerators are masked, then restored.
+        masked = placeholders.mask_tf(_clean_text(text))
+        ragged = tokenizer.tokenize(masked["text"])[:, :limit]  # source truncated to the model
         lengths = ragged.row_lengths()
-        if architecture == "seq2seq":
-            ids = tf.pad(ragged.to_tensor(), [[0, 0], [0, 1]])  # (B, L+1): one padding column keeps L >= 1
-        else:
-            ids = ragged.to_tensor()  # right-padded prompts (B, L)
-            ids = tf.pad(ids, [[0, 0], [0, tf.maximum(0, 1 - tf.shape(ids)[1])]])
-            # An empty prompt gets a start token so the batch still decodes; its output is blanked below.
-            first = tf.equal(tf.range(tf.shape(ids)[1]), 0)[None, :]
-            ids = tf.where(tf.equal(lengths, 0)[:, None] & first, 2, ids)
+        ids = tf.pad(ragged.to_tensor(), [[0, 0], [0, 1]])  # (B, L+1): one padding column keeps L >= 1
         new_ids = decode(ids)
         text_out = tf.where(tf.equal(lengths, 0), "", tokenizer.detokenize(new_ids))
-        if architecture == "seq2seq":
-            text_out = placeholders.restore_tf(masked, text_out)
-        return {output_name: text_out}
+        return {sig.TRANSLATION: placeholders.restore_tf(masked, text_out)}
 
     def predict_ids(inputs):
         return {sig.LOGITS: model(inputs)}
 
     def generate(inputs):
-        return {sig.TOKEN_IDS: decode(inputs[next(iter(inputs))])}
+        return {sig.TOKEN_IDS: decode(inputs[names[0]])}
 
-    first = next(iter(ids_inputs))
     return {
         sig.SERVING_DEFAULT: (serve_text, [sig.text_spec()]),
         sig.PREDICT_IDS: (predict_ids, [ids_inputs]),
-        sig.GENERATE_IDS: (generate, [{first: sig.ids_spec(first)}]),
+        sig.GENERATE_IDS: (generate, [{names[0]: sig.ids_spec(names[0])}]),
     }, [tokenizer]
 
 
@@ -138,24 +229,33 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
     placeholders, edge whitespace and accelerator marks before the model and restores them after, in graph ops
     (`tfformer.data.placeholders.mask_tf`/`restore_tf`): the same strings as `translation.translate_texts`.
 
+    A causal LM also gets `generate_text`: `text` `(B,)` and `max_new_tokens` `(B,)` int32 (one count per text,
+    each in `[1, max_new_tokens]` of this export) -> `continuation`. Its decode loops are compiled for
+    `max_new_tokens` and for shorter lengths doubling from 16 (`decode_sizes`); a request runs the shortest that
+    holds its largest count and each row is cut to its own. A completion ends before the first end id: a
+    `BytePairTokenizer`'s `end_ids` (SmolLM2: `<|im_end|>`) and id 0 (padding to the model; SmolLM2's
+    `<|endoftext|>`), or END_ID for a `SubwordTokenizer`; ids 0 in a prompt are dropped. Prompts keep their last
+    `max_sequence_length - max_new_tokens` tokens. Over REST: `{"signature_name": "generate_text",
+    "instances": [{"text": "...", "max_new_tokens": 8}]}`, or the columnar `inputs` form with two lists.
+
     Args:
-        model: a tfformer model, or a run directory (`model.keras` + `tokenizer.model`).
+        model: a tfformer task, or a preset (run) directory.
         base_path: the model's base path (TF Serving's `--model_base_path`).
         version: int. Defaults to one more than the highest existing version.
             An existing version is never overwritten.
-        tokenizer: the `SubwordTokenizer` for text signatures (read from the run directory if omitted).
-        max_new_tokens: int. Generation length of the text signatures.
+        tokenizer: the `SubwordTokenizer` or `BytePairTokenizer` of the text signatures; defaults to the task's
+            `preprocessor`.
+        max_new_tokens: int. Generation length of `serving_default` and `generate_ids`, and the largest
+            `max_new_tokens` `generate_text` accepts. A causal LM needs it below `max_sequence_length`.
         beam_size: int. Beam search instead of greedy in the text signatures.
     """
     if isinstance(model, (str, os.PathLike)):
-        from tfformer.data.tokenizers import SubwordTokenizer
-
         run_dir = os.fspath(model)
         if not os.path.exists(os.path.join(run_dir, "model.keras")):
             raise ValueError(f"No model.keras in run directory {run_dir!r}.")
-        model = keras.models.load_model(os.path.join(run_dir, "model.keras"), safe_mode=True)
-        if tokenizer is None and os.path.exists(os.path.join(run_dir, "tokenizer.model")):
-            tokenizer = SubwordTokenizer.load(os.path.join(run_dir, "tokenizer.model"))
+        model = from_preset(run_dir)  # a preset directory: the task with its preprocessor
+    if tokenizer is None:
+        tokenizer = getattr(model, "preprocessor", None)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
     os.makedirs(base_path, exist_ok=True)
@@ -171,7 +271,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
 
     endpoints, resources = _endpoints(model, tokenizer, max_new_tokens, beam_size)
     archive = keras.export.ExportArchive()
-    archive.track(model)
+    # Not `track(model)`: the archive saves the variables the endpoints use; tracking the model as well saves every
+    # weight a second time (its Keras variables beside their TensorFlow variables), twice the size on disk.
     for resource in resources:
         archive.track(resource)
     for name, (fn, spec) in endpoints.items():

@@ -8,6 +8,7 @@ import tensorflow as tf
 SERVING_DEFAULT = "serving_default"  # raw strings in, strings (or embeddings) out
 PREDICT_IDS = "predict_ids"  # token ids in, float32 logits out
 GENERATE_IDS = "generate_ids"  # token ids in, generated ids out
+GENERATE_TEXT = "generate_text"  # causal LM: strings and a max_new_tokens per string in, completions out
 
 TEXT = "text"
 TRANSLATION = "translation"
@@ -15,6 +16,7 @@ CONTINUATION = "continuation"
 EMBEDDING = "embedding"
 LOGITS = "logits"
 TOKEN_IDS = "token_ids"
+MAX_NEW_TOKENS = "max_new_tokens"
 
 
 def ids_spec(name, batch=None, length=None):
@@ -23,3 +25,9 @@ def ids_spec(name, batch=None, length=None):
 
 def text_spec(name=TEXT):
     return tf.TensorSpec([None], tf.string, name=name)
+
+
+def count_spec(name=MAX_NEW_TOKENS):
+    """One int32 count per row `(B,)`: TF Serving's row format (`instances`) stacks every input along the batch, so a
+    per-row input serves in both REST formats and over gRPC, where a scalar would not fit `instances`."""
+    return tf.TensorSpec([None], tf.int32, name=name)

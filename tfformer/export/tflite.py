@@ -6,7 +6,7 @@ is deprecated). Only builtin ops are used for the id models: Flex
 holds fixed-shape signatures (batch 1, cache of `max_length` slots) so the host
 app owns the loop, as the TFLite GPU delegate has no WHILE op:
 
-- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,N,S,H), index ()) -> {logits, cache}`
+- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads)
 - seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
   `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}`
 
@@ -86,8 +86,8 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
             raise ValueError(f"`{name}` must be a positive integer or None. Received: {name}={value!r}")
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
-        archive.track(model)
-
+        # Not `track(model)`: that would also save a task's `preprocessor` (hash tables, not TFLite ops); the
+        # endpoints track the variables they use.
         # A SentenceEncoder's output is `embedding`, as in its SavedModel's `predict_ids`.
         output_name = sig.EMBEDDING if isinstance(model, SentenceEncoder) else sig.LOGITS
 
@@ -101,9 +101,37 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
 
 
 def tflite_decoder(model, path, max_length=None, source_length=None, quantize=None, tokenizer=None):
-    """Write the single-step decoder (see the module docstring) for `model` to `path`."""
+    """Write the single-step decoder (see the module docstring) for `model` to `path`.
+
+    Llama-style causal LMs (SmolLM2: RMSNorm, rotary positions at the cache index, grouped-query caches
+    `(L, 1, 2, K, max_length, H)` with `K` key/value heads, SwiGLU) convert with builtin ops like the others.
+
+    Args:
+        model: a tfformer `CausalLM` or `Seq2SeqTransformer`.
+        path: output file.
+        max_length: int. Cache positions (prompt + new tokens), at most `max_sequence_length` (the default).
+            Every step reads and writes the whole cache, so keep it to what the app needs.
+        source_length: int. Seq2seq: source positions of `encode` (default `max_sequence_length`).
+        quantize: `None` (float32), `"dynamic"` (int8 weights, `Optimize.DEFAULT`) or `"float16"`.
+        tokenizer: a `SubwordTokenizer`, whose TF-Text TFLite ops go into the file (`tokenize`/`detokenize`
+            signatures). A `BytePairTokenizer`'s ops are not TFLite ops: keep it on the host
+            (`tfformer.edge.Generator(path, tokenizer=...)`).
+    """
     config = model.config
-    max_length = max_length or config.max_sequence_length
+    limit = config.max_sequence_length
+    for name, value in (("max_length", max_length), ("source_length", source_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
+            raise ValueError(f"`{name}` must be an integer in [1, max_sequence_length={limit}] or None. "
+                             f"Received: {name}={value!r}")
+    if quantize == "int8":
+        raise ValueError("`quantize` must be None, 'dynamic' or 'float16' for a decoder file (full int8 needs "
+                         "calibration data for the cache). Received: quantize='int8'")
+    if tokenizer is not None and not (hasattr(tokenizer, "tokenize_for_tflite")
+                                      and hasattr(tokenizer, "detokenize_for_tflite")):
+        raise ValueError(f"`tokenizer` ({type(tokenizer).__name__}) has no TFLite ops (`tokenize_for_tflite`); keep "
+                         "it on the host with `tfformer.edge.Generator(path, tokenizer=tokenizer)` and pass "
+                         "tokenizer=None here.")
+    max_length = max_length or limit
     cache_spec = tf.TensorSpec(
         [config.num_decoder_layers, 1, 2, config.key_value_heads, max_length, config.head_dim], tf.float32, name="cache"
     )
@@ -152,7 +180,8 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         endpoints["detokenize"] = (detokenize, [tf.TensorSpec([1, None], tf.int32, name=sig.TOKEN_IDS)])
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
-        archive.track(model)
+        # Not `track(model)`: that would also save a task's `preprocessor` (hash tables, not TFLite ops); the
+        # endpoints track the variables they use.
         if tokenizer is not None:
             archive.track(tokenizer)
         for name, (fn, spec) in endpoints.items():
