@@ -112,3 +112,18 @@ def run_in_fresh_interpreter(code, timeout=300):
                          timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+FRESH_PROCESS = os.path.join(ROOT, "tests", "export", "fresh_process.py")
+
+
+def saved_model_in_fresh_process(path, request, tmp_path):
+    """The outputs `{"signature/key": array}` of SavedModel `path` for `request` (`fresh_process.py`'s JSON), run
+    in a new interpreter that has only tensorflow and tensorflow_text, as TF Serving loads it."""
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    out = tmp_path / "out.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, FRESH_PROCESS, path, str(tmp_path / "request.json"), str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(np.load(out, allow_pickle=True))

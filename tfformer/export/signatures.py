@@ -17,6 +17,11 @@ EMBEDDING = "embedding"
 LOGITS = "logits"
 TOKEN_IDS = "token_ids"
 MAX_NEW_TOKENS = "max_new_tokens"
+# Speech (Whisper): 16 kHz waveforms and their lengths in, or log-mel features; `text` out.
+WAVEFORM = "waveform"
+LENGTHS = "lengths"
+INPUT_FEATURES = "input_features"
+DECODER_TOKEN_IDS = "decoder_token_ids"
 
 
 def ids_spec(name, batch=None, length=None):
@@ -31,3 +36,13 @@ def count_spec(name=MAX_NEW_TOKENS):
     """One int32 count per row `(B,)`: TF Serving's row format (`instances`) stacks every input along the batch, so a
     per-row input serves in both REST formats and over gRPC, where a scalar would not fit `instances`."""
     return tf.TensorSpec([None], tf.int32, name=name)
+
+
+def waveform_spec(name=WAVEFORM):
+    """Float32 16 kHz samples `(B, N)`, each row right-padded to the batch's longest."""
+    return tf.TensorSpec([None, None], tf.float32, name=name)
+
+
+def features_spec(num_frames, num_mel_bins, batch=None, name=INPUT_FEATURES):
+    """Log-mel features `(B, frames, mel bins)` float32, channels last."""
+    return tf.TensorSpec([batch, num_frames, num_mel_bins], tf.float32, name=name)

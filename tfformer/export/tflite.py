@@ -9,6 +9,13 @@ app owns the loop, as the TFLite GPU delegate has no WHILE op:
 - causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads)
 - seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
   `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}`
+- Whisper (speech_seq2seq): `encode(input_features (1,3000,80)) -> {cross_cache (L,1,2,K,1500,H), prompt_ids
+  (1,P), end_id (), suppress_ids, suppress_ids_begin}` (the decoding options as constants; the id lists end with
+  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_cache) -> {logits, cache}`. The
+  encoder takes log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in
+  numpy), so the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400).
+  The logits are raw: the host adds Whisper's suppression (`suppress_ids` every step, `suppress_ids_begin` at
+  the first) before its argmax.
 
 With `tokenizer=`, the same file also gets `tokenize` (text -> ids) and
 `detokenize` (ids -> text) signatures built only from ops of the TF-Text TFLite
@@ -25,6 +32,7 @@ import tensorflow as tf
 
 from tfformer.export import signatures as sig
 from tfformer.models.sentence_encoder import SentenceEncoder
+from tfformer.models.whisper import WhisperModel
 
 QUANTIZE = (None, "dynamic", "float16", "int8")
 
@@ -100,6 +108,35 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
         return _write(_converter(tmp, [sig.PREDICT_IDS], quantize, representative_data), path)
 
 
+def _speech_endpoints(model, token_spec, cache_spec, index_spec):
+    """Whisper's `encode` (log-mel features -> cross caches and the decoding options) and `decode_step`."""
+    config = model.config
+    num_frames = 2 * config.max_source_positions  # one 30-second window: 3000 frames
+    features_spec = sig.features_spec(num_frames, config.num_mel_bins, batch=1)
+    cross_spec = tf.TensorSpec(
+        [config.num_decoder_layers, 1, 2, config.key_value_heads, config.max_source_positions, config.head_dim],
+        tf.float32, name="cross_cache",
+    )
+    # The decoding options travel in the file; the -1 sentinel (never an id) keeps each list non-empty.
+    options = {
+        "prompt_ids": tf.constant([list(model.prompt)], tf.int32),  # (1, P)
+        "end_id": tf.constant(model.end_id, tf.int32),
+        "suppress_ids": tf.constant(list(model.suppress_ids) + [-1], tf.int32),
+        "suppress_ids_begin": tf.constant(list(model.suppress_ids_begin) + [-1], tf.int32),
+    }
+
+    def encode(input_features):
+        outputs, _ = model.encode(input_features)  # (1, 1500, D); Whisper has no encoder padding mask
+        return {"cross_cache": model.cross_attention_caches(outputs), **options}
+
+    def decode_step(token_ids, cache, index, cross_cache):
+        logits, cache = model.decode_step(token_ids, cache, index, cross_cache, None)
+        return {sig.LOGITS: logits, "cache": cache}
+
+    return {"encode": (encode, [features_spec]),
+            "decode_step": (decode_step, [token_spec, cache_spec, index_spec, cross_spec])}
+
+
 def tflite_decoder(model, path, max_length=None, source_length=None, quantize=None, tokenizer=None):
     """Write the single-step decoder (see the module docstring) for `model` to `path`.
 
@@ -107,17 +144,22 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
     `(L, 1, 2, K, max_length, H)` with `K` key/value heads, SwiGLU) convert with builtin ops like the others.
 
     Args:
-        model: a tfformer `CausalLM` or `Seq2SeqTransformer`.
+        model: a tfformer `CausalLM`, `Seq2SeqTransformer` or `WhisperModel` (run it with
+            `tfformer.edge.Transcriber`).
         path: output file.
         max_length: int. Cache positions (prompt + new tokens), at most `max_sequence_length` (the default).
             Every step reads and writes the whole cache, so keep it to what the app needs.
-        source_length: int. Seq2seq: source positions of `encode` (default `max_sequence_length`).
+        source_length: int. Seq2seq: source positions of `encode` (default `max_sequence_length`). Not for
+            Whisper, whose encoder always takes one 30-second window.
         quantize: `None` (float32), `"dynamic"` (int8 weights, `Optimize.DEFAULT`) or `"float16"`.
         tokenizer: a `SubwordTokenizer`, whose TF-Text TFLite ops go into the file (`tokenize`/`detokenize`
             signatures). A `BytePairTokenizer`'s ops are not TFLite ops: keep it on the host
             (`tfformer.edge.Generator(path, tokenizer=...)`).
     """
-    config = model.config
+    config = getattr(model, "config", None)
+    if not isinstance(model, keras.Model) or config is None:
+        raise ValueError(f"`model` must be a tfformer CausalLM, Seq2SeqTransformer or WhisperModel. Received: "
+                         f"model={type(model).__name__}")
     limit = config.max_sequence_length
     for name, value in (("max_length", max_length), ("source_length", source_length)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
@@ -145,6 +187,15 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
             return {sig.LOGITS: logits, "cache": cache}
 
         endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec])
+    elif config.architecture == "speech_seq2seq":
+        if not isinstance(model, WhisperModel):
+            raise ValueError(f"A speech_seq2seq decoder file needs a `tfformer.models.WhisperModel` (its prompt, "
+                             f"suppression and end id). Received: model={type(model).__name__}")
+        if source_length is not None or tokenizer is not None:
+            raise ValueError("A Whisper decoder file takes 30-second windows of log-mel frames and keeps its "
+                             "byte-level BPE on the host: pass neither `source_length` nor `tokenizer`. Received: "
+                             f"source_length={source_length!r}, tokenizer={type(tokenizer).__name__}")
+        endpoints.update(_speech_endpoints(model, token_spec, cache_spec, index_spec))
     elif config.architecture == "seq2seq":
         source_length = source_length or config.max_sequence_length
         src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
@@ -165,7 +216,8 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         endpoints["encode"] = (encode, [src_spec])
         endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])
     else:
-        raise ValueError(f"A decoder file needs a seq2seq or causal_lm model. Received architecture={config.architecture!r}")
+        raise ValueError(f"A decoder file needs a seq2seq, speech_seq2seq or causal_lm model. Received "
+                         f"architecture={config.architecture!r}")
     if tokenizer is not None:
         text_length = source_length or max_length
 

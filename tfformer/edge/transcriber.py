@@ -1,0 +1,193 @@
+"""Speech to text on device: the host loop around a Whisper .tflite file written by `tfformer.export.tflite_decoder`.
+
+The file holds the encoder (log-mel features in) and a KV-cached `decode_step`; the host computes the log-mel
+features in numpy, adds Whisper's token suppression to each step's logits, picks the greedy token, and
+detokenizes with the byte-level BPE (`tfformer.data.BytePairTokenizer`, whose ops are not TFLite ops).
+"""
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # the encoder's window
+
+
+def log_mel_features(waveform, num_frames=3000, num_mel_bins=80):
+    """Whisper's log-mel features `(num_frames, num_mel_bins)` float32 of one 16 kHz window, in numpy.
+
+    The same computation as `tfformer.data.audio.log_mel_spectrogram` (faster-whisper's feature extractor):
+    `HOP_LENGTH` zeros appended, reflect padding, periodic Hann STFT (n_fft 400, hop 160), power, Slaney mel
+    filters, `log10(max(x, 1e-10))`, clamp to (maximum - 8), `(x + 4) / 4`, zero frames after the audio.
+    Samples past `num_frames * HOP_LENGTH` are ignored.
+
+    Args:
+        waveform: float array `(samples,)`, at least one sample, in [-1, 1] at 16 kHz.
+    """
+    from tfformer.data.audio import mel_filters  # numpy only
+
+    waveform = np.asarray(waveform, np.float32)[: num_frames * HOP_LENGTH]
+    if waveform.ndim != 1 or waveform.size == 0:
+        raise ValueError(f"`waveform` must be a non-empty 1-D array of samples. Received: shape={waveform.shape}")
+    length = waveform.size
+    signal = np.pad(np.concatenate([waveform, np.zeros(HOP_LENGTH, np.float32)]), N_FFT // 2, mode="reflect")
+    count = length // HOP_LENGTH + 1  # the extractor's frames minus its last, which transcribe() drops
+    index = np.arange(count)[:, None] * HOP_LENGTH + np.arange(N_FFT)[None, :]  # (count, N_FFT)
+    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)  # periodic Hann
+    spectrum = np.fft.rfft(signal[index] * window, axis=-1)  # (count, N_FFT // 2 + 1)
+    power = (spectrum.real ** 2 + spectrum.imag ** 2).astype(np.float32)
+    mel = power @ mel_filters(num_mel_bins=num_mel_bins).T  # (count, num_mel_bins)
+    log_mel = np.log10(np.maximum(mel, 1e-10))
+    log_mel = (np.maximum(log_mel, log_mel.max() - 8.0) + 4.0) / 4.0
+    features = np.zeros((num_frames, num_mel_bins), np.float32)
+    valid = min(length // HOP_LENGTH, num_frames)  # frames that carry audio
+    features[:valid] = log_mel[:valid]
+    return features
+
+
+class Transcriber:
+    """Transcribes speech with a Whisper decoder file (`tfformer.export.tflite_decoder(whisper_model, path)`).
+
+    Runs the file's `encode` signature once per 30-second window and its `decode_step` once per token (the
+    prompt is fed one id per call: fixed shapes), with greedy choice after Whisper's suppression. The prompt,
+    end id and suppressed ids are read from the file.
+
+    Args:
+        path: the .tflite file (float32 or `quantize="dynamic"`).
+        tokenizer: the Whisper `tfformer.data.BytePairTokenizer` (e.g. `models.from_preset("whisper-tiny-en")
+            .preprocessor`), for text; without it only `transcribe_ids` works.
+        num_threads: interpreter threads.
+
+    Example:
+    ```python
+    asr = tfformer.models.from_preset("whisper-tiny-en")
+    tfformer.export.tflite_decoder(asr, "whisper.tflite", quantize="dynamic")
+    edge = tfformer.edge.Transcriber("whisper.tflite", tokenizer=asr.preprocessor)
+    edge.transcribe("clip.wav")                      # "The quick brown fox ..."
+    ```
+    """
+
+    def __init__(self, path, tokenizer=None, num_threads=2):
+        from ai_edge_litert.interpreter import Interpreter
+
+        if tokenizer is not None and not callable(getattr(tokenizer, "detokenize", None)):
+            raise ValueError("`tokenizer` must have `detokenize(ids)` (the Whisper BytePairTokenizer). "
+                             f"Received: tokenizer={tokenizer!r}")
+        self.tokenizer = tokenizer
+        self.interpreter = Interpreter(model_path=path, num_threads=num_threads)
+        signatures = self.interpreter.get_signature_list()
+        encode_inputs = signatures.get("encode", {}).get("inputs", [])
+        if "decode_step" not in signatures or "input_features" not in encode_inputs:
+            raise ValueError(f"`path` must be a Whisper decoder file (an `encode` signature on `input_features` and a "
+                             f"`decode_step`), written by tfformer.export.tflite_decoder(whisper_model, path). "
+                             f"Received: path={path!r} with signatures {signatures}")
+        self._encode = self.interpreter.get_signature_runner("encode")
+        self._step = self.interpreter.get_signature_runner("decode_step")
+        features = self._encode.get_input_details()["input_features"]
+        self.input_shape = tuple(int(d) for d in features["shape"])  # (1, F, M)
+        self.cache_shape = tuple(int(d) for d in self._step.get_input_details()["cache"]["shape"])
+        self.max_length = self.cache_shape[4]
+        vocabulary_size = int(self._step.get_output_details()["logits"]["shape"][-1])
+        # The options are constant outputs of `encode`: one run on silence reads them.
+        options = self._encode(input_features=np.zeros(self.input_shape, np.float32))
+        self.prompt = [int(i) for i in options["prompt_ids"].reshape(-1)]
+        self.end_id = int(options["end_id"])
+        self.suppress_ids = [int(i) for i in options["suppress_ids"] if i >= 0]  # -1 pads the list in the file
+        self.suppress_ids_begin = [int(i) for i in options["suppress_ids_begin"] if i >= 0]
+        self._every_step = np.zeros(vocabulary_size, np.float32)
+        self._every_step[self.suppress_ids] = -np.inf
+        self._first_step = self._every_step.copy()
+        self._first_step[self.suppress_ids_begin] = -np.inf
+
+    def features(self, waveform):
+        """Log-mel features `(1, 3000, 80)` of one 16 kHz window (`log_mel_features`)."""
+        return log_mel_features(waveform, self.input_shape[1], self.input_shape[2])[None]
+
+    def transcribe_ids(self, input_features, max_new_tokens=None):
+        """Greedy ids after the prompt for one window of log-mel features `(1, 3000, 80)` (or `(3000, 80)`),
+        ending with `end_id` unless `max_new_tokens` (default: what fits the cache after the prompt) ran out."""
+        features = np.asarray(input_features, np.float32)
+        if features.shape == self.input_shape[1:]:
+            features = features[None]  # (1, F, M)
+        if features.shape != self.input_shape:
+            raise ValueError(f"`input_features` must have shape {self.input_shape} (one window). Received: "
+                             f"shape={np.shape(input_features)}")
+        room = self.max_length - len(self.prompt)
+        if max_new_tokens is None:
+            max_new_tokens = room
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or not (
+                0 < max_new_tokens <= room):
+            raise ValueError(f"`max_new_tokens` must be an integer in [1, {room}] (the file's cache of "
+                             f"{self.max_length} positions after the prompt). "
+                             f"Received: max_new_tokens={max_new_tokens!r}")
+        cross_cache = self._encode(input_features=features)["cross_cache"]
+        cache = np.zeros(self.cache_shape, np.float32)
+
+        def step(token, index, cache):
+            out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32),
+                             cross_cache=cross_cache)
+            return out["logits"][0, -1], out["cache"]
+
+        for index, token in enumerate(self.prompt):  # prefill, one id per call
+            logits, cache = step(token, index, cache)
+        new = []
+        bias = self._first_step
+        while True:
+            token = int(np.argmax(logits + bias))
+            new.append(token)
+            if token == self.end_id or len(new) == max_new_tokens:
+                return new
+            logits, cache = step(token, len(self.prompt) + len(new) - 1, cache)
+            bias = self._every_step
+
+    def ids_to_text(self, ids):
+        """The text of generated ids: those before the first `end_id`, without special tokens (ids at or above
+        `end_id`), stripped (as `WhisperModel.ids_to_text`)."""
+        if self.tokenizer is None:
+            raise ValueError("Text needs the host tokenizer: pass `tokenizer=` (the Whisper BytePairTokenizer) to "
+                             "Transcriber.")
+        ids = list(ids)
+        ids = ids[: ids.index(self.end_id)] if self.end_id in ids else ids
+        ids = [i for i in ids if i < self.end_id]
+        if not ids:
+            return ""
+        value = self.tokenizer.detokenize(np.array(ids, np.int32))
+        value = value.numpy() if hasattr(value, "numpy") else value
+        value = value if isinstance(value, (str, bytes)) else np.asarray(value).reshape(-1)[0]
+        return (value.decode("utf-8") if isinstance(value, bytes) else str(value)).strip()
+
+    def transcribe(self, audio, sample_rate=None, max_new_tokens=None):
+        """The transcript of a WAV file or a waveform, as `WhisperModel.transcribe` gives it (greedy).
+
+        Audio longer than 30 seconds is cut at pauses (`tfformer.data.audio.split_windows`) and the window
+        texts joined with a space.
+
+        Args:
+            audio: a path to a WAV file (mixed down to mono, resampled), or a waveform array `(samples,)` of
+                float samples in [-1, 1] or integer PCM.
+            sample_rate: int. The waveform's rate in Hz (required for an array, resampled to 16 kHz).
+            max_new_tokens: int or None. Tokens per window.
+        """
+        import os
+
+        from tfformer.data import audio as audio_io
+
+        if isinstance(audio, (str, os.PathLike)):
+            if sample_rate is not None:
+                raise ValueError(f"`sample_rate` applies to waveform arrays; a WAV file carries its own rate. "
+                                 f"Received: sample_rate={sample_rate!r}")
+            path = os.fspath(audio)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"`audio` is not a file. Received: {path!r}")
+            waveform = audio_io.read_wav(path)
+        elif isinstance(audio, np.ndarray):
+            if sample_rate is None:
+                raise ValueError("`sample_rate` is required with a waveform array: pass the rate in Hz "
+                                 "(e.g. sample_rate=16000).")
+            waveform = audio_io.prepare_waveform(audio, sample_rate, name="`audio`")
+        else:
+            raise ValueError(f"`audio` must be a path to a WAV file or a waveform array. Received: "
+                             f"{type(audio).__name__}")
+        texts = [self.ids_to_text(self.transcribe_ids(self.features(waveform[start:end]), max_new_tokens))
+                 for start, end in audio_io.split_windows(waveform)]
+        return " ".join(text for text in texts if text)
