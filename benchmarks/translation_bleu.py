@@ -41,7 +41,7 @@ import keras_hub
 import tensorflow as tf
 
 from benchmarks import common
-from tfformer import data, training
+from tfformer import data, generation, training
 from tfformer.recipes import translation
 
 FULL = dict(minutes=15, vocabulary_size=8192, max_length=64, batch_size=64, warmup_steps=1000, eval_every=200,
@@ -96,7 +96,7 @@ def keras_hub_translate(model, tokenizer, sources, max_length, batch_size=64):
             return logits, None, cache
 
         ids = sampler(next_fn, prompt=prompt, stop_token_ids=[data.END_ID], index=1)
-        results += translation.generation.strip_after_end(ids[:, 1:])
+        results += generation.strip_after_end(ids[:, 1:])
     texts = tokenizer.detokenize(tf.ragged.constant(results, dtype=tf.int32, ragged_rank=1)).numpy()
     return [t.decode("utf-8") for t in texts]
 
