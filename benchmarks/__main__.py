@@ -5,9 +5,10 @@ GPT2CausalLM and transformers' GPT-2), encoder (MiniLM vs keras-hub BertBackbone
 tflite (batch-1 latency vs SavedModel),
 translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes) and lm_perplexity
 (test perplexity after the same time budget vs keras-hub's GPT2CausalLM; ~45 minutes); the last two are never in
-the default set. Each runs in its own process and prints JSON lines and a markdown table. `--smoke` runs
-one repeat on tiny shapes (CI runs it so the runner cannot rot); numbers from it mean nothing. Ratios are
-given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
+the default set, nor are llm (SmolLM2-135M-Instruct decode and prefill vs transformers on the same GGUF; ~10
+minutes) and asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~5 minutes). Each runs in its
+own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI runs it so
+the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
 if it has torch and transformers (sentence-transformers for the encoder), else of /tmp/torchvenv/bin/python;
 without one they are skipped, and the output says so.
@@ -32,9 +33,11 @@ WORKLOADS = {
     "tflite": "benchmarks.tflite_latency",
     "translation_bleu": "benchmarks.translation_bleu",
     "lm_perplexity": "benchmarks.lm_perplexity",
+    "llm": "benchmarks.llm",
+    "asr": "benchmarks.asr",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
-WITH_PYTORCH = {"training", "generation", "encoder"}
+WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 # The ISA extensions that decide which kernels oneDNN and XLA use, and so what a ratio means on another host.
@@ -124,7 +127,7 @@ def main(argv=None):
     run = commands.add_parser("run")
     run.add_argument("workloads", nargs="*", choices=[*WORKLOADS, []], metavar="WORKLOAD", help=", ".join(WORKLOADS))
     run.add_argument("--smoke", action="store_true")
-    run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder)")
+    run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder, llm)")
     run.add_argument("--results-dir", help=f"where the run's JSON lines go (default: {RESULTS_DIR}; smoke runs: "
                                            "nowhere unless given)")
     run.add_argument("--no-results", action="store_true", help="write no results file")

