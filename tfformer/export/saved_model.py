@@ -22,6 +22,7 @@ from tfformer.generation.speech import speech_decode_fn
 from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 from tfformer.models.presets import from_preset
 from tfformer.models.sentence_encoder import SentenceEncoder
+from tfformer.models.task import Task
 from tfformer.models.whisper import WhisperModel
 
 _TMP = re.compile(r"^\.tmp-(\d+)-(\d+)$")
@@ -331,8 +332,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
         if not os.path.exists(os.path.join(run_dir, "model.keras")):
             raise ValueError(f"No model.keras in run directory {run_dir!r}.")
         model = from_preset(run_dir)  # a preset directory: the task with its preprocessor
-    if not isinstance(model, keras.Model) or not hasattr(model, "config"):
-        raise ValueError(f"`model` must be a tfformer task (a keras.Model with a `config`) or a preset directory. "
+    if not isinstance(model, Task):
+        raise ValueError(f"`model` must be a tfformer task (`tfformer.models`) or a preset directory. "
                          f"Received: model={type(model).__name__}")
     if tokenizer is None:
         tokenizer = getattr(model, "preprocessor", None)
