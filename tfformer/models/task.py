@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.data import assets
+from tfformer.data.tokenizers import END_ID
 from tfformer.version import __version__
 
 PRESET_FILE, CONFIG_FILE, MODEL_FILE = "preset.json", "config.json", "model.keras"
@@ -77,11 +78,7 @@ class Task:
     def end_ids(self):
         """The ids that end a generated text: the preprocessor's `end_ids`, else the tokenizers' end id."""
         ids = getattr(self.preprocessor, "end_ids", None)
-        if ids:
-            return [int(i) for i in ids]
-        from tfformer.data.tokenizers import END_ID  # noqa: PLC0415 (one id, imported where it is read)
-
-        return [END_ID]
+        return [int(i) for i in ids] if ids else [END_ID]
 
     def require_preprocessor(self, method):
         if self.preprocessor is None:
