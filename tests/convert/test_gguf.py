@@ -226,3 +226,21 @@ def test_smollm2_first_block_by_hand(smollm2):
     raw = np.asarray(smollm2.raw("blk.0.attn_q.weight")).reshape(-1)[:20]
     d16, m16 = raw[0:2].view(np.float16)[0], raw[2:4].view(np.float16)[0]
     np.testing.assert_array_equal(smollm2.tensor("blk.0.attn_q.weight")[0, :32], _c_dequantize_q4_1(d16, m16, raw[4:]))
+
+
+@needs_wheel
+@pytest.mark.parametrize("name, start, stop", [("token_embd.weight", 4096, 8192), ("token_embd.weight", 49000, None),
+                                               ("blk.2.ffn_up.weight", 0, 7), ("blk.2.ffn_down.weight", 575, 576)])
+def test_smollm2_row_slices_equal_the_whole_tensor(smollm2, name, start, stop):
+    """`tensor(name, start, stop)` reads only those rows' blocks: what a loader assigns a slice at a time."""
+    whole = smollm2.tensor(name)
+    part = smollm2.tensor(name, start, stop)
+    assert part.shape == whole[start:stop].shape and part.shape[0] > 0
+    np.testing.assert_array_equal(part, whole[start:stop])
+
+
+@needs_wheel
+def test_smollm2_row_slices_need_whole_rows(smollm2):
+    with pytest.raises(ValueError, match="`start`/`stop` select rows of a 2-D"):
+        smollm2.tensor("output_norm.weight", 0, 16)
+    np.testing.assert_array_equal(smollm2.tensor("output_norm.weight", 0, None), smollm2.tensor("output_norm.weight"))

