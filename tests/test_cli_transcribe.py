@@ -1,5 +1,7 @@
 """`tfformer transcribe`: one `path<TAB>text` line per WAV file, the fixture manifest's (CTranslate2's) texts; a
-missing or bad file exits 2 with a one-line error before the model loads."""
+missing or bad file exits 2 with a one-line error before the model loads. `tfformer export whisper-tiny-en`:
+the SavedModel that `tfformer serve` serves and the TFLite file that `tfformer.edge.Transcriber` runs, each
+transcribing a fixture clip as CTranslate2 (and `WhisperModel.transcribe`) does."""
 
 import importlib.util
 import json
@@ -37,6 +39,19 @@ def test_transcribe_prints_one_line_per_file():
     assert result.stdout.splitlines() == [f"{path}\t{clip['transcript']}" for path, clip in zip(paths, chosen)]
 
 
+@needs_wheel
+def test_transcribe_with_beam_search(capsys):
+    """--beam-size 5: faster-whisper's default beam search, CTranslate2's beam transcript (clip 1, where it
+    differs from greedy decoding's); a beam size below 1 exits 2."""
+    clip = json.loads((SPEECH / "manifest.json").read_text())["clips"][1]
+    assert clip["beam_transcript"] != clip["transcript"]
+    path = str(SPEECH / clip["file"])
+    assert cli.main(["transcribe", path, "--beam-size", "5"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{path}\t{clip['beam_transcript']}"]
+    assert cli.main(["transcribe", path, "--beam-size", "0"]) == 2
+    assert "`beam_size` must be a positive integer. Received: beam_size=0" in capsys.readouterr().err
+
+
 def test_missing_and_bad_files_exit_2(tmp_path, capsys):
     text = tmp_path / "notes.wav"
     text.write_text("not audio at all")
@@ -57,3 +72,46 @@ def test_missing_and_bad_files_exit_2(tmp_path, capsys):
 def test_a_preset_that_is_not_speech_to_text_exits_2(capsys):
     assert cli.main(["transcribe", str(SPEECH / "clip_00.wav"), "--preset", "transformer-tiny"]) == 2
     assert "`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'" in capsys.readouterr().err
+
+
+@needs_wheel
+def test_export_whisper_writes_what_serve_and_the_transcriber_run(tmp_path, capsys):
+    """The export tests check the files' numbers; this checks that the command writes them: one clip through
+    the served SavedModel (REST) and through the TFLite file, the manifest's (CTranslate2's) text and ids."""
+    from tests.serving.conftest import http_request
+    from tfformer import edge, serving
+    from tfformer.data import audio
+
+    clip = json.loads((SPEECH / "manifest.json").read_text())["clips"][4]
+    waveform = audio.read_wav(str(SPEECH / clip["file"]))
+    out = tmp_path / "asr"
+    assert cli.main(["export", "whisper-tiny-en", "--format", "all", "--out", str(out), "--max-length", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert f"SavedModel: {out / '1'}" in printed and f"TFLite: {out / 'model.tflite'}" in printed, printed
+
+    with serving.Server(model_name="asr", model_base_path=str(out), file_system_poll_wait_seconds=0) as server:
+        request = {"instances": [{"waveform": waveform.tolist(), "lengths": len(waveform)}]}
+        status, _, body = http_request(server.rest_url, "POST", "/v1/models/asr:predict",
+                                       json.dumps(request).encode())
+    assert status == 200, body[:500]
+    assert json.loads(body)["predictions"] == [clip["transcript"]]
+
+    transcriber = edge.Transcriber(str(out / "model.tflite"))
+    assert transcriber.max_length == 64  # --max-length reached the file
+    ids = transcriber.transcribe_ids(transcriber.features(waveform))
+    assert ids == clip["token_ids"] + [transcriber.end_id]
+
+
+def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):
+    """--sequence-length and --batch-size shape text models' token ids; a Whisper export says so (exit 2)."""
+    from tfformer import models
+
+    class Whisper:  # a stand-in: the options are refused before the model is used
+        pass
+
+    monkeypatch.setattr(models, "WhisperModel", Whisper)
+    monkeypatch.setattr(models, "from_preset", lambda name: Whisper())
+    for option in ("--sequence-length", "--batch-size"):
+        assert cli.main(["export", "whisper-tiny-en", "--format", "tflite", "--out", "unused", option, "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} fixes model.tflite's token ids; a Whisper TFLite file takes one 30-second window" in err

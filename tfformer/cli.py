@@ -117,10 +117,35 @@ def _chat(args):
         messages.append({"role": "assistant", "content": reply})
 
 
+def _export_speech(args, model):
+    """A Whisper task: the SavedModel (waveform in, text out) and one TFLite file for `tfformer.edge.Transcriber`."""
+    from tfformer import export
+
+    for name in ("sequence_length", "batch_size"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} fixes model.tflite's token ids; a Whisper TFLite file "
+                             "takes one 30-second window of log-mel frames (batch 1): leave it out.")
+    if args.format in ("saved_model", "all"):
+        path = export.saved_model(model, args.out, version=args.version, max_new_tokens=args.max_new_tokens,
+                                  beam_size=args.beam_size)
+        print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; `tfformer serve --model_name NAME "
+              f"--model_base_path {args.out}`)")
+    if args.format in ("tflite", "all"):
+        os.makedirs(args.out, exist_ok=True)
+        path = export.tflite_decoder(model, os.path.join(args.out, "model.tflite"), max_length=args.max_length,
+                                     quantize=args.quantize)
+        print(f"TFLite: {path} (encoder + single-step decoder: tfformer.edge.Transcriber(path, tokenizer="
+              f"tfformer.models.from_preset({args.run!r}).preprocessor))")
+    return 0
+
+
 def _export(args):
     from tfformer import export, models
 
-    model = models.from_preset(args.run)  # a run directory or a pretrained preset, e.g. all-minilm-l6-v2
+    # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
+    model = models.from_preset(args.run)
+    if isinstance(model, models.WhisperModel):  # speech in, text out
+        return _export_speech(args, model)
     tokenizer = model.preprocessor
     if isinstance(model, models.SentenceEncoder):  # text -> embedding; no decoder
         if args.format in ("saved_model", "all"):
@@ -261,7 +286,7 @@ def _transcribe(args):
         raise ValueError(f"`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'. Received: "
                          f"{args.preset!r}")
     texts = asr.transcribe(waveforms, sample_rate=audio.SAMPLE_RATE, max_new_tokens=args.max_new_tokens,
-                           batch_size=args.batch_size)
+                           batch_size=args.batch_size, beam_size=args.beam_size)
     for path, text in zip(args.files, texts):
         print(f"{path}\t{' '.join(text.split())}")  # one line per file, whatever whitespace the text holds
     return 0
@@ -322,16 +347,19 @@ def main(argv=None):
 
     exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
                                    "SavedModel and/or TFLite")
-    exporter.add_argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2)")
+    exporter.add_argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2, "
+                          "whisper-tiny-en)")
     exporter.add_argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model")
     exporter.add_argument("--out", required=True, help="the model's base path, e.g. export/models/en-de")
     exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
-    exporter.add_argument("--max-new-tokens", type=int, default=64)
+    exporter.add_argument("--max-new-tokens", type=int, help="the SavedModel's generation length (default: 64; "
+                          "for Whisper every position after the prompt, 446)")
     exporter.add_argument("--beam-size", type=int)
     exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
     exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
-    exporter.add_argument("--max-length", type=int, help="decoder.tflite's cache positions, prompt + new tokens "
-                          "(default: the model's max_sequence_length; e.g. 512 for a small LLM on a device)")
+    exporter.add_argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
+                          "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "
+                          "small LLM on a device)")
     exporter.add_argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                           "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)")
     exporter.set_defaults(fn=_export)
@@ -388,6 +416,8 @@ def main(argv=None):
                             "directory (default: %(default)s)")
     transcribe.add_argument("--max-new-tokens", type=int, help="tokens per 30-second window (default: all that fit)")
     transcribe.add_argument("--batch-size", type=int, default=8, help="30-second windows per model call")
+    transcribe.add_argument("--beam-size", type=int, default=1, help="beam search over N hypotheses, as "
+                            "faster-whisper's (its default is 5); 1 is greedy (default: %(default)s)")
     transcribe.set_defaults(fn=_transcribe)
 
     args = parser.parse_args(argv)

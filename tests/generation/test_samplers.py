@@ -300,12 +300,19 @@ def test_generate_takes_a_beam_sampler_and_reset_compiled_drops_the_functions(lm
     generation.reset_compiled(lm)
 
 
-def test_speech_decoding_refuses_beam_search():
+def test_speech_decoding_takes_beam_search():
     from tfformer.generation import speech
 
     config = models.TransformerConfig(
         architecture="speech_seq2seq", vocabulary_size=50, hidden_dim=16, num_heads=2, intermediate_dim=32,
         num_encoder_layers=1, num_decoder_layers=1, dropout=0.0, max_sequence_length=16, position="learned",
         num_mel_bins=8, max_source_positions=10)
-    with pytest.raises(ValueError, match="no beam search"):
-        speech.speech_decode_fn(models.build_whisper(config), 4, prompt=(1,), end_id=49, sampler=BeamSampler(2))
+    whisper = models.build_whisper(config)
+    features = np.random.default_rng(0).normal(size=(2, 20, 8)).astype("float32")
+    options = dict(prompt=(1,), end_id=49)
+    beams = speech.transcribe_ids(whisper, features, 4, sampler=BeamSampler(2), **options)
+    assert beams.shape == (2, 4) and beams.dtype == np.int32
+    assert ((beams >= 0) & (beams < 50)).all()
+    # One beam is greedy search (the beam loop's own bookkeeping, checked against the sampler loop).
+    np.testing.assert_array_equal(speech.transcribe_ids(whisper, features, 4, sampler=BeamSampler(1), **options),
+                                  speech.transcribe_ids(whisper, features, 4, **options))

@@ -1,7 +1,8 @@
 """The speech-to-text task: `from_preset("whisper-tiny-en").transcribe(...)` from WAV files and waveforms to text.
 
 Against independent numbers: the fixture manifest's transcripts and word error rate, recorded from
-faster-whisper/CTranslate2 (tools/make_whisper_fixture.py), and the sentences espeak-ng spoke. Long audio: a
+faster-whisper/CTranslate2 (tools/make_whisper_fixture.py), greedy and with faster-whisper's default beam search
+(5 beams, length_penalty 1, patience 1), and the sentences espeak-ng spoke. Long audio: a
 clip over 30 s made of fixture clips and 0.5 s silences is cut in a silence (checked on the samples), its
 text is the texts of its two windows, and its word errors against the spoken sentences are no more than
 CTranslate2's clip by clip (a dropped or repeated window would add a sentence's worth). Resampling: the clips are
@@ -46,6 +47,41 @@ def test_transcribe_every_clip_gives_ctranslate2s_texts_and_wer(asr, manifest):
     assert texts == [clip["transcript"] for clip in manifest["clips"]]
     spoken = [clip["text"] for clip in manifest["clips"]]
     assert word_error_rate(spoken, texts) == pytest.approx(manifest["reference"]["wer"], abs=1e-9)
+
+
+def test_beam_search_gives_ctranslate2s_beam_ids_on_every_clip(asr, manifest, waveforms):
+    """faster-whisper's default beam search: CTranslate2's ids on every clip, its word error rate, no worse than
+    greedy decoding's; `transcribe(beam_size=5)` gives the texts, `beam_size=1` greedy decoding's."""
+    from tfformer.data import audio
+    from tfformer.generation import speech
+
+    assert manifest["reference"]["beam_generate_options"] == {
+        "beam_size": 5, "max_length": 448, "suppress_blank": True, "suppress_tokens": [-1], "patience": 1,
+        "length_penalty": 1}
+    sampler = speech.whisper_sampler(5, length_penalty=1.0, patience=1.0)
+    found = []
+    for first in range(0, len(waveforms), 4):  # 4 clips x 5 beams per call
+        part = waveforms[first:first + 4]
+        batch = np.zeros((len(part), max(len(w) for w in part)), np.float32)  # (B, S), right-padded
+        for row, waveform in zip(batch, part):
+            row[:len(waveform)] = waveform
+        features, _ = audio.log_mel_spectrogram(batch, [len(w) for w in part])  # (B, 3000, 80)
+        ids = speech.transcribe_ids(asr, features, prompt=asr.prompt, suppress_ids=asr.suppress_ids,
+                                    suppress_ids_begin=asr.suppress_ids_begin, end_id=asr.end_id, sampler=sampler)
+        for row in ids.tolist():
+            found.append(row[:row.index(asr.end_id)] if asr.end_id in row else row)
+    clips = manifest["clips"]
+    assert found == [clip["beam_token_ids"] for clip in clips]
+    assert any(clip["beam_token_ids"] != clip["token_ids"] for clip in clips)  # the search changes some clips
+    spoken = [clip["text"] for clip in clips]
+    texts = asr.ids_to_text(np.array([ids + [asr.end_id] * (128 - len(ids)) for ids in found]))
+    assert texts == [clip["beam_transcript"] for clip in clips]
+    beam_wer = word_error_rate(spoken, texts)
+    assert beam_wer == pytest.approx(manifest["reference"]["beam_wer"], abs=1e-9)
+    assert beam_wer <= word_error_rate(spoken, [clip["transcript"] for clip in clips])  # greedy's, as ours
+    paths = [str(SPEECH / clips[i]["file"]) for i in (0, 3)]
+    assert asr.transcribe(paths, beam_size=5) == [clips[i]["beam_transcript"] for i in (0, 3)]
+    assert asr.transcribe(paths, beam_size=1) == [clips[i]["transcript"] for i in (0, 3)]
 
 
 def test_single_inputs_return_a_str(asr, manifest, waveforms):
@@ -134,6 +170,10 @@ def test_bad_input_errors(asr, waveforms, tmp_path):
          r"`audio` must have shape \(samples,\) or \(samples, channels\); shape \(2, 16000\) has more channels"),
         (dict(audio=clip, sample_rate=16000, batch_size=0), ValueError, r"`batch_size` must be a positive integer"),
         (dict(audio=clip, sample_rate=16000, max_new_tokens=0), ValueError, r"`max_new_tokens` must be a positive"),
+        (dict(audio=clip, sample_rate=16000, beam_size=0), ValueError,
+         r"`beam_size` must be a positive integer. Received: beam_size=0"),
+        (dict(audio=clip, sample_rate=16000, beam_size=2, patience=0), ValueError,
+         r"`patience` must be a number > 0 or None. Received: patience=0"),
     ]
     for rate in (0, -16000, 16000.5, True):
         cases.append((dict(audio=clip, sample_rate=rate), ValueError,

@@ -1,5 +1,6 @@
 """WhisperModel on its own (small random weights): the convolutional stem and encoder positions against numpy,
-shapes, `.keras` round trip, the causal decoder, cached decoding and the greedy loop with suppression."""
+shapes, `.keras` round trip, the causal decoder, cached decoding, and the greedy and beam search loops with
+suppression against full passes."""
 
 import math
 
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.generation.test_decode import ctranslate2_beam_search
 from tfformer import models
 from tfformer.generation import speech
+from tfformer.generation.beam import BeamSampler
 from tfformer.models.whisper import WhisperModel, WhisperPositionTable, whisper_sinusoids
 
 TINY = dict(architecture="speech_seq2seq", vocabulary_size=50, hidden_dim=16, num_heads=2, intermediate_dim=32,
@@ -236,3 +239,60 @@ def test_greedy_loop_under_xla_equals_the_graph_loop(model, features):
     options = dict(max_new_tokens=8, prompt=(1, 2), suppress_ids=[3], suppress_ids_begin=[4], end_id=49)
     np.testing.assert_array_equal(speech.transcribe_ids(model, features, jit_compile=True, **options),
                                   speech.transcribe_ids(model, features, **options))
+
+
+def _log_probs_by_full_passes(model, mel, prompt, suppress, suppress_begin):
+    """`log_probs_of(tokens)`: the next-token log-probabilities after `prompt + tokens`, re-running the whole
+    model (no cache), with Whisper's suppression."""
+    seen = {}
+
+    def log_probs_of(tokens):
+        if tokens not in seen:
+            ids = np.array([list(prompt) + list(tokens)], "int32")
+            logits = np.asarray(model({"input_features": mel[None], "decoder_token_ids": ids}))[0, -1]
+            logits = logits.astype(np.float64)
+            logits[list(suppress)] = -np.inf
+            if not tokens:
+                logits[list(suppress_begin)] = -np.inf
+            seen[tokens] = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        return seen[tokens]
+
+    return log_probs_of
+
+
+@pytest.mark.parametrize("beam, length_penalty, patience", [(3, 1.0, 1.0), (4, 0.0, 1.0), (2, 1.0, 2.0)])
+def test_beam_search_with_suppression_equals_full_passes(model, features, beam, length_penalty, patience):
+    """CTranslate2's beam search (`speech.whisper_sampler`'s `BeamSampler`) over the cached loop equals the same
+    search written out in Python over full passes of the model, with suppression and an end id that the
+    beams reach."""
+    prompt, steps, suppress, suppress_begin = (1, 2), 8, [5], [7]
+    plain = speech.transcribe_ids(model, features, max_new_tokens=steps, prompt=prompt, end_id=49)
+    end_id = int(plain[1, 2])  # a token greedy decoding produces: some hypotheses end
+    sampler = speech.whisper_sampler(beam, length_penalty, patience)
+    assert sampler.key() == ("beam", beam, length_penalty, "length", patience)
+    ids = speech.transcribe_ids(model, features, max_new_tokens=steps, prompt=prompt, suppress_ids=suppress,
+                                suppress_ids_begin=suppress_begin, end_id=end_id, sampler=sampler)
+    assert ids.shape == (2, steps) and ids.dtype == np.int32
+    ended = []
+    for row, mel in zip(ids.tolist(), features):
+        log_probs_of = _log_probs_by_full_passes(model, mel, prompt, suppress, suppress_begin)
+        tokens, end = ctranslate2_beam_search(log_probs_of, 50, beam, end_id, steps, length_penalty, patience)
+        assert row[:len(tokens)] == tokens and all(t == end_id for t in row[len(tokens):]), (row, tokens)
+        ended.append(end)
+    assert any(ended)
+
+
+def test_beam_of_one_equals_greedy_and_whisper_sampler(model, features):
+    options = dict(max_new_tokens=8, prompt=(1, 2), suppress_ids=[3], suppress_ids_begin=[4], end_id=49)
+    greedy = speech.transcribe_ids(model, features, **options)
+    np.testing.assert_array_equal(speech.transcribe_ids(
+        model, features, sampler=BeamSampler(1, 1.0, normalization="length", patience=1.0), **options), greedy)
+    np.testing.assert_array_equal(speech.transcribe_ids(model, features, sampler=speech.whisper_sampler(1),
+                                                        **options), greedy)
+    # Beam search under XLA gives the graph loop's ids.
+    sampler = speech.whisper_sampler(3)
+    np.testing.assert_array_equal(speech.transcribe_ids(model, features, sampler=sampler, jit_compile=True, **options),
+                                  speech.transcribe_ids(model, features, sampler=sampler, **options))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"`beam_size` must be a positive integer. Received: beam_size={bad!r}"):
+            speech.whisper_sampler(bad)

@@ -174,8 +174,8 @@ def speech_max_new_tokens(model):
 def _speech_endpoints(model, tokenizer, max_new_tokens, beam_size):
     """serving_default (waveform + lengths -> text), generate_ids (log-mel features -> ids), predict_ids (logits)."""
     if beam_size is not None:
-        raise ValueError(f"A Whisper export decodes greedily (there is no speech beam search). Received: "
-                         f"beam_size={beam_size!r}")
+        raise ValueError(f"A Whisper export decodes greedily; beam search runs in `WhisperModel.transcribe("
+                         f"beam_size=...)`. Received: beam_size={beam_size!r}")
     _check_tokenizer(model, tokenizer)
     limit = speech_max_new_tokens(model)
     if max_new_tokens > limit:

@@ -6,10 +6,10 @@ from tfformer.generation.decode import decode_fn, generate_ids, reset_compiled, 
 from tfformer.generation.plan import DecodePlan
 from tfformer.generation.samplers import (GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler,
                                           as_sampler)
-from tfformer.generation.speech import speech_decode_fn, transcribe_ids
+from tfformer.generation.speech import speech_decode_fn, transcribe_ids, whisper_sampler
 
 __all__ = [
     "BeamSampler", "DecodePlan", "GreedySampler", "Sampler", "TemperatureSampler", "TopKSampler", "TopPSampler",
     "as_sampler", "decode_fn", "generate_ids", "reset_compiled", "speech_decode_fn", "strip_after_end",
-    "transcribe_ids",
+    "transcribe_ids", "whisper_sampler",
 ]

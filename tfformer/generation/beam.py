@@ -1,9 +1,22 @@
-"""Beam search with a length penalty: `BeamSampler`, its own loop over `beams` copies of each row.
+"""Beam search: `BeamSampler`, its own loop over `beams` copies of each row.
 
-Scores are sums of log-probabilities; the final choice divides by the GNMT
-length penalty `((5 + length) / 6) ** length_penalty` (Wu et al., 2016).
+Scores are sums of log-probabilities; the winner's is divided by a length normalization (`normalization`):
+GNMT's `((5 + length) / 6) ** length_penalty` (Wu et al., 2016) or `length ** length_penalty` (CTranslate2's;
+with 1, the mean log-probability per token). Two ways to finish:
+
+- GNMT's (`patience=None`, the default): an ended beam keeps its slot and continues with `fill` at no cost; the
+  best of the `beam_size` beams after the last column wins. `length` counts the generated tokens with the end.
+- Patience (Kasai et al., 2022, "A Call for Clarity in Beam Search"; CTranslate2's and so faster-whisper's):
+  each step ranks `2 * beam_size` candidates; those among the best `beam_size` that end are set aside as
+  finished hypotheses and the first `beam_size` that do not end stay live, so `beam_size` beams always search
+  on. A row stops once `round(beam_size * patience)` hypotheses have finished (with `length_penalty` 0: as soon
+  as the best candidate ends) or at its last column, where every live beam finishes; the best finished
+  hypothesis wins. `length` counts the generated tokens without the end, as CTranslate2 does.
+
 Beam size 1 is exactly greedy decoding. A beam ends at `end_id` (`-1`: never).
 """
+
+import math
 
 import tensorflow as tf
 
@@ -11,6 +24,7 @@ from tfformer.generation.samplers import Sampler
 from tfformer.generation.tokens import PAD_ID
 
 NEG = -1e9
+NORMALIZATIONS = ("gnmt", "length")
 
 
 def _reorder(caches, flat_index):
@@ -18,8 +32,9 @@ def _reorder(caches, flat_index):
     return tuple(tf.gather(c, flat_index, axis=0) for c in caches)
 
 
-def _select(scores, log_probs, forced, finished, beam, vocab, fill=PAD_ID):
-    """One beam step: scores (B, K), log_probs (B*K, V) -> new scores, source beam (B, K), tokens (B, K)."""
+def _select(scores, log_probs, forced, finished, beam, vocab, fill=PAD_ID, candidates=None):
+    """One beam step: scores (B, K), log_probs (B*K, V) -> the best `candidates` (default K) continuations:
+    their scores, source beams and tokens, each (B, candidates)."""
     batch = tf.shape(scores)[0]
     log_probs = tf.reshape(log_probs, (batch, beam, vocab))  # (B, K, V)
     only = lambda token: tf.where(tf.range(vocab)[None, None, :] == token[..., None], 0.0, NEG)  # noqa: E731
@@ -27,7 +42,7 @@ def _select(scores, log_probs, forced, finished, beam, vocab, fill=PAD_ID):
     log_probs = tf.where(finished[..., None], only(tf.fill(tf.shape(finished), fill)), log_probs)
     log_probs = tf.where((forced >= 0)[..., None], only(forced), log_probs)
     total = tf.reshape(scores[..., None] + log_probs, (batch, beam * vocab))  # (B, K*V)
-    new_scores, index = tf.math.top_k(total, k=beam)  # (B, K)
+    new_scores, index = tf.math.top_k(total, k=candidates or beam)  # (B, C)
     return new_scores, index // vocab, index % vocab
 
 
@@ -36,33 +51,58 @@ def _flat(source_beam, beam):
     return tf.reshape(source_beam + tf.range(batch)[:, None] * beam, [-1])  # (B*K,)
 
 
-def _penalized(scores, lengths, length_penalty):
-    return scores / tf.pow((5.0 + tf.cast(lengths, tf.float32)) / 6.0, length_penalty)
+def _penalized(scores, lengths, length_penalty, normalization="gnmt"):
+    lengths = tf.cast(lengths, tf.float32)
+    if normalization == "length":
+        return scores / tf.pow(lengths, length_penalty)
+    return scores / tf.pow((5.0 + lengths) / 6.0, length_penalty)
+
+
+def _write(tokens, column, token):
+    """`tokens` `(..., T)` with column `column` set to `token` `(...)`."""
+    width = tokens.shape[-1] if tokens.shape[-1] is not None else tf.shape(tokens)[-1]  # static when known
+    return tf.where(tf.range(width) == column, token[..., None], tokens)
 
 
 class BeamSampler(Sampler):
-    """Beam search: keeps the `beam_size` best sequences of each row, picks the best by the GNMT length penalty.
+    """Beam search: keeps the `beam_size` best sequences of each row and returns the best by a length penalty.
 
     The task's caches, `ids` and `logits` hold `beams` (= `beam_size`) adjacent copies of each row, `(B*K, ...)`;
-    `run` takes `tokens` `(B, T)` and returns the best beam's `(B, T)`. Its caches are reordered along their
-    batch axis, so a plan must have no `kernel_layout` (no split caches).
+    `run` takes `tokens` `(B, T)` and returns the best sequence's `(B, T)`. Its caches are reordered along their
+    batch axis, so a plan must have no `kernel_layout` (no split caches). See the module docstring for the two
+    ways to finish.
 
     Args:
         beam_size: int >= 1.
-        length_penalty: float. The GNMT exponent; 0 compares plain sums of log-probabilities.
+        length_penalty: float. The exponent of the length normalization; 0 compares plain sums of
+            log-probabilities.
+        normalization: `"gnmt"` (`((5 + length) / 6) ** length_penalty`, the default) or `"length"`
+            (`length ** length_penalty`: with 1, the mean log-probability per token, as CTranslate2).
+        patience: float > 0 or None. None: GNMT's search (ended beams keep their slot). A number: finished
+            hypotheses are set aside and a row stops after `round(beam_size * patience)` of them
+            (CTranslate2's and faster-whisper's search with `patience=1`).
     """
 
     kind = "beam"
 
-    def __init__(self, beam_size, length_penalty=0.6):
+    def __init__(self, beam_size, length_penalty=0.6, normalization="gnmt", patience=None):
         if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
             raise ValueError(f"`beam_size` must be a positive integer. Received: beam_size={beam_size!r}")
         if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
             raise ValueError(f"`length_penalty` must be a number. Received: length_penalty={length_penalty!r}")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}. Received: "
+                             f"normalization={normalization!r}")
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, (int, float))
+                                     or not patience > 0):
+            raise ValueError(f"`patience` must be a number > 0 or None. Received: patience={patience!r}")
         self.beams, self.length_penalty = beam_size, length_penalty
+        self.normalization, self.patience = normalization, patience
 
     def key(self):
-        return ("beam", self.beams, self.length_penalty)
+        if self.normalization == "gnmt" and self.patience is None:
+            return ("beam", self.beams, self.length_penalty)
+        return ("beam", self.beams, self.length_penalty, self.normalization, self.patience)
 
     @staticmethod
     def check_plan(plan):
@@ -72,13 +112,16 @@ class BeamSampler(Sampler):
     def run(self, next, tokens, cache, index, end_id, max_new_tokens, column=None, ids=None, logits=None,
             prompt_lengths=None, fill=PAD_ID, plan=None, prefix=0):
         """`Sampler.run`'s loop over beams: `cache`, `ids` `(B*K, 1)` and `logits` `(B*K, V)` hold each row's
-        `beams` copies; `tokens` `(B, T)` and `prompt_lengths` `(B,)` one per row. Every row runs all
-        `max_new_tokens` columns; an ended beam continues with `fill` at no cost."""
+        `beams` copies; `tokens` `(B, T)` and `prompt_lengths` `(B,)` one per row. Without `patience` every row
+        runs all `max_new_tokens` columns and an ended beam continues with `fill` at no cost; with it the loop
+        stops when every row has finished. After the chosen sequence's end its columns hold `fill`."""
         self.check_plan(plan)
+        if self.patience is not None:
+            return self._run_with_patience(next, tokens, cache, index, end_id, max_new_tokens, column, ids, logits,
+                                           prompt_lengths, fill, plan, prefix)
         beam = self.beams
         column, written = self._columns(index, column, ids, logits)
         batch = tf.shape(tokens)[0]
-        width = tokens.shape[-1] if tokens.shape[-1] is not None else tf.shape(tokens)[-1]
         tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, T)
         scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
         finished = tf.zeros([batch, beam], tf.bool)
@@ -99,7 +142,7 @@ class BeamSampler(Sampler):
             finished = tf.gather(finished, source, batch_dims=1)
             generated = ~finished if row_lengths is None else ~finished & ~in_prompt
             lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(generated, tf.int32)
-            tokens = tf.where(tf.range(width) == column, token[..., None], tokens)  # write the column
+            tokens = _write(tokens, column, token)
             if row_lengths is None:
                 finished = finished | tf.equal(token, end_id)
             else:
@@ -120,5 +163,87 @@ class BeamSampler(Sampler):
             return (i + 1, *choose(logits, written(i), tokens, cache, *rest))
 
         _, _, tokens, _, scores, _, lengths = self._loop(cond, body, (index, *state), plan, prefix, max_new_tokens)
-        best = tf.argmax(_penalized(scores, lengths, self.length_penalty), axis=1, output_type=tf.int32)  # (B,)
+        penalized = _penalized(scores, lengths, self.length_penalty, self.normalization)
+        best = tf.argmax(penalized, axis=1, output_type=tf.int32)  # (B,)
         return tf.gather(tokens, best, batch_dims=1)  # (B, T)
+
+    def _run_with_patience(self, next, tokens, cache, index, end_id, max_new_tokens, column, ids, logits,
+                           prompt_lengths, fill, plan, prefix):
+        """`run` with finished hypotheses set aside (see the module docstring): live beams never end, and each
+        row keeps only its best finished hypothesis `(B, T)`, its normalized score and how many finished."""
+        beam, candidates = self.beams, 2 * self.beams
+        # CTranslate2's `round(beam_size * patience)`, halves away from zero; at least one hypothesis.
+        needed = max(1, math.floor(beam * self.patience + 0.5))
+        # Without a length penalty no live beam can overtake the best candidate once it ends.
+        early_exit = self.length_penalty == 0
+        column, written = self._columns(index, column, ids, logits)
+        batch = tf.shape(tokens)[0]
+        best_tokens = tokens
+        tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, T)
+        scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
+        lengths = tf.zeros([batch, beam], tf.int32)
+        best_score = tf.fill([batch], -float("inf"))
+        count = tf.zeros([batch], tf.int32)
+        done = tf.zeros([batch], tf.bool)
+        live = tf.zeros([batch, beam], tf.bool)  # no live beam has ended: `_select` lets every beam continue
+        if prompt_lengths is None:
+            stop = column + max_new_tokens
+            row_stop = stop
+        else:
+            stop = tf.reduce_max(prompt_lengths) + max_new_tokens
+            row_stop = prompt_lengths + max_new_tokens  # (B,)
+        order = tf.cast(candidates - tf.range(candidates), tf.float32)  # (C,): larger for earlier candidates
+
+        def choose(logits, column, tokens, cache, scores, lengths, best_tokens, best_score, count, done):
+            vocab = logits.shape[-1]
+            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
+            if prompt_lengths is None:
+                in_prompt = tf.zeros([batch, 1], tf.bool)
+            else:
+                in_prompt = (column < prompt_lengths)[:, None]  # (B, 1)
+            forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
+            cand_scores, source, token = _select(scores, log_probs, forced, live, beam, vocab, fill, candidates)
+            ended = tf.equal(token, end_id) & ~in_prompt  # (B, C)
+            last = tf.broadcast_to(column + 1 >= row_stop, [batch])  # (B,): every live beam finishes
+            cand_lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(~ended & ~in_prompt, tf.int32)
+
+            # Finished hypotheses: the ended among the best `beam` candidates (every one of them at the last column).
+            register = (tf.range(candidates) < beam) & (ended | last[:, None]) & ~done[:, None]  # (B, C)
+            normalized = tf.where(register, _penalized(cand_scores, cand_lengths, self.length_penalty,
+                                                       self.normalization), -float("inf"))
+            pick = tf.argmax(normalized, axis=1, output_type=tf.int32)  # (B,)
+            picked = tf.gather(normalized, pick, batch_dims=1)
+            hypothesis = _write(tf.gather(tokens, tf.gather(source, pick, batch_dims=1), batch_dims=1), column,
+                                tf.gather(token, pick, batch_dims=1))  # (B, T)
+            # The first hypothesis counts even at -inf (an end at length 0 under `length ** length_penalty`).
+            better = (picked > best_score) | ((count == 0) & tf.reduce_any(register, axis=1))
+            best_tokens = tf.where(better[:, None], hypothesis, best_tokens)
+            best_score = tf.where(better, picked, best_score)
+            count += tf.reduce_sum(tf.cast(register, tf.int32), axis=1)
+            finished = register[:, 0] if early_exit else count >= needed
+            done = done | finished | last
+
+            # Live beams: the first `beam` candidates that did not end (a beam ends at most once per step, so at
+            # least `beam` of the `2 * beam` did not).
+            _, keep = tf.math.top_k(tf.where(ended, 0.0, order), k=beam)  # (B, K)
+            source = tf.gather(source, keep, batch_dims=1)
+            token = tf.gather(token, keep, batch_dims=1)
+            scores = tf.gather(cand_scores, keep, batch_dims=1)
+            lengths = tf.gather(cand_lengths, keep, batch_dims=1)
+            cache = _reorder(cache, _flat(source, beam))
+            tokens = _write(tf.gather(tokens, source, batch_dims=1), column, token)
+            return (tf.reshape(token, (-1, 1)), tokens, cache, scores, lengths, best_tokens, best_score, count,
+                    done)  # ids (B*K, 1)
+
+        state = (ids, tokens, cache, scores, lengths, best_tokens, best_score, count, done)
+        if logits is not None:
+            state = choose(logits, column, *state[1:])
+
+        def cond(i, *state):
+            return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(state[-1])))
+
+        def body(plan, i, ids, tokens, cache, *rest):
+            logits, _, cache = next(ids, cache, i, plan=plan)
+            return (i + 1, *choose(logits, written(i), tokens, cache, *rest))
+
+        return self._loop(cond, body, (index, *state), plan, prefix, max_new_tokens)[6]  # best_tokens (B, T)

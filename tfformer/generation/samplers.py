@@ -116,10 +116,11 @@ class Sampler(metaclass=_ByKind):
         if (ids is None) == (logits is None):
             raise ValueError("`run` takes `ids` or `logits` for its first step, not both or neither. Received: "
                              f"ids={ids!r}, logits={logits!r}")
+        first = index if column is None else column
         shift = (0 if column is None else column - index) + (0 if logits is None else 1)
         if isinstance(shift, int) and shift == 0:  # no index arithmetic in the loop
-            return index, lambda i: i
-        return (index if column is None else column), lambda i: i + shift
+            return first, lambda i: i
+        return first, lambda i: i + shift
 
     def _choose(self, logits, column, tokens, done, end_id, max_new_tokens, prompt_lengths, fill):
         """Column `column` of `tokens` from `logits`: the ids `(B, 1)` to feed next, `tokens` and `done`."""

@@ -99,9 +99,9 @@ class WhisperModel(Seq2SeqTransformer):
 
     Decoding (as `Seq2SeqTransformer`): `encode(features)`, `cross_attention_caches`, `empty_cache`,
     `decode_step(token_ids, cache, cache_index, cross_caches, None)`; `tfformer.generation.speech` runs the
-    greedy loop with Whisper's token suppression. `transcribe(audio)` goes from WAV files or waveforms to text
-    with the decoding fields below and the tokenizer in `preprocessor`; `tfformer.models.from_preset(
-    "whisper-tiny-en")` sets both.
+    greedy or beam search loop with Whisper's token suppression. `transcribe(audio)` goes from WAV files or
+    waveforms to text with the decoding fields below and the tokenizer in `preprocessor`;
+    `tfformer.models.from_preset("whisper-tiny-en")` sets both.
 
     Args:
         config: `TransformerConfig` (or dict) with `num_mel_bins` and `max_source_positions`.
@@ -117,6 +117,7 @@ class WhisperModel(Seq2SeqTransformer):
     asr = tfformer.models.from_preset("whisper-tiny-en")
     asr.transcribe("clip.wav")                          # "The quick brown fox ..."
     asr.transcribe(samples, sample_rate=44100)          # a float waveform, resampled to 16 kHz
+    asr.transcribe("clip.wav", beam_size=5)             # faster-whisper's default beam search
     ```
     """
 
@@ -205,16 +206,22 @@ class WhisperModel(Seq2SeqTransformer):
         return inputs, logits, sublayers
 
     # === Speech in, text out ===
-    def transcribe(self, audio, sample_rate=None, max_new_tokens=None, batch_size=8, jit_compile=False):
-        """Transcribe WAV files or waveforms with greedy decoding.
+    def transcribe(self, audio, sample_rate=None, max_new_tokens=None, batch_size=8, beam_size=1,
+                   length_penalty=1.0, patience=1.0, jit_compile=False):
+        """Transcribe WAV files or waveforms, greedily or with beam search.
 
         Audio longer than 30 seconds is cut into windows of at most 30 seconds by
         `tfformer.data.audio.split_windows`, each cut in the quietest stretch of the window's last 5 seconds
         (a pause, when there is one), so that a word is cut only when a window's last 5 seconds hold no
         pause. Each window is transcribed on its own (no text of the previous window is given as a prompt,
         unlike faster-whisper) and the window texts are joined with a space. Each window's log-mel features
-        are normalised over that window (faster-whisper normalises over the whole recording). Beam search is not offered: `tfformer.generation` has no speech beam
-        search yet.
+        are normalised over that window (faster-whisper normalises over the whole recording).
+
+        `beam_size` 1 decodes greedily; a larger one runs CTranslate2's beam search as faster-whisper calls it
+        (`tfformer.generation.speech.whisper_sampler`; faster-whisper's own default is `beam_size=5`,
+        `length_penalty=1`, `patience=1`): `beam_size` hypotheses search on, those that end are set aside, the
+        search stops after `round(beam_size * patience)` have ended, and the best by `score / length **
+        length_penalty` wins (with 1: the mean log-probability of its tokens).
 
         Args:
             audio: a path to a WAV file (str or `os.PathLike`; any sample rate, mixed down to mono with a
@@ -226,7 +233,10 @@ class WhisperModel(Seq2SeqTransformer):
             max_new_tokens: int or None. Tokens per 30-second window; None allows what fits the decoder
                 after the prompt.
             batch_size: int. Windows per decoding call (each holds `num_heads * 1500 ** 2` encoder
-                attention weights).
+                attention weights, and `beam_size` copies of its cross-attention keys and values).
+            beam_size: int >= 1. Hypotheses searched per window; 1 is greedy.
+            length_penalty: float. Exponent of the length in the beam score's normalization.
+            patience: float > 0. Beam search stops after `round(beam_size * patience)` hypotheses ended.
             jit_compile: bool. Decode with XLA.
 
         Returns:
@@ -243,6 +253,7 @@ class WhisperModel(Seq2SeqTransformer):
                              "`tfformer.models.from_preset`.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        sampler = speech.whisper_sampler(beam_size, length_penalty, patience)
         waveforms, single = _as_waveforms(audio, sample_rate)
         windows = [(index, waveform[start:end]) for index, waveform in enumerate(waveforms)
                    for start, end in audio_io.split_windows(waveform)]
@@ -256,7 +267,7 @@ class WhisperModel(Seq2SeqTransformer):
             features, _ = audio_io.log_mel_spectrogram(batch, lengths)  # (B, 3000, num_mel_bins)
             ids = speech.transcribe_ids(self, features, max_new_tokens=max_new_tokens, prompt=self.prompt,
                                         suppress_ids=self.suppress_ids, suppress_ids_begin=self.suppress_ids_begin,
-                                        end_id=self.end_id, jit_compile=jit_compile)  # (B, N)
+                                        end_id=self.end_id, sampler=sampler, jit_compile=jit_compile)  # (B, N)
             for (index, _), text in zip(part, self.ids_to_text(ids)):
                 texts[index].append(text)
         results = [" ".join(text for text in parts if text) for parts in texts]
