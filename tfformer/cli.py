@@ -79,7 +79,9 @@ def _translate(args):
     if not all(text.strip() for text in args.texts):
         raise ValueError("`texts` holds an empty or whitespace-only string; there is nothing to translate.")
     translator = translation.load_run(args.run)
-    for line in translator.translate(args.texts, max_new_tokens=args.max_new_tokens or 64, beam_size=args.beam_size):
+    beam_size = translation.BEAM_SIZE if args.beam_size is None else args.beam_size  # as the run was evaluated
+    for line in translator.translate(args.texts, max_new_tokens=args.max_new_tokens or 64, beam_size=beam_size,
+                                     length_penalty=translation.LENGTH_PENALTY):
         print(line)
     return 0
 
@@ -157,9 +159,14 @@ def _export(args):
                                 sequence_length=args.sequence_length, batch_size=args.batch_size)
             print(f"TFLite: {ids} (token_ids, padding_mask -> embedding; tokenize on the host)")
         return 0
+    beam_size = args.beam_size
+    if beam_size is None and isinstance(model, models.Seq2SeqTransformer):
+        from tfformer.recipes import translation
+
+        beam_size = translation.BEAM_SIZE  # a translator serves as its run was evaluated
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, tokenizer=tokenizer,
-                                  max_new_tokens=args.max_new_tokens, beam_size=args.beam_size)
+                                  max_new_tokens=args.max_new_tokens, beam_size=beam_size)
         print(f"SavedModel: {path}  (serve: docker run ... tensorflow/serving, or `tfformer serve "
               f"--model_name NAME --model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
@@ -319,7 +326,7 @@ def main(argv=None):
     translate = commands.add_parser("translate", help="translate TEXT... or a gettext catalog with a trained run")
     translate.add_argument("--run", required=True)
     translate.add_argument("--max-new-tokens", type=int, help="default: 64 for TEXT, the model's limit for --po")
-    translate.add_argument("--beam-size", type=int)
+    translate.add_argument("--beam-size", type=int, help="beams (default: 4, as a run is evaluated; 1: greedy)")
     translate.add_argument("--po", help="a .pot or partly translated .po: fill its untranslated entries (fuzzy)")
     translate.add_argument("--out", help="the .po file to write (with --po)")
     translate.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -354,7 +361,8 @@ def main(argv=None):
     exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
     exporter.add_argument("--max-new-tokens", type=int, help="the SavedModel's generation length (default: 64; "
                           "for Whisper every position after the prompt, 446)")
-    exporter.add_argument("--beam-size", type=int)
+    exporter.add_argument("--beam-size", type=int, help="beams in the SavedModel (default: 4 for a translator, "
+                                                         "greedy for a language model)")
     exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
     exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
     exporter.add_argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "

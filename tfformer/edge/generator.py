@@ -1,8 +1,10 @@
-"""Greedy decoding on device: the host loop around the `decode_step` signature of a tfformer .tflite file."""
+"""Decoding on device: the host loop (greedy, or beam search for seq2seq) around the `decode_step` signature of a
+tfformer .tflite file."""
 
 import numpy as np
 
 PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
+BEAM_NEG = -1e9  # the score of an impossible beam, as tfformer.generation.beam
 UNK_TEXT = " \u2047 "  # how SentencePiece writes the unknown piece
 # The whitespace SentencePiece would fold and the symbols tfformer.data.SubwordTokenizer maps it to.
 WHITESPACE_SYMBOLS = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
@@ -24,6 +26,7 @@ class Generator:
     gen = tfformer.edge.Generator("gpt.tflite")
     gen.generate([5, 17, 9], max_new_tokens=20)      # causal LM: prompt ids -> new ids
     gen.translate([12, 40, 7], max_new_tokens=20)    # seq2seq: source ids -> target ids
+    gen.translate_text("File not found\n", max_new_tokens=64, beam_size=4)  # text, as the SavedModel translates
     gen = tfformer.edge.Generator("smollm2.tflite", tokenizer=tfformer.data.BytePairTokenizer.from_gguf(path))
     gen.generate_text("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", max_new_tokens=20)
     ```
@@ -118,23 +121,78 @@ class Generator:
             return ""
         return _as_str(self.tokenizer.detokenize(np.array(new, np.int32)))
 
-    def translate(self, source_ids, max_new_tokens=32):
-        """Seq2seq: greedy target ids for `source_ids` (stops after the end token)."""
+    def translate(self, source_ids, max_new_tokens=32, beam_size=None, length_penalty=0.6):
+        """Seq2seq: target ids for `source_ids` (ending with the end token if one is chosen), greedy or, with a
+        `beam_size`, by beam search with the GNMT `length_penalty`: the choices of the SavedModel's
+        `serving_default` exported with the same `beam_size` (`tfformer.generation.BeamSampler`)."""
         self._check(source_ids, max_new_tokens, self.source_length, "source")
+        if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer))
+                                      or beam_size < 1):
+            raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+            raise ValueError(f"`length_penalty` must be a number. Received: length_penalty={length_penalty!r}")
         src = np.zeros((1, self.source_length), np.int32)
         src[0, : len(source_ids)] = source_ids
         encoded = self._encode(encoder_token_ids=src)
+        steps = min(max_new_tokens, self.max_length)
+        if beam_size:
+            return self._beam_search(encoded, steps, int(beam_size), float(length_penalty))
         cache = np.zeros(self.cache_shape, np.float32)
         token, new = START_ID, []
-        for index in range(min(max_new_tokens, self.max_length)):
-            out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32),
-                             cross_cache=encoded["cross_cache"], encoder_padding_mask=encoded["encoder_padding_mask"])
-            cache = out["cache"]
-            token = int(np.argmax(out["logits"][0, -1]))
+        for index in range(steps):
+            logits, cache = self._decode(token, cache, index, encoded)
+            token = int(np.argmax(logits))
             new.append(token)
             if token == END_ID:
                 break
         return new
+
+    def _decode(self, token, cache, index, encoded):
+        """One seq2seq decoder step: the next token's logits `(V,)` and the new cache."""
+        out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32),
+                         cross_cache=encoded["cross_cache"], encoder_padding_mask=encoded["encoder_padding_mask"])
+        return out["logits"][0, -1], out["cache"]
+
+    def _beam_search(self, encoded, steps, beams, length_penalty):
+        """`BeamSampler.run` for one row, one decoder call per live beam and step: scores are float32 sums of
+        log-probabilities; a finished beam continues with padding at no cost; ties go to the lower (beam, token)
+        index, as `tf.math.top_k` does; the best beam at the end by `score / ((5 + length) / 6) ** length_penalty`.
+        """
+        vocab = self.vocabulary_size
+        caches = [np.zeros(self.cache_shape, np.float32)] * beams
+        tokens = np.zeros((beams, steps), np.int64)  # (K, N)
+        scores = np.full(beams, BEAM_NEG, np.float32)
+        scores[0] = 0.0  # only beam 0 is live at the start
+        finished = np.zeros(beams, bool)
+        lengths = np.zeros(beams, np.int32)
+        last = np.full(beams, START_ID)
+        for index in range(steps):
+            if finished.all():  # every candidate is a beam's padding at its score: only the order can change
+                source, token = np.argsort(-scores, kind="stable"), np.full(beams, PAD_ID)
+                scores = scores[source]
+            else:
+                log_probs = np.zeros((beams, vocab), np.float32)  # (K, V)
+                new_caches = list(caches)
+                for k in range(beams):
+                    if finished[k]:
+                        log_probs[k] = BEAM_NEG
+                        log_probs[k, PAD_ID] = 0.0
+                    elif scores[k] > BEAM_NEG:  # a beam at BEAM_NEG (the start) is never chosen: no call
+                        logits, new_caches[k] = self._decode(int(last[k]), caches[k], index, encoded)
+                        log_probs[k] = _log_softmax(logits)
+                total = (scores[:, None] + log_probs).reshape(-1)  # (K*V,) float32
+                order = np.argsort(-total, kind="stable")[:beams]  # top_k: the lower index first among equals
+                scores, source, token = total[order], order // vocab, order % vocab
+                caches = [new_caches[k] for k in source]
+            tokens = tokens[source]
+            tokens[:, index] = token
+            generated = ~finished[source]
+            lengths = lengths[source] + generated.astype(np.int32)
+            finished = finished[source] | (token == END_ID)
+            last = token
+        penalty = np.power((np.float32(5.0) + lengths.astype(np.float32)) / np.float32(6.0), np.float32(length_penalty))
+        row = tokens[int(np.argmax(scores / penalty))].tolist()
+        return row[: row.index(END_ID) + 1] if END_ID in row else row
 
     def tokenize(self, text):
         """Ids of `text`, as the SavedModel's tokenizer gives them: tab, newline and carriage return are mapped to
@@ -168,18 +226,27 @@ class Generator:
             text = text.replace(symbol, raw)
         return text
 
-    def translate_text(self, text, max_new_tokens=32):
+    def translate_text(self, text, max_new_tokens=32, beam_size=None, length_penalty=0.6):
         """Seq2seq, text in and out with the same placeholder protection as the SavedModel's `serving_default`
-        (`tfformer.data.placeholders`): every placeholder and the edge whitespace of `text` are in the result."""
+        (`tfformer.data.placeholders`): every placeholder and the edge whitespace of `text` are in the result.
+        `beam_size` and `length_penalty` as in `translate` (the SavedModel's export options)."""
         from tfformer.data import placeholders
 
         masked = placeholders.mask(text)
         if not masked.translatable:
             return text
         source = self.tokenize(masked.text)[: self.source_length]  # the SavedModel truncates sources alike
-        new = self.translate(source, max_new_tokens=max_new_tokens) if source else []
+        new = self.translate(source, max_new_tokens=max_new_tokens, beam_size=beam_size,
+                             length_penalty=length_penalty) if source else []
         new = new[: new.index(END_ID)] if END_ID in new else new
         return placeholders.restore(masked, self.detokenize(new))
+
+
+def _log_softmax(logits):
+    """float32 log-probabilities of one row of logits."""
+    logits = np.asarray(logits, np.float32)
+    shifted = logits - logits.max()
+    return shifted - np.log(np.sum(np.exp(shifted), dtype=np.float32))
 
 
 def _as_str(value):

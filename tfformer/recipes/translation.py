@@ -19,6 +19,14 @@ from tfformer.data import placeholders
 from tfformer.recipes import rundir
 
 MODEL_FILE, TOKENIZER_FILE, CONFIG_FILE, RUN_FILE = "model.keras", "tokenizer.model", "config.json", "run.json"
+LAST_WEIGHTS_FILE = "last.weights.h5"  # the final weights of a run whose model holds averaged ones
+# How the recipe's evaluation and `translate_catalog` decode: beam search with the GNMT length penalty, which
+# scores above greedy decoding on the test split (`tools/edge_parity.py --run RUN --decodings greedy beam4:0.6`);
+# 0.6 is also the penalty of an export with `beam_size` (`generation.decode_fn`'s default).
+BEAM_SIZE, LENGTH_PENALTY = 4, 0.6
+LANGUAGE_NAMES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "nl": "Dutch", "sv": "Swedish",
+                  "pt_BR": "Brazilian Portuguese", "ja": "Japanese", "zh_CN": "Chinese", "ru": "Russian",
+                  "pl": "Polish"}  # for plot titles
 
 
 def load_pairs(target_language="de", data_file=None, locale_dir=data.corpora.DEFAULT_LOCALE_DIR):
@@ -51,13 +59,80 @@ def compile_model(model, config, warmup_steps, label_smoothing=0.1, clipnorm=1.0
     )
 
 
-def evaluate_bleu(translator, pairs, max_new_tokens, batch_size=64):
-    """`(BLEU, hypotheses)` of a `Seq2SeqTransformer` task (with its preprocessor) on `(source, reference)` pairs."""
-    hypotheses = translator.translate([s for s, _ in pairs], max_new_tokens=max_new_tokens, batch_size=batch_size)
+def evaluate_bleu(translator, pairs, max_new_tokens, batch_size=64, beam_size=BEAM_SIZE,
+                  length_penalty=LENGTH_PENALTY):
+    """`(BLEU, hypotheses)` of a `Seq2SeqTransformer` task (with its preprocessor) on `(source, reference)` pairs,
+    decoded with `beam_size` (None or 1: greedy) and the GNMT `length_penalty`."""
+    hypotheses = translator.translate([s for s, _ in pairs], max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                      beam_size=beam_size, length_penalty=length_penalty)
     return training.corpus_bleu(hypotheses, [t for _, t in pairs]), hypotheses
 
 
-def plot_curves(rows, path):
+def corpus_chrf(hypotheses, references):
+    """Corpus chrF (sacreBLEU's defaults: character 6-grams, beta 2) of detokenized strings."""
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
+    return sacrebleu.corpus_chrf(list(hypotheses), [list(references)]).score
+
+
+def evaluation_pairs(run_dir, split="test"):
+    """The `(source, reference)` pairs of `split` that a run's final evaluation scores: the run's corpus and
+    language (run.json), raw (not masked) texts that fit in its `max_length` tokens."""
+    if split not in ("train", "validation", "test"):
+        raise ValueError(f"`split` must be 'train', 'validation' or 'test'. Received: split={split!r}")
+    path = os.path.join(run_dir, RUN_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"No {RUN_FILE} in {run_dir!r}: not a translation run directory.")
+    run = rundir.read_json(path)
+    tokenizer = data.SubwordTokenizer.load(os.path.join(run_dir, TOKENIZER_FILE))
+    pairs = load_pairs(run["target_language"], run.get("data_file"))[split]
+    return filter_by_length(pairs, tokenizer, run["max_length"])
+
+
+class StopAfterSteps(keras.callbacks.Callback):
+    """Ends `fit` after `steps` training steps (quick runs and tests; the time budget still applies)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.seen = steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen >= self.steps:
+            self.model.stop_training = True
+
+
+class WeightSnapshots(keras.callbacks.Callback):
+    """Keeps the model's weights every `every` training steps and at the end, the last `keep` of them;
+    `average()` is their mean (checkpoint averaging, Vaswani et al. 2017, section 6.1)."""
+
+    def __init__(self, every, keep):
+        super().__init__()
+        self.every, self.keep, self.seen, self.snapshots = every, keep, 0, []
+
+    def _take(self):
+        self.snapshots = (self.snapshots + [self.model.get_weights()])[-self.keep:]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen % self.every == 0:
+            self._take()
+
+    def on_train_end(self, logs=None):
+        if self.seen % self.every:
+            self._take()
+
+    def average(self):
+        """The element-wise mean of the kept snapshots (a non-float weight keeps its last value)."""
+        import numpy as np
+
+        return [np.mean(values, axis=0).astype(values[-1].dtype) if np.issubdtype(values[-1].dtype, np.floating)
+                else values[-1] for values in zip(*self.snapshots)]
+
+
+def plot_curves(rows, path, target_language="de"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +144,7 @@ def plot_curves(rows, path):
     ax.plot(steps, [r.get("val_loss") for r in rows], label="validation loss")
     ax.set_xlabel("training step")
     ax.set_ylabel("label-smoothed cross-entropy")
-    ax.set_title("English→German, transformer-tiny")
+    ax.set_title(f"English→{LANGUAGE_NAMES.get(target_language, target_language)}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -79,16 +154,27 @@ def plot_curves(rows, path):
 @rundir.restores_dtype_policy
 def train_translation(out, preset="transformer-tiny", target_language="de", data_file=None, time_budget="15m",
                       batch_size=64, max_length=64, vocabulary_size=8192, warmup_steps=1000, overwrite=False,
-                      replicas=None, mixed_precision=False, eval_every=200, seed=0, printer=print, **overrides):
+                      replicas=None, mixed_precision=False, eval_every=200, seed=0, printer=print, max_steps=None,
+                      average_last=4, **overrides):
     """Train English -> `target_language`; writes model, tokenizer, config, curves, BLEU and samples under `out`.
 
     `time_budget` counts everything: vocabulary learning, training and the final
     evaluation (about 10% of it is reserved for the latter). Returns what it writes
-    to `metrics.json`: `bleu_test`, `test_pairs`, `steps` (this call's), `epochs_started`,
-    `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve`, `parameters` and `dtype_policy`
-    (the model's). The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with `mixed_precision`, else
-    float32; the caller's global dtype policy is back when it returns.
+    to `metrics.json`: `bleu_test`, `chrf_test` (decoded with `beam_size`, `length_penalty`: the recipe's
+    `BEAM_SIZE`, `LENGTH_PENALTY`), `test_pairs`, `steps` (this call's), `epochs_started`,
+    `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve`, `parameters`, `dtype_policy`
+    (the model's) and `averaged_checkpoints`. The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with
+    `mixed_precision`, else float32; the caller's global dtype policy is back when it returns.
+
+    `max_steps`: end training after this many steps (None: the time budget alone). `average_last`: with 2 or more,
+    the saved model holds the mean of the weights at the last `average_last` evaluations (every `eval_every`
+    steps, and the end), and the final weights go to `last.weights.h5` beside it (compare them with
+    `tools/edge_parity.py --decodings ... --weights RUN/last.weights.h5`); 0 or 1 keeps the final weights.
     """
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"`max_steps` must be a positive integer or None. Received: max_steps={max_steps!r}")
+    if isinstance(average_last, bool) or not isinstance(average_last, int) or average_last < 0:
+        raise ValueError(f"`average_last` must be a non-negative integer. Received: average_last={average_last!r}")
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
@@ -128,11 +214,20 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     remaining = budget - (time.monotonic() - start)
     train_seconds = max(remaining - 0.1 * budget, 1.0)
     evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
+    callbacks = [evaluator] + ([StopAfterSteps(max_steps)] if max_steps else [])
+    snapshots = WeightSnapshots(eval_every, average_last) if average_last >= 2 else None
+    if snapshots:
+        callbacks.append(snapshots)
     fit_start = time.monotonic()
-    history = training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=[evaluator],
+    history = training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=callbacks,
                            strategy=strategy, run_dir=out, time_budget=train_seconds, backup_every=eval_every,
                            verbose=0)
     fit_seconds = time.monotonic() - fit_start
+    averaged = len(snapshots.snapshots) if snapshots and len(snapshots.snapshots) >= 2 else 0
+    if averaged:
+        model.save_weights(os.path.join(out, LAST_WEIGHTS_FILE))
+        model.set_weights(snapshots.average())
+        printer(f"model weights: the mean of the last {averaged} evaluations' (final ones in {LAST_WEIGHTS_FILE})")
     model.preprocessor = tokenizer
     model.save_to_preset(out, overwrite=True)  # the run directory is a preset: model, config, tokenizer
 
@@ -140,6 +235,10 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     bleu, hypotheses = evaluate_bleu(model, test, max_new_tokens=max_length)
     metrics = {
         "bleu_test": bleu,
+        "chrf_test": corpus_chrf(hypotheses, [t for _, t in test]),
+        "averaged_checkpoints": averaged,
+        "beam_size": BEAM_SIZE,
+        "length_penalty": LENGTH_PENALTY,
         "test_pairs": len(test),
         "steps": evaluator.rows[-1]["step"] if evaluator.rows else 0,
         "epochs_started": len(history.get("loss", [])),
@@ -150,12 +249,12 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
         "dtype_policy": model.dtype_policy.name,
     }
     if evaluator.rows:
-        plot_curves(evaluator.rows, os.path.join(out, "loss.png"))
+        plot_curves(evaluator.rows, os.path.join(out, "loss.png"), target_language)
     with open(os.path.join(out, "samples.txt"), "w") as handle:
         for (source, reference), hypothesis in list(zip(test, hypotheses))[:10]:
             handle.write(f"EN  {source!r}\nREF {reference!r}\nOUT {hypothesis!r}\n\n")
     rundir.write_json(os.path.join(out, rundir.FINISHED_MARKER), metrics)
-    printer(f"BLEU on the test split ({len(test)} pairs): {bleu:.2f}")
+    printer(f"BLEU on the test split ({len(test)} pairs): {bleu:.2f}, chrF {metrics['chrf_test']:.2f}")
     for (source, reference), hypothesis in list(zip(test, hypotheses))[:10]:
         printer(f"  EN  {source!r}\n  REF {reference!r}\n  OUT {hypothesis!r}")
     return metrics
@@ -277,6 +376,7 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
         translator: a `Seq2SeqTransformer` with its preprocessor, instead of `run`.
         po, out: the input catalog and the output path. An existing `out` is replaced only with `overwrite`.
         progress: a progress bar on stderr; None shows one when there is more than one batch.
+        beam_size: beam search (1: greedy); None decodes as the recipe's evaluation does (`BEAM_SIZE`).
     """
     out = os.fspath(out)
     if os.path.exists(out) and not overwrite:
@@ -302,6 +402,7 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
     if not catalog.metadata.get("Language") and target_language:
         catalog.metadata["Language"] = target_language
     max_new_tokens = max_new_tokens or translator.config.max_sequence_length
+    beam_size = BEAM_SIZE if beam_size is None else beam_size
 
     texts = list(dict.fromkeys(t for e in todo for t in ([e.msgid, e.msgid_plural] if e.msgid_plural else [e.msgid])))
     show = progress if progress is not None else len(texts) > batch_size
@@ -309,7 +410,7 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
     for start in range(0, len(texts), batch_size):
         batch = texts[start : start + batch_size]
         translated.update(zip(batch, translator.translate(batch, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                                          beam_size=beam_size)))
+                                                          beam_size=beam_size, length_penalty=LENGTH_PENALTY)))
         if show:
             _progress(start + len(batch), len(texts), sys.stderr)
     only_one = re.search(r"plural=\(?n!=1\)?;?$", re.sub(r"\s", "", catalog.metadata.get("Plural-Forms", "")))
