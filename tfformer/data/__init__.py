@@ -5,7 +5,13 @@ from tfformer.data.bert_tokenizer import BertTokenizer
 from tfformer.data.audio import log_mel_spectrogram, mel_filters, prepare_waveform, read_wav, split_windows
 from tfformer.data.byte_pair import BytePairTokenizer, render_chat_template
 from tfformer.data.corpora import gettext_pairs, read_mo, read_tsv_pairs, split_of, split_pairs, text_corpus, tfds_pairs
-from tfformer.data.pipelines import make_lm_dataset, make_translation_dataset
+from tfformer.data.pipelines import (
+    make_chat_dataset,
+    make_lm_dataset,
+    make_text_file_dataset,
+    make_translation_dataset,
+    read_chat_tsv,
+)
 from tfformer.data.tokenizers import END_ID, PAD_ID, START_ID, UNK_ID, SubwordTokenizer
 
 __all__ = [
@@ -18,10 +24,13 @@ __all__ = [
     "SubwordTokenizer",
     "gettext_pairs",
     "log_mel_spectrogram",
+    "make_chat_dataset",
     "make_lm_dataset",
+    "make_text_file_dataset",
     "make_translation_dataset",
     "mel_filters",
     "prepare_waveform",
+    "read_chat_tsv",
     "read_mo",
     "read_wav",
     "render_chat_template",

@@ -1,5 +1,9 @@
-"""tf.data pipelines: teacher forcing for translation, next-token windows for LMs."""
+"""tf.data pipelines: teacher forcing for translation, next-token windows for LMs, chat fine-tuning."""
 
+import os
+import warnings
+
+import numpy as np
 import tensorflow as tf
 
 from tfformer.data.tokenizers import END_ID, START_ID
@@ -70,16 +74,22 @@ def make_translation_dataset(pairs, tokenizer, batch_size=64, max_length=64, shu
     return _finish(dataset)
 
 
+def _end_id(tokenizer):
+    """The id that ends a text: the tokenizer's first `end_ids` (a byte-pair tokenizer's end of turn), else END_ID."""
+    end_ids = getattr(tokenizer, "end_ids", None)
+    return int(end_ids[0]) if end_ids else END_ID
+
+
 def make_lm_dataset(texts, tokenizer, sequence_length=128, batch_size=32, shuffle=True, seed=0):
     """Lines of text -> batches of `({"token_ids": (B, L)}, labels (B, L))` next-token windows.
 
-    Lines are tokenized, joined with the end id, and cut into windows of
-    `sequence_length + 1` tokens (inputs are the first L, labels the last L).
+    Lines are tokenized, joined with the end id (the tokenizer's first `end_ids` when it has them, else
+    `END_ID`), and cut into windows of `sequence_length + 1` tokens (inputs are the first L, labels the last L).
     """
     if not texts:
         raise ValueError("`texts` is empty: there is nothing to train on.")
     ids = tokenizer.tokenize(list(texts))  # (N, None)
-    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], END_ID)], axis=1).flat_values  # (total,)
+    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], _end_id(tokenizer))], axis=1).flat_values  # (total,)
     window = sequence_length + 1
     usable = (int(tf.size(ids)) // window) * window
     if usable == 0:
@@ -90,3 +100,133 @@ def make_lm_dataset(texts, tokenizer, sequence_length=128, batch_size=32, shuffl
         dataset = dataset.shuffle(int(windows.shape[0]), seed=seed, reshuffle_each_iteration=True)
     dataset = dataset.map(lambda w: ({"token_ids": w[:-1]}, w[1:])).batch(batch_size)
     return _finish(dataset)
+
+
+def make_text_file_dataset(path, tokenizer, sequence_length=128, batch_size=32, shuffle=True, seed=0):
+    """A UTF-8 text file -> `make_lm_dataset` batches of its non-blank lines (next-token language modelling)."""
+    texts = []
+    for text in _read_lines(path):
+        if text.strip():
+            texts.append(text)
+    if not texts:
+        raise ValueError(f"Text file {os.fspath(path)!r} holds no text (it is empty or blank).")
+    try:
+        return make_lm_dataset(texts, tokenizer, sequence_length, batch_size, shuffle, seed)
+    except ValueError as error:
+        raise ValueError(f"Text file {os.fspath(path)!r}: {error}") from error
+
+
+def read_chat_tsv(path):
+    """`(prompt, answer)` pairs of a chat TSV file: one `prompt<TAB>answer` per line, UTF-8.
+
+    Blank lines are skipped. Literal `\\t`, `\\n` and `\\\\` inside a field are a tab, a newline and a backslash,
+    so that prompts and answers may span lines. A line without a tab, with an empty prompt or answer, or a
+    file without pairs is an error naming the file and the line.
+    """
+    pairs = []
+    for number, line in enumerate(_read_lines(path), 1):
+        if not line.strip():
+            continue
+        if "\t" not in line:
+            raise ValueError(f"{os.fspath(path)}:{number}: expected 'prompt<TAB>answer', found no tab.")
+        prompt, answer = (_unescape(field) for field in line.split("\t", 1))
+        if not prompt.strip() or not answer.strip():
+            empty = "prompt" if not prompt.strip() else "answer"
+            raise ValueError(f"{os.fspath(path)}:{number}: the {empty} is empty; expected 'prompt<TAB>answer'.")
+        pairs.append((prompt, answer))
+    if not pairs:
+        raise ValueError(f"Chat file {os.fspath(path)!r} holds no prompt<TAB>answer lines (it is empty or blank).")
+    return pairs
+
+
+def make_chat_dataset(pairs, tokenizer, sequence_length=256, batch_size=8, shuffle=True, seed=0, system_prompt=None):
+    """Chat examples -> batches of `({"token_ids": (B, L)}, labels (B, L), sample_weight (B, L))` for `fit`,
+    the loss on the answers only.
+
+    Each `(prompt, answer)` is rendered with the tokenizer's chat template (`apply_chat_template`): the prompt
+    as a user turn (after a system turn when `system_prompt` is set) with the assistant's turn opener, as
+    `CausalLM.chat` renders it, then the answer and the template's end of turn. The prompt and the answer are
+    tokenized apart, as `chat` sees the prompt and generates the answer; the answer's tokens stop at the first
+    of the tokenizer's `end_ids`, which is kept (the model learns to end its turn). Inputs are the tokens but
+    the last, labels the tokens after each, right-padded with id 0 to `L = sequence_length` (an example longer
+    than `L + 1` tokens is cut to it, with a warning).
+
+    `sample_weight` is 1 where the label is an answer token (or the end of turn) and 0 on the prompt and on
+    padding; the labels there are 0 as well, the padding id `training.MaskedSparseCrossEntropy` ignores, so
+    that loss gives the same value with or without the weights (and, without them, trains with its fused
+    projection).
+
+    Args:
+        pairs: a path of a chat TSV file (`read_chat_tsv`) or a list of `(prompt, answer)` str pairs.
+        tokenizer: a tokenizer with a chat template (`data.BytePairTokenizer`, e.g. `lm.preprocessor`).
+        sequence_length: int. `L`, the padded length of every example.
+        batch_size: int. Examples per batch.
+        shuffle: bool. Shuffle the examples (deterministically for a `seed`), every epoch.
+        system_prompt: optional str. A system turn before each prompt.
+    """
+    source = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None
+    if source is not None:
+        pairs = read_chat_tsv(source)
+    where = (lambda i: f"{source}:{i + 1}") if source else (lambda i: f"`pairs[{i}]`")
+    if not pairs:
+        raise ValueError("`pairs` is empty: there is nothing to fine-tune on.")
+    for name, value in (("sequence_length", sequence_length), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"`tokenizer` must have a chat template; this {type(tokenizer).__name__} has none.")
+    prompts, completions = [], []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise ValueError(f"{where(i)}: expected a (prompt, answer) pair of str. Received: {pair!r:.120}")
+        messages = [{"role": "user", "content": pair[0]}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        conversation = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": pair[1]}],
+                                                     add_generation_prompt=False)
+        if not conversation.startswith(prompt):
+            raise ValueError(f"{where(i)}: the chat template does not render the prompt as the start of the "
+                             "conversation, so the answer's tokens cannot be told apart.")
+        prompts.append(prompt)
+        completions.append(conversation[len(prompt):])
+    prompt_ids = tokenizer.tokenize(prompts).to_list()  # N lists of ids
+    completion_ids = tokenizer.tokenize(completions).to_list()
+    end_ids = set(int(i) for i in (getattr(tokenizer, "end_ids", None) or ()))
+
+    window = sequence_length + 1
+    tokens = np.zeros((len(prompts), window), np.int32)  # (N, L + 1), right-padded with 0
+    answer = np.zeros((len(prompts), window), bool)  # (N, L + 1)
+    cut = 0
+    for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        ends = [j for j, token in enumerate(completion) if token in end_ids]
+        if ends:
+            completion = completion[: ends[0] + 1]  # through the end of turn; what the template adds after it goes
+        sequence = (prompt + completion)[:window]
+        if len(prompt) >= window:
+            raise ValueError(f"{where(i)}: the prompt alone is {len(prompt)} tokens, which leaves no answer token "
+                             f"in sequence_length={sequence_length}; raise `sequence_length`.")
+        cut += len(prompt) + len(completion) > window
+        tokens[i, : len(sequence)] = sequence
+        answer[i, len(prompt): len(sequence)] = True
+    if cut:
+        warnings.warn(f"{cut} of {len(prompts)} chat examples are longer than sequence_length + 1 = {window} "
+                      "tokens and were cut (their answers lose their ends).", stacklevel=2)
+    weights = answer[:, 1:].astype(np.float32)  # (N, L): the label at t is token t + 1
+    labels = np.where(answer[:, 1:], tokens[:, 1:], 0).astype(np.int32)  # (N, L)
+    dataset = tf.data.Dataset.from_tensor_slices(({"token_ids": tokens[:, :-1]}, labels, weights))
+    if shuffle:
+        dataset = dataset.shuffle(len(prompts), seed=seed, reshuffle_each_iteration=True)
+    return _finish(dataset.batch(batch_size))
+
+
+def _read_lines(path):
+    """The lines of a UTF-8 text file, without their line ends; a missing file is an error naming it."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise ValueError(f"Data file {path!r} does not exist.")
+    with open(path, encoding="utf-8") as handle:
+        return [line.rstrip("\n").rstrip("\r") for line in handle]
+
+
+def _unescape(text):
+    return text.replace("\\\\", "\x00").replace("\\t", "\t").replace("\\n", "\n").replace("\x00", "\\")

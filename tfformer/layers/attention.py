@@ -7,7 +7,15 @@ from keras import ops
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import SplitCache, check_dropout, check_positive_int, dense, write_cache
+from tfformer.layers.layer_utils import (
+    LowRankAdapters,
+    SplitCache,
+    check_dropout,
+    check_lora_alpha,
+    check_positive_int,
+    dense,
+    write_cache,
+)
 from tfformer.layers.rotary_embedding import RotaryEmbedding
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
@@ -41,6 +49,14 @@ class MultiHeadAttention(keras.layers.Layer):
     `"dot"` q.k, `"general"` q^T W k (one `W` per head), and `"additive"`
     w^T tanh(W_q q + W_k k) (the projections play W_q, W_k; one `w` per head).
 
+    Low-rank adapters (LoRA; Hu et al., 2021; `lora_rank` or `enable_lora`, as
+    Keras' `Dense.enable_lora`): each projection kernel `W` (query, key, value,
+    output; views of the fused kernel) is used as `W + (A @ B) * lora_alpha / rank`
+    and stops training, so only the adapters `A`, `B` (and the biases) train;
+    `merge_lora` folds them into the kernels. A decode plan lays out the plain
+    kernels only: with adapters, a decode step takes the plain matmuls (the
+    same numbers, slower); merge before generating at speed.
+
     Masking: every mask is boolean with True = may attend. `attention_mask`
     `(B, T, S)`, `use_causal_mask`, the restricted window and Keras' implicit
     masks (`query_mask` `(B, T)`, `value_mask`/`key_mask` `(B, S)`, filled in
@@ -64,6 +80,10 @@ class MultiHeadAttention(keras.layers.Layer):
             on the projected q and k. Defaults to `None` (none).
         kernel_initializer: initializer for the projection kernels.
         bias_initializer: initializer for the projection biases.
+        lora_rank: int. If set, low-rank adapters of this rank on the four
+            projections (see above). Defaults to `None` (none).
+        lora_alpha: float. The adapters' update is scaled by
+            `lora_alpha / lora_rank`. Defaults to `None` (`lora_rank`: scale 1).
         **kwargs: Base layer arguments (`name`, `dtype`, `trainable`).
 
     Call arguments:
@@ -123,6 +143,8 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         rope_max_wavelength=None,
+        lora_rank=None,
+        lora_alpha=None,
         **kwargs,
     ):
         check_positive_int("num_heads", num_heads)
@@ -145,6 +167,8 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"`window` must be a non-negative integer or None. Received: window={window!r}")
+        check_positive_int("lora_rank", lora_rank, allow_none=True)
+        check_lora_alpha(lora_alpha)
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.key_dim = key_dim
@@ -158,11 +182,15 @@ class MultiHeadAttention(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.rope_max_wavelength = rope_max_wavelength
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
         self.supports_masking = True
         self._dropout_layer = Dropout(dropout)
         self.rotary = None
         if rope_max_wavelength is not None:  # no weights; rotates q and k laid out (B, N|K, T, H)
             self.rotary = RotaryEmbedding(rope_max_wavelength, sequence_axis=2, dtype=self.dtype_policy)
+        # Unbuilt and empty until adapters are enabled, which may be after this layer is built.
+        self.lora = LowRankAdapters(name="lora", dtype=self.dtype_policy)
 
     @property
     def _value_dim(self):
@@ -199,7 +227,72 @@ class MultiHeadAttention(keras.layers.Layer):
         elif self.score == "additive":
             self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h), initializer=self.kernel_initializer)
         self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)  # N heads out
+        if self.lora_rank:
+            self._add_adapters()
         self.built = True
+
+    # === Low-rank adapters ===
+    def _projection_shapes(self):
+        """`{projection: (input_dim, units)}` of the query, key, value and output kernels (column blocks of the
+        fused kernel when there is one)."""
+        if self._fused:
+            d = self.qkv_kernel.shape[0]
+            shapes = {"query": (d, self._q_units), "key": (d, self._k_units), "value": (d, self._v_units)}
+        else:
+            shapes = {name: tuple(getattr(self, f"{name}_kernel").shape) for name in ("query", "key", "value")}
+        return {**shapes, "output": tuple(self.output_kernel.shape)}
+
+    def _kernel_names(self):
+        return ("qkv", "output") if self._fused else ("query", "key", "value", "output")
+
+    def _kernel_of(self, name):
+        """The kernel of `name` ("qkv", "query", "key", "value", "output"): the weight itself, or with adapters
+        the weight plus their update (a tensor, which no decode plan has laid out)."""
+        kernel = getattr(self, f"{name}_kernel")
+        if not self.lora_rank:
+            return kernel
+        parts = ("query", "key", "value") if name == "qkv" else (name,)
+        return kernel + ops.concatenate([self.lora.delta(part) for part in parts], axis=1)  # (D, units)
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
+        """Add low-rank adapters of `rank` to the query, key, value and output projections and stop training
+        their kernels (Keras' `Dense.enable_lora`; see the class docstring).
+
+        Once per layer, as in Keras: a layer whose adapters were merged takes no new ones (reload the model
+        instead). Under a `tf.distribute` strategy, call it in the strategy's scope.
+        """
+        check_positive_int("rank", rank)
+        check_lora_alpha(lora_alpha)
+        if self.lora_rank or self.lora.built:
+            state = "has adapters" if self.lora_rank else "had adapters, merged into its kernels"
+            raise ValueError(f"Layer {self.name!r} {state}; a layer takes adapters once (Keras builds a layer's "
+                             "weights once). Save and reload the model to add new ones.")
+        self.lora_rank, self.lora_alpha = rank, lora_alpha
+        if not self.built:  # `build` makes them
+            self.lora.a_initializer = keras.initializers.get(a_initializer)
+            self.lora.b_initializer = keras.initializers.get(b_initializer)
+            return
+        parent, _, own = self.path.rpartition("/")
+        with keras.name_scope(own, override_parent=parent or None):  # adapter paths under this layer's
+            self._add_adapters(a_initializer, b_initializer)
+
+    def _add_adapters(self, a_initializer=None, b_initializer=None):
+        self.lora.add(self._projection_shapes(), self.lora_rank, self.lora_alpha, a_initializer, b_initializer)
+        for name in self._kernel_names():
+            getattr(self, f"{name}_kernel").trainable = False
+
+    def merge_lora(self):
+        """Fold the adapters into the kernels, `W <- W + (A @ B) * lora_alpha / rank`, and delete them: the
+        same outputs from plain kernels, which train again."""
+        if not self.lora_rank:
+            raise ValueError(f"Layer {self.name!r} has no adapters to merge; call `enable_lora(rank)` first.")
+        if self.built:
+            merged = [(getattr(self, f"{name}_kernel"), self._kernel_of(name)) for name in self._kernel_names()]
+            for kernel, value in merged:
+                kernel.assign(value)
+                kernel.trainable = True
+            self.lora.remove()
+        self.lora_rank = self.lora_alpha = None
 
     # === Projections ===
     def _split_heads(self, x, heads, head_dim):
@@ -221,15 +314,16 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project_query(self, query, plan=None):
         if self._fused:
-            return dense(query, self.qkv_kernel, self.qkv_bias, 0, self._q_units, plan)
-        return dense(query, self.query_kernel, self.query_bias, 0, self._q_units, plan)
+            return dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units, plan)
+        return dense(query, self._kernel_of("query"), self.query_bias, 0, self._q_units, plan)
 
     def _project(self, query, value, key, plan=None):
         """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`."""
         qu, ku, vu = self._q_units, self._k_units, self._v_units
         n, kv = self.num_heads, self._kv_heads
+        qkv_kernel = self._kernel_of("qkv") if self._fused else None
         if self._fused and value is query and (key is None or key is query):
-            qkv = dense(query, self.qkv_kernel, self.qkv_bias, 0, qu + ku + vu, plan)  # (B, T, N*H + K*(H+Hv))
+            qkv = dense(query, qkv_kernel, self.qkv_bias, 0, qu + ku + vu, plan)  # (B, T, N*H + K*(H+Hv))
             if qu == ku == vu:
                 return tuple(self._split_stacked_heads(qkv, 3, n))
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
@@ -238,25 +332,25 @@ class MultiHeadAttention(keras.layers.Layer):
             if gradient_recording():
                 # Training: the fused kernel split once into its q and k/v columns. The gradient of a split is
                 # one concat; that of two slices is a zero-filled StridedSliceGrad each and their sum.
-                kernel_q, kernel_kv = tf.split(self.qkv_kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, K*(H+Hv))
+                kernel_q, kernel_kv = tf.split(qkv_kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, K*(H+Hv))
                 bias_q, bias_kv = (None, None) if self.qkv_bias is None else tf.split(self.qkv_bias, [qu, ku + vu])
                 q = dense(query, kernel_q, bias_q)  # (B, T, N*H)
                 kv_states = dense(value, kernel_kv, bias_kv)  # (B, S, K*(H+Hv))
             else:
-                q = self._project_query(query, plan)
-                kv_states = dense(value, self.qkv_kernel, self.qkv_bias, qu, qu + ku + vu, plan)  # (B, S, K*(H+Hv))
+                q = dense(query, qkv_kernel, self.qkv_bias, 0, qu, plan)
+                kv_states = dense(value, qkv_kernel, self.qkv_bias, qu, qu + ku + vu, plan)  # (B, S, K*(H+Hv))
             if vu == ku:
                 k, v = self._split_stacked_heads(kv_states, 2, kv)
                 return self._split_heads(q, n, self.key_dim), k, v
             k, v = ops.split(kv_states, [ku], axis=-1)
         elif self._fused:
-            q = self._project_query(query, plan)
-            k = dense(key, self.qkv_kernel, self.qkv_bias, qu, qu + ku, plan)
-            v = dense(value, self.qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu, plan)
+            q = dense(query, qkv_kernel, self.qkv_bias, 0, qu, plan)
+            k = dense(key, qkv_kernel, self.qkv_bias, qu, qu + ku, plan)
+            v = dense(value, qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu, plan)
         else:
             q = self._project_query(query, plan)
-            k = dense(value if key is None else key, self.key_kernel, self.key_bias, 0, ku, plan)
-            v = dense(value, self.value_kernel, self.value_bias, 0, vu, plan)
+            k = dense(value if key is None else key, self._kernel_of("key"), self.key_bias, 0, ku, plan)
+            v = dense(value, self._kernel_of("value"), self.value_bias, 0, vu, plan)
         return (
             self._split_heads(q, n, self.key_dim),
             self._split_heads(k, kv, self.key_dim),
@@ -391,7 +485,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 weights = weights * ops.cast(row_has_key, weights.dtype)
         x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
         x = ops.reshape(x, (ops.shape(x)[0], ops.shape(query)[1], self.num_heads * self._value_dim))  # (B, T, N*Hv)
-        outputs = dense(x, self.output_kernel, self.output_bias, 0, self.output_kernel.shape[-1], plan)
+        outputs = dense(x, self._kernel_of("output"), self.output_bias, 0, self.output_kernel.shape[-1], plan)
 
         result = (outputs,) + ((weights,) if return_attention_scores else ()) + ((cache,) if cache is not None else ())
         return result[0] if len(result) == 1 else result
@@ -456,6 +550,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "rope_max_wavelength": self.rope_max_wavelength,
+                "lora_rank": self.lora_rank,
+                "lora_alpha": self.lora_alpha,
             }
         )
         return config

@@ -12,8 +12,12 @@ builds; layers never import it):
   among the plan's, with its own bias).
 - `one_row(x)`: whether `x` `(B, T, D)` is one token of a batch-1 loop in the "rows" layout (the tied output
   projection then runs in float32, see `TokenEmbedding.attend`).
+
+A plan lays out weights, so a kernel used with low-rank adapters (`LowRankAdapters`), a tensor computed from
+weights, is never among its kernels: `dense` then takes the plain form, which is right and slower.
 """
 
+import keras
 import tensorflow as tf
 from keras import ops
 
@@ -165,3 +169,102 @@ def uncast(cache):
     """`cache` for a layer call: a split pair as a `SplitCache` (kept in its dtype), anything else as it is."""
     return SplitCache(*cache) if isinstance(cache, (tuple, list)) and len(cache) == 2 else cache
 
+
+
+@keras.saving.register_keras_serializable(package="tfformer")
+class LowRankAdapters(keras.layers.Layer):
+    """Low-rank adapters (LoRA; Hu et al., 2021) for named kernels of the layer that owns them.
+
+    The adapter of a kernel `W` `(input_dim, units)` is a pair `A` `(input_dim, rank)`, `B` `(rank, units)`;
+    the owner uses `W + delta(name)`, `delta = (A @ B) * lora_alpha / rank`. As Keras' `Dense.enable_lora`:
+    `A` starts from `he_uniform`, `B` from zeros (so the update starts at zero), and both are float32 under
+    every dtype policy (small updates would vanish in bfloat16).
+
+    The owner makes this layer, unbuilt and empty, in its `__init__`, and fills it with `add` when it enables
+    adapters, also after it was built itself: Keras lets a built layer gain weights only through a sublayer
+    that is still unbuilt. `remove` deletes the adapters once the owner merged them into its kernels; a layer
+    builds once, so it takes no new adapters after that. It is never called.
+
+    Args:
+        rank: int or None. The rank of every adapter (set by `add`).
+        lora_alpha: float or None. The update is scaled by `lora_alpha / rank`. Defaults to `rank` (scale 1).
+        a_initializer: initializer for `A`. Defaults to `"he_uniform"`.
+        b_initializer: initializer for `B`. Defaults to `"zeros"`.
+        **kwargs: Base layer arguments (`name`, `dtype`).
+
+    Example:
+    ```python
+    adapters = LowRankAdapters()
+    adapters.add({"query": (8, 4)}, rank=2)
+    kernel = query_kernel + adapters.delta("query")  # (8, 4)
+    ```
+    """
+
+    def __init__(self, rank=None, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros", **kwargs):
+        check_positive_int("rank", rank, allow_none=True)
+        check_lora_alpha(lora_alpha)
+        super().__init__(**kwargs)
+        self.rank = rank
+        self.lora_alpha = lora_alpha
+        self.a_initializer = keras.initializers.get(a_initializer)
+        self.b_initializer = keras.initializers.get(b_initializer)
+        self.kernel_names = ()
+
+    def add(self, kernel_shapes, rank, lora_alpha=None, a_initializer=None, b_initializer=None):
+        """Create an adapter of `rank` for each kernel of `kernel_shapes`, `{name: (input_dim, units)}`."""
+        if self.built:
+            raise ValueError(f"Layer {self.name!r} already made its adapters; a layer builds its weights once.")
+        check_positive_int("rank", rank)
+        check_lora_alpha(lora_alpha)
+        self.rank, self.lora_alpha = rank, lora_alpha
+        if a_initializer is not None:
+            self.a_initializer = keras.initializers.get(a_initializer)
+        if b_initializer is not None:
+            self.b_initializer = keras.initializers.get(b_initializer)
+        self.build(kernel_shapes)
+
+    def build(self, kernel_shapes):
+        check_positive_int("rank", self.rank)
+        for name, (input_dim, units) in kernel_shapes.items():
+            for part, shape, initializer in (("a", (input_dim, self.rank), self.a_initializer),
+                                             ("b", (self.rank, units), self.b_initializer)):
+                weight = self.add_weight(name=f"{name}_lora_{part}", shape=shape, initializer=initializer,
+                                         dtype="float32")
+                setattr(self, f"{name}_lora_{part}", weight)
+        self.kernel_names = tuple(kernel_shapes)
+        self.built = True
+
+    @property
+    def scale(self):
+        return (self.rank if self.lora_alpha is None else self.lora_alpha) / self.rank
+
+    def delta(self, name):
+        """The update `(A @ B) * lora_alpha / rank` `(input_dim, units)` float32 of kernel `name`."""
+        a, b = getattr(self, f"{name}_lora_a"), getattr(self, f"{name}_lora_b")
+        return ops.matmul(a, b) * self.scale  # (input_dim, rank) x (rank, units)
+
+    def remove(self):
+        """Delete every adapter (Keras stops tracking a weight deleted from its layer)."""
+        for name in self.kernel_names:
+            delattr(self, f"{name}_lora_a")
+            delattr(self, f"{name}_lora_b")
+        self.kernel_names = ()
+        self.rank = self.lora_alpha = None
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "rank": self.rank,
+                "lora_alpha": self.lora_alpha,
+                "a_initializer": keras.initializers.serialize(self.a_initializer),
+                "b_initializer": keras.initializers.serialize(self.b_initializer),
+            }
+        )
+        return config
+
+
+def check_lora_alpha(value, name="lora_alpha"):
+    """Raise a ValueError naming `name` unless `value` is a positive number or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"`{name}` must be a positive number or None. Received: {name}={value!r}")

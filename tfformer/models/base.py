@@ -163,6 +163,14 @@ class _CompileArguments:
         self.micro_batches = micro_batches
 
 
+class _Adapters:
+    """What `TransformerModel.enable_lora` set: the rank, the scale and the weights it stopped training (a plain
+    object, so that Keras does not track the weights in it as the model's own)."""
+
+    def __init__(self, rank, lora_alpha, frozen):
+        self.rank, self.lora_alpha, self.frozen = rank, lora_alpha, frozen
+
+
 class _FusedStep:
     """How one training step with the fused projection runs: the loss, and what it hands the metrics."""
 
@@ -193,9 +201,19 @@ class TransformerModel(task.Task, keras.Model):
     the same parts, prediction does not cut batches. The steps use public Keras APIs only: the graph up to the
     projection's inputs is a second functional model on the same layers, and the loss is reduced and tracked as
     Keras' own steps do (tests/training/test_fused_projection.py compares them).
+
+    Fine-tuning with low-rank adapters (`enable_lora(rank)`, as keras-hub's `backbone.enable_lora`): adapters on
+    the query, key, value and output projections of every attention layer, and only they train; `merge_lora()`
+    folds them back into the kernels. `lora_rank`/`lora_alpha` are in the config, so a model saved with adapters
+    (`save`, `save_to_preset`) loads with them, frozen as it was; a merged one saves as a plain model.
+
+    Args:
+        config: a `TransformerConfig` or its dict.
+        lora_rank: int. If set, `enable_lora(lora_rank, lora_alpha)` once built. Defaults to `None`.
+        lora_alpha: float. The adapters' scale numerator. Defaults to `None` (`lora_rank`).
     """
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config, lora_rank=None, lora_alpha=None, **kwargs):
         config = as_config(config)
         inputs, outputs, sublayers = self._build(config)
         projection_inputs = sublayers.pop("projection_inputs", None)
@@ -208,6 +226,9 @@ class TransformerModel(task.Task, keras.Model):
         self._projection_inputs = projection_inputs  # (B, T, D) symbolic, or None
         self._step_graphs = _StepGraphs(self, inputs, hidden_states, projection_inputs)
         self._compile_arguments = None
+        self._adapters = None
+        if lora_rank is not None:
+            self.enable_lora(lora_rank, lora_alpha)
 
     @property
     def backbone(self):
@@ -239,6 +260,80 @@ class TransformerModel(task.Task, keras.Model):
 
     def _build(self, config):
         raise NotImplementedError
+
+    # === Fine-tuning with low-rank adapters ===
+    @property
+    def lora_rank(self):
+        """The rank of the adapters `enable_lora` added, or None."""
+        return None if self._adapters is None else self._adapters.rank
+
+    @property
+    def lora_alpha(self):
+        """What `enable_lora` got as `lora_alpha` (None: the rank)."""
+        return None if self._adapters is None else self._adapters.lora_alpha
+
+    def attention_layers(self):
+        """Every `layers.MultiHeadAttention` of the model (self- and cross-attention), outer blocks first."""
+        return [layer for layer in compat.flatten_layers(self) if isinstance(layer, layers.MultiHeadAttention)]
+
+    def enable_lora(self, rank, lora_alpha=None):
+        """Low-rank adapters (LoRA; Hu et al., 2021) of `rank` on the query, key, value and output projections of
+        every attention layer (`layers.MultiHeadAttention.enable_lora`), and only they train: every other weight
+        (embeddings, norms, feed-forward, the projections' kernels and biases) stops training.
+
+        Call it before `compile` (the optimizer is built for the trainable weights it first sees) and, under a
+        `tf.distribute` strategy, in the strategy's scope. `merge_lora` undoes it.
+
+        Example:
+        ```python
+        lm = tfformer.models.from_preset("smollm2-135m-instruct")
+        lm.enable_lora(4)
+        lm.compile(optimizer=keras.optimizers.Adam(1e-3), loss=tfformer.training.MaskedSparseCrossEntropy(0.0))
+        lm.fit(tfformer.data.make_chat_dataset("chat.tsv", lm.preprocessor, sequence_length=128), epochs=3)
+        lm.merge_lora()
+        lm.save_to_preset("smollm2-tuned")
+        ```
+        """
+        layers.layer_utils.check_positive_int("rank", rank)
+        layers.layer_utils.check_lora_alpha(lora_alpha)
+        if self._adapters is not None:
+            raise ValueError(f"{type(self).__name__} {self.name!r} already has adapters of rank {self.lora_rank}; "
+                             "call `merge_lora()` first (then save and reload the model to add new ones).")
+        attention = self.attention_layers()
+        if not attention:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has no attention layers to adapt.")
+        trainable = [weight for weight in self.weights if weight.trainable]
+        for layer in attention:
+            layer.enable_lora(rank, lora_alpha)
+        adapters = {id(weight) for layer in attention for weight in layer.lora.weights}
+        frozen = [weight for weight in trainable if id(weight) not in adapters]
+        for weight in frozen:
+            weight.trainable = False
+        self._adapters = _Adapters(rank, lora_alpha, frozen)
+        self._trainable_weights_changed()
+
+    def merge_lora(self):
+        """Fold every attention layer's adapters into its kernels and delete them
+        (`layers.MultiHeadAttention.merge_lora`): the same outputs from a plain model, whose weights train as
+        before `enable_lora`, which decode plans lay out at full speed and which `save_to_preset` writes as a
+        plain preset. Its attention layers take no new adapters (reload the model to add some)."""
+        if self._adapters is None:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has no adapters to merge; call "
+                             "`enable_lora(rank)` first.")
+        for layer in self.attention_layers():
+            if layer.lora_rank:
+                layer.merge_lora()
+        for weight in self._adapters.frozen:
+            weight.trainable = True
+        self._adapters = None
+        self._trainable_weights_changed()
+
+    def _trainable_weights_changed(self):
+        # Generate functions traced before would keep the old kernels; a compiled step, the old trainable weights.
+        generation.reset_compiled(self)
+        if getattr(self, "compiled", False):
+            warnings.warn("The trainable weights changed after `compile`; call `compile` again before `fit`.",
+                          stacklevel=3)
 
     # === Training: the output projection fused with the loss ===
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
@@ -378,7 +473,8 @@ class TransformerModel(task.Task, keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
-        return {"config": self.config.to_dict(), "name": self.name, "trainable": self.trainable}
+        return {"config": self.config.to_dict(), "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "name": self.name, "trainable": self.trainable}
 
     @classmethod
     def from_config(cls, config):
