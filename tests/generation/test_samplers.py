@@ -149,11 +149,13 @@ def _stub(calls):
 def _replayed(start, end_id, steps):
     """numpy: the seq2seq-like contract of `_stub` under greedy decoding: tokens, and the `(index, ids)` calls."""
     tokens, done, calls, ids = np.zeros((len(start), steps), "int32"), np.zeros(len(start), bool), [], start
+    done_before = done  # what the loop's condition reads: `done` one step late
     for i in range(steps):
-        if done.all():
+        if done_before.all():
             break
         calls.append((i, ids.tolist()))
         ids = np.where(done, 0, (ids + i) % VOCAB)
+        done_before = done
         tokens[:, i], done = ids, done | (ids == end_id)
     return tokens, calls
 
@@ -161,7 +163,8 @@ def _replayed(start, end_id, steps):
 @pytest.mark.parametrize("start", [[1, 2, 4], [2, 4]])
 def test_the_loop_calls_next_with_the_last_ids_and_the_cache_index(start):
     """Seq2seq-like: `ids` fed at index 0, 1, ...; step i fills column i; a row stops at `end_id` (later columns
-    hold `fill`), the loop when every row has (rows from 2 and 4 end at columns 2 and 1; from 1, never)."""
+    hold `fill`), the loop one step after every row has (rows from 2 and 4 end at columns 2 and 1; from 1, never):
+    its condition reads `done` a step late, so that a step's predicate does not wait for the previous token."""
     calls = []
     start = np.array(start, "int32")
     tokens = GreedySampler().run(_stub(calls), tf.zeros([len(start), 6], tf.int32), (tf.zeros([len(start)]),), 0,
@@ -170,7 +173,7 @@ def test_the_loop_calls_next_with_the_last_ids_and_the_cache_index(start):
     np.testing.assert_array_equal(tokens.numpy(), expected)
     assert calls == expected_calls
     assert (expected == 5).any(axis=1).tolist() == [s != 1 for s in start]
-    assert len(calls) == (6 if 1 in start else 3)  # stopped once every row had ended
+    assert len(calls) == (6 if 1 in start else 4)  # stopped one step after every row had ended
 
 
 def test_the_loop_keeps_prompts_and_stops_each_row_after_its_own_new_tokens():

@@ -91,16 +91,21 @@ class Sampler(metaclass=_ByKind):
                                              fill)
         stop = (column if prompt_lengths is None else tf.reduce_max(prompt_lengths)) + max_new_tokens
 
-        def cond(i, ids, tokens, cache, done):
-            return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(done)))
+        # The condition reads `done` one step late: then a step's predicate does not wait for the previous step's
+        # token, and TensorFlow's executor (without XLA) runs the next steps' loop-invariant work, such as the
+        # weights' casts under mixed precision, beside the current one. It costs one step after the last row ends,
+        # which writes `fill` where `fill` already stands.
+        def cond(i, ids, tokens, cache, done, done_before):
+            return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(done_before)))
 
-        def body(plan, i, ids, tokens, cache, done):
+        def body(plan, i, ids, tokens, cache, done, done_before):
             logits, _, cache = next(ids, cache, i, plan=plan)
-            ids, tokens, done = self._choose(logits, written(i), tokens, done, end_id, max_new_tokens,
-                                             prompt_lengths, fill)
-            return i + 1, ids, tokens, cache, done
+            chosen, tokens, now_done = self._choose(logits, written(i), tokens, done, end_id, max_new_tokens,
+                                                    prompt_lengths, fill)
+            return i + 1, chosen, tokens, cache, now_done, done
 
-        return self._loop(cond, body, (index, ids, tokens, cache, done), plan, prefix, max_new_tokens)[2]
+        state = (index, ids, tokens, cache, done, done)
+        return self._loop(cond, body, state, plan, prefix, max_new_tokens)[2]
 
     @staticmethod
     def _loop(cond, body, state, plan, prefix, max_new_tokens):
