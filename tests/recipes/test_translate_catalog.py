@@ -4,12 +4,11 @@ import glob
 import json
 import os
 import re
-import shutil
-import subprocess
 
 import polib
 import pytest
 
+from tests.recipes.catalogs import edge_whitespace, msgfmt
 from tfformer import cli, data, models
 from tfformer.data import placeholders
 from tfformer.recipes import translation
@@ -17,7 +16,6 @@ from tfformer.recipes import translation
 MO_CANDIDATES = ["Linux-PAM.mo", "pg_waldump-15.mo", "man-db.mo", "sed.mo", "xz.mo", "apt.mo"]
 CFG = dict(hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1, num_decoder_layers=1, dropout=0.0,
            max_sequence_length=32)
-WS = " \t\n\r\f\v"
 
 
 def _mo_path():
@@ -85,16 +83,6 @@ def run(tmp_path_factory):
     return str(out)
 
 
-def _msgfmt(path, *flags):
-    if shutil.which("msgfmt") is None:
-        pytest.skip("GNU gettext's msgfmt is not installed (Debian package `gettext`)")
-    return subprocess.run(["msgfmt", "--check-format", *flags, "-o", os.devnull, path], capture_output=True, text=True)
-
-
-def _edges(text):
-    return text[: len(text) - len(text.lstrip(WS))], text[len(text.rstrip(WS)):]
-
-
 def test_pot_from_the_machine_becomes_a_po_that_msgfmt_accepts(template, run, tmp_path, capsys):
     out = str(tmp_path / "de.po")
     assert cli.main(["translate", "--run", run, "--po", template, "--out", out, "--batch-size", "8",
@@ -102,7 +90,7 @@ def test_pot_from_the_machine_becomes_a_po_that_msgfmt_accepts(template, run, tm
     err = capsys.readouterr().err
     assert "marked fuzzy" in err and re.search(r"translating \[#+\] ([0-9]+)/\1 messages\n", err), err  # progress
     for flags in ((), ("--use-fuzzy",)):  # fuzzy entries are only checked with --use-fuzzy
-        checked = _msgfmt(out, *flags)
+        checked = msgfmt(out, *flags)
         assert checked.returncode == 0, checked.stderr
     before, after = polib.pofile(template), polib.pofile(out)
     assert len(after) == len(before) and after.metadata["Plural-Forms"] == "nplurals=2; plural=(n != 1);"
@@ -119,7 +107,7 @@ def test_pot_from_the_machine_becomes_a_po_that_msgfmt_accepts(template, run, tm
             assert target
             printf = [p for p in placeholders.find_placeholders(source) if p.startswith("%")]
             assert [p for p in placeholders.find_placeholders(target) if p.startswith("%")] == printf, (source, target)
-            assert _edges(target) == _edges(source), (source, target)
+            assert edge_whitespace(target) == edge_whitespace(source), (source, target)
 
 
 def test_nothing_to_translate_exits_0_and_writes_nothing(template, run, tmp_path, capsys):
@@ -178,7 +166,7 @@ def test_plural_forms_of_a_three_form_language_pass_msgfmt(run, tmp_path):
     assert entries.metadata["Plural-Forms"] == translation.PLURAL_FORMS["ru"]
     assert all(sorted(e.msgstr_plural) == [0, 1, 2] for e in entries)
     assert all("%d" in form for form in entries[0].msgstr_plural.values())  # form 0 serves 21, 31, ... too
-    checked = _msgfmt(str(tmp_path / "ru.po"), "--use-fuzzy")
+    checked = msgfmt(str(tmp_path / "ru.po"), "--use-fuzzy")
     assert checked.returncode == 0, checked.stderr
 
 

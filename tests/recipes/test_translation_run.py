@@ -4,14 +4,13 @@ edge decoders (float32 TFLite) translate exactly as its SavedModel does, beam se
 import glob
 import importlib.util
 import os
-import shutil
-import subprocess
 
 import keras
 import numpy as np
 import polib
 import pytest
 
+from tests.recipes.catalogs import edge_whitespace, msgfmt
 from tfformer import cli, data, edge, generation
 from tfformer.data import placeholders
 from tfformer.recipes import rundir, translation
@@ -19,7 +18,6 @@ from tfformer.recipes import rundir, translation
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MO_CANDIDATES = ["coreutils.mo", "grep.mo", "sed.mo", "tar.mo", "apt.mo", "dpkg.mo"]
 TINY = dict(hidden_dim=32, num_heads=2, intermediate_dim=64, num_encoder_layers=1, num_decoder_layers=1, dropout=0.0)
-WS = " \t\n\r\f\v"
 # What the edge must carry exactly like the SavedModel: edge newlines, runs of spaces, tabs and inner newlines,
 # printf conversions, tags, accelerators, accents.
 TEXTS = ["\nCannot open the file %s\n", "Invalid  argument:   %s\n\n", "  Write   error\t", "\n\n_Open the file",
@@ -34,16 +32,6 @@ def _fr_catalog():
     if not found:
         pytest.skip("no French gettext catalog (*.mo) on this machine")
     return polib.mofile(found[0])
-
-
-def _msgfmt(path, *flags):
-    if shutil.which("msgfmt") is None:
-        pytest.skip("GNU gettext's msgfmt is not installed (Debian package `gettext`)")
-    return subprocess.run(["msgfmt", "--check-format", *flags, "-o", os.devnull, path], capture_output=True, text=True)
-
-
-def _edges(text):
-    return text[: len(text) - len(text.lstrip(WS))], text[len(text.rstrip(WS)):]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +105,7 @@ def test_a_french_pot_becomes_a_po_that_msgfmt_accepts(fr_run, catalog, tmp_path
                      "--max-new-tokens", "24"]) == 0
     assert "marked fuzzy" in capsys.readouterr().err
     for flags in ((), ("--use-fuzzy",)):
-        checked = _msgfmt(out, *flags)
+        checked = msgfmt(out, *flags)
         assert checked.returncode == 0, checked.stderr
     po = polib.pofile(out)
     assert po.metadata["Plural-Forms"] == "nplurals=2; plural=(n > 1);" and po.metadata["Language"] == "fr"
@@ -126,7 +114,7 @@ def test_a_french_pot_becomes_a_po_that_msgfmt_accepts(fr_run, catalog, tmp_path
         targets = [(e.msgid, e.msgstr_plural[0]), (e.msgid_plural, e.msgstr_plural[1])] if e.msgid_plural \
             else [(e.msgid, e.msgstr)]
         for source, target in targets:
-            assert target and _edges(target) == _edges(source), (source, target)
+            assert target and edge_whitespace(target) == edge_whitespace(source), (source, target)
             printf = [p for p in placeholders.find_placeholders(source) if p.startswith("%")]
             assert [p for p in placeholders.find_placeholders(target) if p.startswith("%")] == printf
 
@@ -140,7 +128,7 @@ def test_edge_translates_exactly_like_the_saved_model(fr_run, parity_tool):
     assert report["exact_match"]["float32"] == 1.0 and report["difference_kinds"]["decoding"] == 0
     assert sum(out != text for out, text in zip(served, TEXTS)) >= len(TEXTS) - 1  # the model did translate
     for text, out in zip(TEXTS, report["translations"]["int8"]):
-        assert _edges(out) == _edges(text) and sorted(placeholders.find_placeholders(out)) == sorted(
+        assert edge_whitespace(out) == edge_whitespace(text) and sorted(placeholders.find_placeholders(out)) == sorted(
             placeholders.find_placeholders(text)), (text, out)
     assert 0 <= report["exact_match"]["int8"] <= 1
 
