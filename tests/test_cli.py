@@ -97,8 +97,13 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     from tfformer.recipes import translation
 
     translator = translation.load_run(str(out))
-    expected = translator.translate(["open the file 3", "save a folder 9"], max_new_tokens=8)
+    # The CLI decodes as the run was evaluated (beam search); `--beam-size 1` is the library's greedy default.
+    texts = ["open the file 3", "save a folder 9"]
+    expected = translator.translate(texts, max_new_tokens=8, beam_size=translation.BEAM_SIZE,
+                                    length_penalty=translation.LENGTH_PENALTY)
     assert translated.stdout.splitlines()[-2:] == expected
+    greedy = _cli("translate", "--run", str(out), "--max-new-tokens", "8", "--beam-size", "1", *texts)
+    assert greedy.stdout.splitlines()[-2:] == translator.translate(texts, max_new_tokens=8)
     exported = _cli("export", str(out), "--format", "all", "--out", str(tmp_path / "models" / "en-de"),
                     "--max-new-tokens", "8")
     assert exported.returncode == 0, exported.stderr[-3000:]

@@ -112,5 +112,7 @@ def test_llm_benchmark_smoke():
     reading = f32["fraction_of_bandwidth_limit"] or f32["whole_call_fraction_of_bandwidth_limit"]
     assert goal["value"] == pytest.approx(reading, rel=1e-3)
     goal = goals["llm peak memory while loading <= 2.0x the float32 weights"]
-    assert not goal["at_least"] and goal["value"] == pytest.approx(memory["peak_over_weights"], rel=1e-3)
+    # What loading costs: the peak over the imports; the whole process's peak beside it.
+    assert not goal["at_least"] and goal["value"] == pytest.approx(memory["increase_over_weights"], rel=1e-3)
+    assert goal["other_readings"]["whole process peak"] == pytest.approx(memory["peak_over_weights"], rel=1e-3)
     assert "Goals (ratios of the medians):" in out.stdout and "| system | tokens_per_s |" in out.stdout
