@@ -59,6 +59,19 @@ def parse_decoding(text):
     return int(found.group(1)), float(found.group(2))
 
 
+# printf conversions as C reads them (flags, width, precision, length, conversion; `%%`), written apart from
+# tfformer.data.placeholders so that this check does not share its patterns.
+PRINTF = re.compile(r"%(?:[0-9]+\$)?[-+ #0']*(?:[0-9]+|\*)?(?:\.(?:[0-9]+|\*)?)?(?:hh|h|ll|l|L|q|j|z|t)?"
+                    r"[diouxXeEfFgGaAcsCSpnm%]")
+
+
+def kept(source, output):
+    """Whether `output` holds every printf conversion of `source` (as a multiset) and its leading and trailing
+    newlines."""
+    return (sorted(PRINTF.findall(source)) == sorted(PRINTF.findall(output))
+            and source.startswith("\n") == output.startswith("\n") and source.endswith("\n") == output.endswith("\n"))
+
+
 def scores(hypotheses, references):
     return {"bleu": round(training.corpus_bleu(hypotheses, references), 2),
             "chrf": round(translation.corpus_chrf(hypotheses, references), 2)}
@@ -176,6 +189,9 @@ def compare(run, texts, references=None, work=None, beam_size=None, length_penal
         "exact_match": {name: round(sum(a == b for a, b in zip(results[name], results["saved_model"]))
                                     / max(len(texts), 1), 4) for name in decoders},
         "seconds": seconds,
+        # the share of texts whose printf conversions and edge newlines survive (issue 43: all of them)
+        "printf_and_newlines_kept": {name: round(sum(kept(t, o) for t, o in zip(texts, outs)) / max(len(texts), 1), 4)
+                                     for name, outs in results.items()},
         "translations": results,
     }
     if references is not None:
@@ -243,7 +259,8 @@ def main(argv=None):
             handle.write(json.dumps(d, ensure_ascii=False) + "\n")
     summary = {**header, **{k: v for k, v in report.items() if k not in ("translations", "differences")}}
     rundir.write_json(os.path.join(work, f"parity{suffix}.json"), summary)
-    print(json.dumps({k: summary[k] for k in ("exact_match", "scores", "difference_kinds", "seconds")}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("exact_match", "scores", "printf_and_newlines_kept", "difference_kinds",
+                                          "seconds")}, indent=1))
     print(f"written: {os.path.join(work, f'parity{suffix}.json')}, differences{suffix}.txt")
     return 0
 

@@ -3,7 +3,9 @@ edge decoders (float32 TFLite) translate exactly as its SavedModel does, beam se
 
 import glob
 import importlib.util
+import json
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -131,6 +133,11 @@ def test_edge_translates_exactly_like_the_saved_model(fr_run, parity_tool):
         assert edge_whitespace(out) == edge_whitespace(text) and sorted(placeholders.find_placeholders(out)) == sorted(
             placeholders.find_placeholders(text)), (text, out)
     assert 0 <= report["exact_match"]["int8"] <= 1
+    assert report["printf_and_newlines_kept"] == {"saved_model": 1.0, "float32": 1.0, "int8": 1.0}
+    # The check itself: a lost conversion or edge newline is seen.
+    assert parity_tool.kept("%u freed (%.2f%%).\n", "%u freigegeben (%.2f%%).\n")
+    assert not parity_tool.kept("%u freed (%.2f%%).\n", "%u.2f.2f).\n%%")
+    assert not parity_tool.kept("\nDone.", "Fertig.") and not parity_tool.kept("Done.\n", "Fertig.")
 
 
 @pytest.mark.parametrize("beam_size, length_penalty", [(1, 0.6), (3, 0.6), (4, 1.0)])
@@ -177,3 +184,20 @@ def test_stop_after_steps_and_bad_options(tmp_path):
         translation.train_translation(str(tmp_path / "run"), data_file=str(tmp_path / "x.tsv"), average_last=-1)
     with pytest.raises(ValueError, match="max_steps"):
         translation.train_translation(str(tmp_path / "run"), data_file=str(tmp_path / "x.tsv"), max_steps=1.5)
+
+
+def test_catalog_check_tool_passes_msgfmt_on_a_test_split_catalog(fr_run, tmp_path):
+    """tools/catalog_check.py (issue 43's check on a trained run): the French catalog with the most printf and
+    edge-newline messages in the test split, remade as a .pot, translated, accepted by msgfmt, nothing lost."""
+    if shutil.which("msgfmt") is None:
+        pytest.skip("GNU gettext's msgfmt is not installed (Debian package `gettext`)")
+    spec = importlib.util.spec_from_file_location("catalog_check", os.path.join(ROOT, "tools", "catalog_check.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    work = tmp_path / "check"
+    assert tool.main(["--run", fr_run["dir"], "--catalogs", "1", "--order", "printf", "--work", str(work)]) == 0
+    rows = [json.loads(line) for line in (work / "catalog_check-test-printf.jsonl").read_text().splitlines()]
+    row, summary = rows
+    assert row["c_format_entries"] > 0 and row["msgfmt"] == {"default": 0, "--use-fuzzy": 0}
+    assert (summary["dropped"], summary["altered"], summary["printf_or_edge_newline_lost"]) == (0, 0, 0)
+    assert row["translated"] == row["entries"] > 0
