@@ -184,6 +184,51 @@ def test_int8_wer_within_two_points_of_float32(transcribers, edge_ids, tflite_fi
     assert sizes["dynamic"] < sizes["float32"] / 2
 
 
+def _runner_ids(path, features, edge_asr):
+    """Greedy ids of one window through the file's signature runners, every input passed at every call: the
+    cross-attention keys/values each step and the cache from the host (its slot `index` written from
+    `new_cache`), the suppression from the ids the Transcriber read."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path, num_threads=2)
+    encode, step = interpreter.get_signature_runner("encode"), interpreter.get_signature_runner("decode_step")
+    cross_cache = encode(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
+    cross = {f"cross_{half}_{i}": np.ascontiguousarray(cross_cache[i, :, h])
+             for i in range(cross_cache.shape[0]) for h, half in enumerate(("keys", "values"))}
+    cache = np.zeros(step.get_input_details()["cache"]["shape"], np.float32)  # (L, 1, 2, K, S, H)
+    bias = np.zeros(step.get_output_details()["logits"]["shape"][-1], np.float32)
+    bias[edge_asr.suppress_ids] = -np.inf
+    first = bias.copy()
+    first[edge_asr.suppress_ids_begin] = -np.inf
+    tokens, new = list(edge_asr.prompt), []
+    for index in range(cache.shape[4]):
+        out = step(token_ids=np.array([[tokens[index]]], np.int32), cache=cache, index=np.array(index, np.int32),
+                   **cross)
+        cache[..., index, :] = out["new_cache"][..., 0, :]
+        if index + 1 < len(edge_asr.prompt):
+            continue
+        new.append(int(np.argmax(out["logits"][0, -1] + (bias if new else first))))
+        tokens.append(new[-1])
+        if new[-1] == edge_asr.end_id:
+            return new
+    return new
+
+
+def test_transcriber_keeps_caches_in_the_interpreter(transcribers, tflite_files, manifest, waveforms):
+    """The Transcriber sets each window's cross-attention keys/values once and writes each step's slot into the
+    cache inside the interpreter; passing every input at every call gives the same ids. Two clips in a row on
+    one Transcriber (the second window must not see the first's caches), float32 and int8; float32's are the
+    manifest's (CTranslate2's) ids."""
+    for name in ("float32", "dynamic"):
+        edge_asr = transcribers[name]
+        for i in (7, 12):
+            features = edge_asr.features(waveforms[i])
+            got = edge_asr.transcribe_ids(features)
+            assert got == _runner_ids(tflite_files[name], features, edge_asr), (name, i)
+            if name == "float32":
+                assert got == manifest["clips"][i]["token_ids"] + [edge_asr.end_id], i
+
+
 def test_transcriber_reads_wav_files(transcribers, manifest):
     clip = manifest["clips"][3]
     assert transcribers["float32"].transcribe(str(SPEECH / clip["file"])) == clip["transcript"]
@@ -214,6 +259,34 @@ def test_transcriber_bad_input(transcribers, tflite_files, waveforms, tmp_path):
     text_file = export.tflite_decoder(models.build_causal_lm(config), str(tmp_path / "lm.tflite"))
     with pytest.raises(ValueError, match="`path` must be a Whisper decoder file"):
         edge.Transcriber(text_file)
+
+
+def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
+    """A Whisper file whose `decode_step` takes one stacked `cross_cache` and returns the whole cache (the layout
+    before `new_cache`) gets a clear error, not a KeyError: a tiny stand-in with those signatures."""
+    import tensorflow as tf
+
+    from tfformer import edge
+
+    class OldLayout(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([1, 4, 2], tf.float32, name="input_features")])
+        def encode(self, input_features):
+            return {"cross_cache": input_features * 2.0, "end_id": tf.constant(3)}
+
+        @tf.function(input_signature=[tf.TensorSpec([1, 1], tf.int32, name="token_ids"),
+                                      tf.TensorSpec([1, 4, 2], tf.float32, name="cache"),
+                                      tf.TensorSpec([1, 4, 2], tf.float32, name="cross_cache")])
+        def decode_step(self, token_ids, cache, cross_cache):
+            return {"logits": cache + cross_cache + tf.cast(token_ids[0, 0], tf.float32), "cache": cache * 2.0}
+
+    module = OldLayout()
+    saved = str(tmp_path / "old")
+    tf.saved_model.save(module, saved, signatures={"encode": module.encode, "decode_step": module.decode_step})
+    content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["encode", "decode_step"]).convert()
+    path = tmp_path / "old.tflite"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="older layout .*write it again with tfformer.export.tflite_decoder"):
+        edge.Transcriber(str(path))
 
 
 def test_tflite_decoder_argument_errors(asr, tmp_path):

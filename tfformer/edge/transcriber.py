@@ -52,6 +52,11 @@ class Transcriber:
     prompt is fed one id per call: fixed shapes), with greedy choice after Whisper's suppression. The prompt,
     end id and suppressed ids are read from the file.
 
+    The caches stay in the interpreter: `decode_step` is the file's main subgraph, whose input tensors keep
+    their contents between runs, so each window's cross-attention keys/values are set once, and each step
+    returns only the cache slot it wrote (`new_cache`), which goes into the `cache` input in place. Per step
+    only the token, the index, the logits and that slot cross between host and interpreter.
+
     Args:
         path: the .tflite file (float32 or `quantize="dynamic"`).
         tokenizer: the Whisper `tfformer.data.BytePairTokenizer` (e.g. `models.from_preset("whisper-tiny-en")
@@ -81,15 +86,33 @@ class Transcriber:
             raise ValueError(f"`path` must be a Whisper decoder file (an `encode` signature on `input_features` and a "
                              f"`decode_step`), written by tfformer.export.tflite_decoder(whisper_model, path). "
                              f"Received: path={path!r} with signatures {signatures}")
-        self._encode = self.interpreter.get_signature_runner("encode")
-        self._step = self.interpreter.get_signature_runner("decode_step")
-        features = self._encode.get_input_details()["input_features"]
+        # Runners are made per use: a live one holds the interpreter, whose own `invoke` then refuses to run.
+        step = self.interpreter.get_signature_runner("decode_step")
+        step_inputs, step_outputs = step.get_input_details(), step.get_output_details()
+        del step
+        if "new_cache" not in step_outputs:
+            raise ValueError(f"`path` is a Whisper decoder file of an older layout (decode_step outputs "
+                             f"{sorted(step_outputs)}): write it again with tfformer.export.tflite_decoder.")
+        main = {(d["name"], d["index"]) for d in self.interpreter.get_input_details()}
+        if main != {(d["name"], d["index"]) for d in step_inputs.values()}:
+            raise ValueError(f"`path` must have `decode_step` as its main subgraph (the inputs `invoke` runs), as "
+                             f"tfformer.export.tflite_decoder writes it. Received: path={path!r}")
+        features = self._runner("encode").get_input_details()["input_features"]
         self.input_shape = tuple(int(d) for d in features["shape"])  # (1, F, M)
-        self.cache_shape = tuple(int(d) for d in self._step.get_input_details()["cache"]["shape"])
+        self.cache_shape = tuple(int(d) for d in step_inputs["cache"]["shape"])  # (L, 1, 2, K, S, H)
         self.max_length = self.cache_shape[4]
-        vocabulary_size = int(self._step.get_output_details()["logits"]["shape"][-1])
+        self._token = step_inputs["token_ids"]["index"]
+        self._index = step_inputs["index"]["index"]
+        self._cache = step_inputs["cache"]["index"]
+        self._logits = step_outputs["logits"]["index"]
+        self._new_cache = step_outputs["new_cache"]["index"]
+        # Per layer, the tensor indices of its cross-attention (keys, values), each (1, K, S_src, H).
+        self._cross = [tuple(step_inputs[f"cross_{half}_{i}"]["index"] for half in ("keys", "values"))
+                       for i in range(self.cache_shape[0])]
+        vocabulary_size = int(step_outputs["logits"]["shape"][-1])
+        self.interpreter.allocate_tensors()  # the main subgraph, run through `invoke`
         # The options are constant outputs of `encode`: one run on silence reads them.
-        options = self._encode(input_features=np.zeros(self.input_shape, np.float32))
+        options = self._runner("encode")(input_features=np.zeros(self.input_shape, np.float32))
         self.prompt = [int(i) for i in options["prompt_ids"].reshape(-1)]
         self.end_id = int(options["end_id"])
         self.suppress_ids = [int(i) for i in options["suppress_ids"] if i >= 0]  # -1 pads the list in the file
@@ -98,6 +121,9 @@ class Transcriber:
         self._every_step[self.suppress_ids] = -np.inf
         self._first_step = self._every_step.copy()
         self._first_step[self.suppress_ids_begin] = -np.inf
+
+    def _runner(self, name):
+        return self.interpreter.get_signature_runner(name)
 
     def features(self, waveform):
         """Log-mel features `(1, 3000, 80)` of one 16 kHz window (`log_mel_features`)."""
@@ -120,16 +146,23 @@ class Transcriber:
             raise ValueError(f"`max_new_tokens` must be an integer in [1, {room}] (the file's cache of "
                              f"{self.max_length} positions after the prompt). "
                              f"Received: max_new_tokens={max_new_tokens!r}")
-        cross_cache = self._encode(input_features=features)["cross_cache"]
-        cache = np.zeros(self.cache_shape, np.float32)
+        interpreter = self.interpreter
+        cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
+        for layer, pair in enumerate(self._cross):
+            for half, tensor in enumerate(pair):
+                interpreter.set_tensor(tensor, np.ascontiguousarray(cross_cache[layer, :, half]))  # (1, K, S_src, H)
+        interpreter.tensor(self._cache)().fill(0.0)  # views of the interpreter's buffers live for one statement
 
-        def step(token, index, cache):
-            out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32),
-                             cross_cache=cross_cache)
-            return out["logits"][0, -1], out["cache"]
+        def step(token, index):
+            interpreter.set_tensor(self._token, np.array([[token]], np.int32))
+            interpreter.set_tensor(self._index, np.array(index, np.int32))
+            interpreter.invoke()
+            new_cache = interpreter.get_tensor(self._new_cache)  # (L, 1, 2, K, 1, H)
+            interpreter.tensor(self._cache)()[..., index, :] = new_cache[..., 0, :]
+            return interpreter.get_tensor(self._logits)[0, -1]
 
         for index, token in enumerate(self.prompt):  # prefill, one id per call
-            logits, cache = step(token, index, cache)
+            logits = step(token, index)
         new = []
         bias = self._first_step
         while True:
@@ -137,7 +170,7 @@ class Transcriber:
             new.append(token)
             if token == self.end_id or len(new) == max_new_tokens:
                 return new
-            logits, cache = step(token, len(self.prompt) + len(new) - 1, cache)
+            logits = step(token, len(self.prompt) + len(new) - 1)
             bias = self._every_step
 
     def ids_to_text(self, ids):

@@ -11,11 +11,14 @@ app owns the loop, as the TFLite GPU delegate has no WHILE op:
   `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}`
 - Whisper (speech_seq2seq): `encode(input_features (1,3000,80)) -> {cross_cache (L,1,2,K,1500,H), prompt_ids
   (1,P), end_id (), suppress_ids, suppress_ids_begin}` (the decoding options as constants; the id lists end with
-  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_cache) -> {logits, cache}`. The
-  encoder takes log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in
-  numpy), so the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400).
-  The logits are raw: the host adds Whisper's suppression (`suppress_ids` every step, `suppress_ids_begin` at
-  the first) before its argmax.
+  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_keys_i, cross_values_i
+  (1,K,1500,H) for each layer i) -> {logits, new_cache (L,1,2,K,1,H)}`: the cross-attention keys/values are
+  inputs of their own (TFLite copies a slice of a stacked tensor element by element), and the step returns
+  only the cache slot it wrote at `index`, which the host writes into the cache it keeps. The encoder takes
+  log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in numpy), so
+  the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400). The logits
+  are raw: the host adds Whisper's suppression (`suppress_ids` every step, `suppress_ids_begin` at the first)
+  before its argmax.
 
 With `tokenizer=`, the same file also gets `tokenize` (text -> ids) and
 `detokenize` (ids -> text) signatures built only from ops of the TF-Text TFLite
@@ -108,15 +111,26 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
         return _write(_converter(tmp, [sig.PREDICT_IDS], quantize, representative_data), path)
 
 
+class _StackedKeysValues:
+    """A read-only cross-attention cache `(B, 2, K, S, H)` held as its keys and values `(B, K, S, H)`: the
+    attention reads `cache[:, 0]` and `cache[:, 1]`, which here are the tensors themselves, not slices."""
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def __getitem__(self, item):
+        if not (isinstance(item, tuple) and len(item) == 2 and item[0] == slice(None) and item[1] in (0, 1)):
+            raise IndexError(f"A stacked keys/values view takes [:, 0] or [:, 1]. Received: {item!r}")
+        return self.keys if item[1] == 0 else self.values
+
+
 def _speech_endpoints(model, token_spec, cache_spec, index_spec):
     """Whisper's `encode` (log-mel features -> cross caches and the decoding options) and `decode_step`."""
     config = model.config
     num_frames = 2 * config.max_source_positions  # one 30-second window: 3000 frames
     features_spec = sig.features_spec(num_frames, config.num_mel_bins, batch=1)
-    cross_spec = tf.TensorSpec(
-        [config.num_decoder_layers, 1, 2, config.key_value_heads, config.max_source_positions, config.head_dim],
-        tf.float32, name="cross_cache",
-    )
     # The decoding options travel in the file; the -1 sentinel (never an id) keeps each list non-empty.
     options = {
         "prompt_ids": tf.constant([list(model.prompt)], tf.int32),  # (1, P)
@@ -129,12 +143,30 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
         outputs, _ = model.encode(input_features)  # (1, 1500, D); Whisper has no encoder padding mask
         return {"cross_cache": model.cross_attention_caches(outputs), **options}
 
-    def decode_step(token_ids, cache, index, cross_cache):
-        logits, cache = model.decode_step(token_ids, cache, index, cross_cache, None)
-        return {sig.LOGITS: logits, "cache": cache}
+    layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
+    max_length = cache_spec.shape[4]
+    step_specs = {sig.TOKEN_IDS: token_spec, "cache": cache_spec, "index": index_spec}
+    for i in range(layers):
+        for half in ("keys", "values"):
+            name = f"cross_{half}_{i}"
+            step_specs[name] = tf.TensorSpec(  # (B, K, S_src, H)
+                [1, heads, config.max_source_positions, head_dim], tf.float32, name=name)
 
-    return {"encode": (encode, [features_spec]),
-            "decode_step": (decode_step, [token_spec, cache_spec, index_spec, cross_spec])}
+    def decode_step(inputs):
+        # TFLite copies a slice of a stacked cache (`cache[i]`, `[:, 0]`) element by element, most of a step: the
+        # cross-attention keys/values are inputs of their own, and the self-attention cache is cut along its
+        # leading axis only (RESHAPE + UNPACK, a plain copy) into split per-layer pairs.
+        halves = tf.unstack(tf.reshape(inputs["cache"], [2 * layers, heads, max_length, head_dim]))  # 2L x (K, S, H)
+        cross = [_StackedKeysValues(inputs[f"cross_keys_{i}"], inputs[f"cross_values_{i}"]) for i in range(layers)]
+        index = inputs["index"]
+        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], tuple(zip(halves[0::2], halves[1::2])), index,
+                                           cross, None)
+        # Only the slot this step wrote goes out, and the host writes it into the cache it keeps.
+        new = tf.stack([tf.slice(half, [0, index, 0], [heads, 1, head_dim]) for pair in caches for half in pair])
+        new = tf.reshape(new, [layers, 1, 2, heads, 1, head_dim])  # (2L, K, 1, H) -> (L, 1, 2, K, 1, H)
+        return {sig.LOGITS: logits, "new_cache": new}
+
+    return {"encode": (encode, [features_spec]), "decode_step": (decode_step, [step_specs])}
 
 
 def tflite_decoder(model, path, max_length=None, source_length=None, quantize=None, tokenizer=None):
