@@ -33,6 +33,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tfformer.export import exact_int8
 from tfformer.export import signatures as sig
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.whisper import WhisperModel
@@ -183,7 +184,10 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
             Every step reads and writes the whole cache, so keep it to what the app needs.
         source_length: int. Seq2seq: source positions of `encode` (default `max_sequence_length`). Not for
             Whisper, whose encoder always takes one 30-second window.
-        quantize: `None` (float32), `"dynamic"` (int8 weights, `Optimize.DEFAULT`) or `"float16"`.
+        quantize: `None` (float32), `"dynamic"` (int8 weights, `Optimize.DEFAULT`), `"float16"`, or
+            `"gguf"`: for a model converted from a Q8_0 / Q4_1 GGUF (SmolLM2), its block weights stored exactly
+            as int8 with float16 block scales (`tfformer.export.exact_int8`), so the logits equal the float32
+            file's to float rounding; the weights are rebuilt at each step, so it decodes slower than float32.
         tokenizer: a `SubwordTokenizer`, whose TF-Text TFLite ops go into the file (`tokenize`/`detokenize`
             signatures). A `BytePairTokenizer`'s ops are not TFLite ops: keep it on the host
             (`tfformer.edge.Generator(path, tokenizer=...)`).
@@ -197,9 +201,9 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
             raise ValueError(f"`{name}` must be an integer in [1, max_sequence_length={limit}] or None. "
                              f"Received: {name}={value!r}")
-    if quantize == "int8":
-        raise ValueError("`quantize` must be None, 'dynamic' or 'float16' for a decoder file (full int8 needs "
-                         "calibration data for the cache). Received: quantize='int8'")
+    if quantize not in (None, "dynamic", "float16", "gguf"):
+        raise ValueError(f"`quantize` must be None, 'dynamic', 'float16' or 'gguf' for a decoder file (full int8 "
+                         f"needs calibration data for the cache). Received: quantize={quantize!r}")
     if tokenizer is not None and not (hasattr(tokenizer, "tokenize_for_tflite")
                                       and hasattr(tokenizer, "detokenize_for_tflite")):
         raise ValueError(f"`tokenizer` ({type(tokenizer).__name__}) has no TFLite ops (`tokenize_for_tflite`); keep "
@@ -271,5 +275,16 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         for name, (fn, spec) in endpoints.items():
             archive.add_endpoint(name, fn, input_signature=spec)
         archive.write_out(tmp, verbose=False)
-        converter = _converter(tmp, list(endpoints), quantize, None, custom_ops=tokenizer is not None)
-        return _write(converter, path)
+        converter = _converter(tmp, list(endpoints), None if quantize == "gguf" else quantize, None,
+                               custom_ops=tokenizer is not None)
+        if quantize != "gguf":
+            return _write(converter, path)
+        float_path = _write(converter, os.path.join(tmp, "float32.tflite"))
+        # The norm scales the converter folds into the next matmul's weights: the rewrite takes them out again.
+        scales = [keras.ops.convert_to_numpy(w) for w in model.weights if len(w.shape) == 1]
+        summary = exact_int8.requantize_blocks(float_path, path, input_scales=scales)
+    if not summary["q8_0"] and not summary["q4_1"]:
+        os.remove(path)
+        raise ValueError("quantize='gguf' found no Q8_0 / Q4_1 block weights in the model: it is for models "
+                         "converted from a GGUF (e.g. models.from_preset('smollm2-135m-instruct')).")
+    return path
