@@ -128,6 +128,8 @@ def main(argv=None):
     run.add_argument("workloads", nargs="*", choices=[*WORKLOADS, []], metavar="WORKLOAD", help=", ".join(WORKLOADS))
     run.add_argument("--smoke", action="store_true")
     run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder, llm)")
+    run.add_argument("--llama-bench", help="llama.cpp's `llama-bench` binary, for the llm workload's llama.cpp rows "
+                                           "(built from source: llama-cpp-python has no wheel for this platform)")
     run.add_argument("--results-dir", help=f"where the run's JSON lines go (default: {RESULTS_DIR}; smoke runs: "
                                            "nowhere unless given)")
     run.add_argument("--no-results", action="store_true", help="write no results file")
@@ -148,6 +150,8 @@ def main(argv=None):
             options = ["--smoke"] if args.smoke else []
             if args.torch_python and name in WITH_PYTORCH:
                 options += ["--torch-python", args.torch_python]
+            if args.llama_bench and name == "llm":
+                options += ["--llama-bench", args.llama_bench]
             code = _run_workload([sys.executable, "-m", WORKLOADS[name], *options], results)
             if code:
                 return code

@@ -14,9 +14,10 @@ system). Systems:
   `.to(torch.bfloat16)` (weights in bfloat16), as many intra-op threads as TensorFlow's default.
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
-  fails.
-- llama.cpp: a "skipped" record unless `llama_cpp` imports in this interpreter (PyPI has llama-cpp-python only
-  as a source distribution, which would build llama.cpp; we never build it here).
+  fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
+- llama.cpp: with `--llama-bench PATH` (llama.cpp's `llama-bench`, built from the llama-cpp-python source
+  distribution: PyPI has no wheel for this platform), its rows on the same GGUF file, after the others; else a
+  "skipped" record.
 
 Each decode row gives tokens/s of the whole 128-token call (prefill of the 64-token prompt included) and
 "decode" tokens/s with the prefill cancelled: `(128 - 1) / (t(128 tokens) - t(1 token))`, both calls after the
@@ -36,7 +37,6 @@ prompts, one round; its numbers mean nothing.
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import os
 import resource
@@ -132,15 +132,16 @@ class LoadPeak:
         return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
-def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads):
-    """The TFLite int8 decode rows (`tfformer.export.tflite_decoder` + `tfformer.edge.Generator`), or a reason."""
+def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quantize="dynamic"):
+    """The TFLite int8 decode rows (`tfformer.export.tflite_decoder(..., quantize=quantize)` +
+    `tfformer.edge.Generator`), or a reason."""
     from tfformer import edge, export
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "decoder_int8.tflite")
+        path = os.path.join(tmp, f"decoder_{quantize}.tflite")
         start = time.perf_counter()
         try:
-            export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens, quantize="dynamic")
+            export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens, quantize=quantize)
         except Exception as error:  # noqa: BLE001  (any failure of the export is the reason for the skip)
             return None, f"tfformer.export.tflite_decoder failed on this model: {type(error).__name__}: " \
                          f"{str(error)[:300]}"
@@ -153,6 +154,38 @@ def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads):
         new_ids = generator.generate(ids, max_new_tokens=new_tokens, end_ids=())
         return {"times": times, "file_bytes": os.path.getsize(path),
                 "export_seconds": round(export_seconds, 1), "ids": new_ids}, None
+
+
+def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats, smoke):
+    """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench`, or the
+    reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone; `-p`: the prefill."""
+    if binary is None:
+        return ("llama-cpp-python is on PyPI only as a source distribution (no wheel for this platform): build "
+                "llama.cpp's llama-bench from it and pass --llama-bench PATH")
+    if smoke:
+        return "smoke run: the random model has no GGUF file"
+    from tfformer.convert import gguf
+
+    path = gguf.smollm2_path()
+    command = [binary, "-m", path, "-p", str(prefill_len), "-n", str(new_tokens), "-pg", f"{prompt_len},{new_tokens}",
+               "-t", str(threads), "-r", str(max(repeats, 3)), "-o", "jsonl"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return f"llama-bench failed ({done.returncode}): {done.stderr[-300:]}"
+    rows = []
+    for line in done.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        n_prompt, n_gen = record["n_prompt"], record["n_gen"]
+        kind = "llm_prefill" if not n_gen else ("llm_decode" if n_prompt else "llm_decode_only")
+        row = {"bench": kind, "system": "llama.cpp Q4_1", "prompt_length": n_prompt, "new_tokens": n_gen,
+               "tokens_per_s": round(record["avg_ts"], 2), "tokens_per_s_stdev": round(record["stddev_ts"], 2),
+               "seconds": common.significant(record["avg_ns"] / 1e9), "threads": record["n_threads"],
+               "build": record.get("build_commit"), "file_bytes": record.get("model_size"),
+               "reading": "llama-bench: tokens of the test over its time (-pg: prompt and new tokens together)"}
+        rows.append(row)
+    return rows or f"llama-bench printed no rows: {done.stdout[-300:]}"
 
 
 def leading_equal(a, b):
@@ -170,6 +203,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--load-peak", action="store_true", help=argparse.SUPPRESS)
     torch_worker.add_python_option(parser, "llm")
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: its rows on the same GGUF")
     args = parser.parse_args(argv)
     if args.load_peak:
         return load_peak(args.smoke)
@@ -237,6 +271,10 @@ def main(argv=None):
         times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
     # After the PyTorch worker has gone (its memory with it): the conversion needs a few GB.
     tflite, tflite_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads)
+    # The GGUF's own blocks in int8 (`quantize="gguf"`): float32's logits, weights rebuilt at each step.
+    exact, exact_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads,
+                                    quantize="gguf")
+    llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats, args.smoke)
 
     rows, goals = [], []
     common.emit({"bench": "llm_bandwidth", "array_mb": shape["bandwidth_mb"],
@@ -280,26 +318,23 @@ def main(argv=None):
                                                                last_ids[(f"pytorch {dtype}", new_tokens)])
         decode[name] = decode_row(system, dtype, times[(system, dtype, new_tokens)],
                                   times[(system, dtype, short_tokens)], extra)
-    if tflite is not None:
-        # Dynamic-range int8: a step reads the file's weights once, so its size is the bytes read per token.
-        bytes_per_token["int8"] = tflite["file_bytes"]
-        decode["tflite int8"] = decode_row("tflite", "int8", tflite["times"][new_tokens],
-                                           tflite["times"][short_tokens],
-                                           {"file_bytes": tflite["file_bytes"],
-                                            "export_seconds": tflite["export_seconds"], "threads": threads,
-                                            "prefill": "one token per step",
-                                            "leading_ids_equal_tfformer_float32": leading_equal(
-                                                tflite["ids"], last_ids[("tfformer float32", new_tokens)])})
+    for key, label, result, skip in (("int8", "tflite int8", tflite, tflite_skip),
+                                     ("gguf-int8", "tflite gguf-int8", exact, exact_skip)):
+        if result is None:
+            common.emit({"bench": "skipped", "system": label, "reason": skip})
+            continue
+        # A step reads the file's weights once (the gguf file: then writes and reads them rebuilt in float32).
+        bytes_per_token[key] = result["file_bytes"]
+        decode[label] = decode_row("tflite", key, result["times"][new_tokens], result["times"][short_tokens],
+                                   {"file_bytes": result["file_bytes"], "export_seconds": result["export_seconds"],
+                                    "threads": threads, "prefill": "one token per step",
+                                    "leading_ids_equal_tfformer_float32": leading_equal(
+                                        result["ids"], last_ids[("tfformer float32", new_tokens)])})
+    if isinstance(llama, str):
+        common.emit({"bench": "skipped", "system": "llama.cpp", "reason": llama})
     else:
-        common.emit({"bench": "skipped", "system": "tflite int8", "reason": tflite_skip})
-    if importlib.util.find_spec("llama_cpp") is None:
-        common.emit({"bench": "skipped", "system": "llama.cpp",
-                     "reason": "llama-cpp-python is on PyPI only as a source distribution (0.3.36; `pip download "
-                               "--only-binary :all: llama-cpp-python` finds no wheel for this platform), and "
-                               "building llama.cpp from source is out of this benchmark's scope"})
-    else:
-        common.emit({"bench": "skipped", "system": "llama.cpp",
-                     "reason": "llama_cpp is importable, but this benchmark has no llama.cpp worker yet"})
+        for row in llama:
+            rows.append(common.emit(row))
     for system, dtype in systems:
         seconds = common.median(times[(system, dtype, "prefill")])
         rows.append(common.emit({"bench": "llm_prefill", "system": f"{system} {dtype}", "prompt_length": prefill_len,

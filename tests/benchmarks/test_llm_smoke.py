@@ -45,6 +45,8 @@ def test_llm_benchmark_smoke():
     assert with_torch or not torch_rows & (set(decode) | set(prefill))
     # TFLite int8 decode is a row, or a skip that says why; llama.cpp is always accounted for.
     assert ("tflite int8" in decode) != ("tflite int8" in skipped)
+    # The GGUF-exact file needs GGUF blocks, which the random smoke model has not: a skip that says so.
+    assert "tflite gguf-int8" not in decode and "no Q8_0 / Q4_1 block weights" in skipped["tflite gguf-int8"]
     assert skipped.get("llama.cpp")
     for name, r in decode.items():
         assert (r["prompt_length"], r["new_tokens"], r["short_tokens"]) == (smoke["prompt"], smoke["new_tokens"],
