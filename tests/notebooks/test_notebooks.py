@@ -16,7 +16,7 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"))
 CELL_TIMEOUT = 300  # seconds per cell
 # Notebooks whose figures must reach the output as PNG images.
 WITH_FIGURES = {"01_attention_from_scratch", "02_translate_with_model_fit", "03_gpt_text_generation",
-                "05_pretrained_minilm", "07_speech_to_text"}
+                "05_pretrained_minilm", "06_small_llm", "07_speech_to_text"}
 
 
 def test_every_notebook_exists():
