@@ -32,7 +32,6 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import gc  # noqa: E402
 import hashlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -261,13 +260,7 @@ display(fig)
 # %%
 probe_ids = lm.tokenize([probe_prompt])
 adapted_logits = np.asarray(lm({"token_ids": probe_ids}))  # (1, T, V)
-# Keras runs a full garbage collection for every weight a layer deletes (240 adapters here): with the objects
-# that exist now frozen out of the collector's scans, that takes a blink instead of minutes.
-gc.freeze()
-try:
-    lm.merge_lora()
-finally:
-    gc.unfreeze()
+lm.merge_lora()
 merged_logits = np.asarray(lm({"token_ids": probe_ids}))
 merge_error = float(np.abs(merged_logits - adapted_logits).max())
 print(f"max |merged - adapted| logits: {merge_error:.2e} (logits span {np.ptp(adapted_logits):.0f})")

@@ -6,6 +6,9 @@ not as a wrong number elsewhere. Nothing else in `tfformer/` imports `keras.src`
 `tensorflow.compiler` (`tests/test_public_api.py` walks the package with `ast` to enforce it).
 """
 
+import contextlib
+import gc
+
 def gradient_recording():
     """Whether a `tf.GradientTape` could record the ops built now (a training step, not inference or export).
 
@@ -67,3 +70,18 @@ def begin_training(callbacks, model):
     model._initial_epoch = None  # fit leaves it set after a restore: not this run's
     callbacks.on_train_begin()
     return model._initial_epoch or 0
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """A block in which `gc.collect()` skips every object that existed when it began (`gc.freeze`).
+
+    Why: Keras' `Layer.__delattr__` runs a full `gc.collect()` after each variable deleted from a layer, so
+    deleting many (the low-rank adapters a merge removes) on a large heap takes minutes; Keras has no public way
+    to delete a variable without it.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

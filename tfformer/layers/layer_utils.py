@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer import compat
 from tfformer.compat import gradient_recording
 
 
@@ -245,9 +246,10 @@ class LowRankAdapters(keras.layers.Layer):
 
     def remove(self):
         """Delete every adapter (Keras stops tracking a weight deleted from its layer)."""
-        for name in self.kernel_names:
-            delattr(self, f"{name}_lora_a")
-            delattr(self, f"{name}_lora_b")
+        with compat.collection_paused():  # Keras collects garbage after each deleted weight
+            for name in self.kernel_names:
+                delattr(self, f"{name}_lora_a")
+                delattr(self, f"{name}_lora_b")
         self.kernel_names = ()
         self.rank = self.lora_alpha = None
 
