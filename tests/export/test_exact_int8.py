@@ -128,6 +128,7 @@ def files(tmp_path_factory):
     out["default"] = path, exact_int8.requantize_blocks(f32, path, input_scales=scales)
     path = str(directory / "no_scales.tflite")
     out["no_scales"] = path, exact_int8.requantize_blocks(f32, path)
+    out["option"] = export.tflite_decoder(lm, str(directory / "option.tflite"), max_length=MAX_LENGTH, quantize="gguf")
     counts = {"embedding": v * dim, "plain": int(np.prod(plain.shape)),
               "all": sum(int(np.prod(w.shape)) for w in lm.weights if len(w.shape) == 2),
               "plain_values": np.asarray(plain).T}  # the FULLY_CONNECTED filter (out, in)
@@ -293,3 +294,11 @@ def test_bad_arguments_name_the_argument(tmp_path, files):
     bad.write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match="`tflite_path` is not a TFLite flatbuffer"):
         exact_int8.requantize_blocks(str(bad), str(tmp_path / "x.tflite"))
+
+
+def test_the_gguf_option_of_tflite_decoder_writes_the_default_rewrite(files):
+    """`tflite_decoder(..., quantize="gguf")` is the float32 file rewritten with the model's norm scales: the
+    same bytes as `requantize_blocks` with its defaults."""
+    out, _ = files
+    with open(out["option"], "rb") as a, open(out["default"][0], "rb") as b:
+        assert a.read() == b.read()
