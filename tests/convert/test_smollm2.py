@@ -16,6 +16,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.harness import check_layer
 from tests.harness import spread as _spread
@@ -313,6 +314,63 @@ def test_bad_prompts_are_named(smollm2):
         smollm2.chat([{"role": "user"}])
     with pytest.raises(ValueError, match="exceeds max_sequence_length"):
         next(smollm2.stream("hello", max_new_tokens=9000))
+
+
+
+class _DLPack:
+    """A tensor seen through DLPack, so that numpy shows its buffer without copying it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return tf.experimental.dlpack.to_dlpack(self.tensor)
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def _read_without_a_copy(variable):
+    """Two reads of `variable` (a Keras or TensorFlow variable) return its own buffer. After a sliced or sparse
+    access, TensorFlow keeps a variable in copy-on-read mode for good: every read outside XLA then copies it."""
+    variable = variable.value if isinstance(variable, keras.Variable) else variable
+    def buffer():
+        value = variable.read_value()
+        return np.from_dlpack(_DLPack(tf.bitcast(value, tf.uint16) if value.dtype == tf.bfloat16 else value))
+
+    first, second = buffer(), buffer()  # a bitcast shares its input's buffer; numpy has no bfloat16
+    return first.__array_interface__["data"][0] == second.__array_interface__["data"][0]
+
+
+def test_rows_are_assigned_without_putting_the_table_in_copy_on_read_mode():
+    from tfformer.convert.smollm2 import _assign_rows
+
+    table = np.arange(10 * 3, dtype="float32").reshape(10, 3)
+
+    class Rows:  # the part of a GGUFFile that `_assign_rows` reads
+        def tensor_shape(self, name):
+            return table.shape
+
+        def tensor(self, name, start, stop):
+            return table[start:stop]
+
+    for dtype in ("float32", "bfloat16"):
+        variable = keras.Variable(np.zeros((10, 3)), dtype=dtype)
+        _assign_rows(variable, Rows(), "token_embd.weight", rows=4)  # 4 + 4 + 2 rows
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(variable, "float32")), table)
+        assert _read_without_a_copy(variable), dtype
+    # The probe sees the mode: TensorFlow's own sliced assignment sets it.
+    control = tf.Variable(np.zeros((10, 3), "float32"))
+    assert _read_without_a_copy(control)
+    control[0:4].assign(table[0:4])
+    assert not _read_without_a_copy(control)
+    with pytest.raises(ValueError, match=r"token_embd.weight: the GGUF gives shape \(10, 3\), the model expects"):
+        _assign_rows(keras.Variable(np.zeros((9, 3))), Rows(), "token_embd.weight")
+
+
+@needs_wheel
+def test_loaded_weights_are_read_without_a_copy(smollm2):
+    assert [w.path for w in smollm2.weights if not _read_without_a_copy(w)] == []
 
 
 # Run in a fresh interpreter: the imports first (what benchmarks/llm.py counts before loading), then the preset.

@@ -12,6 +12,7 @@ transformers proves it, tests/convert/test_smollm2.py).
 """
 
 import numpy as np
+import tensorflow as tf
 
 from tfformer.convert.gguf import SMOLLM2_FILE, SMOLLM2_WHEEL, GGUFFile, smollm2_path
 from tfformer.data.byte_pair import BytePairTokenizer
@@ -75,13 +76,20 @@ def _kernel(gguf_file, *names):
 def _assign_rows(variable, gguf_file, name, rows=ROWS_PER_SLICE):
     """`variable` (e.g. the embedding table) from tensor `name`, `rows` rows at a time: a whole float32 copy of a
     large table (plus the one TensorFlow makes of it to assign it) would add to the load's peak memory. The slices
-    go to the backend variable (`variable.value`, a `tf.Variable`) in place."""
+    go to the backend variable (`variable.value`, a `tf.Variable`) in place, under XLA: TensorFlow's own sliced
+    assignment would put the variable in copy-on-read mode for good, and every later read of it outside XLA (a
+    forward pass without `jit_compile`) would copy the whole table."""
     shape = gguf_file.tensor_shape(name)
     if tuple(variable.shape) != shape:
         raise ValueError(f"{name}: the GGUF gives shape {shape}, the model expects {tuple(variable.shape)}.")
     target = variable.value
+
+    @tf.function(jit_compile=True)
+    def put(part, start):
+        target[start : start + tf.shape(part)[0]].assign(tf.cast(part, target.dtype))
+
     for start in range(0, shape[0], rows):
-        target[start : start + rows].assign(gguf_file.tensor(name, start, start + rows))
+        put(gguf_file.tensor(name, start, start + rows), tf.constant(start))
 
 
 def load_weights(model, gguf_file):
