@@ -326,6 +326,12 @@ class MultiHeadAttention(keras.layers.Layer):
             qkv = dense(query, qkv_kernel, self.qkv_bias, 0, qu + ku + vu, plan)  # (B, T, N*H + K*(H+Hv))
             if qu == ku == vu:
                 return tuple(self._split_stacked_heads(qkv, 3, n))
+            if ku == vu and self._value_dim == self.key_dim:
+                # Grouped query heads: every head moved in one transpose, then split along the head axis.
+                b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
+                heads = ops.reshape(qkv, (b, t, n + 2 * kv, self.key_dim))  # (B, T, N+2K, H)
+                heads = ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
+                return tuple(ops.split(heads, [n, n + kv], axis=1))  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
             q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
         elif self._fused and (key is None or key is value):

@@ -54,15 +54,16 @@ class RotaryEmbedding(keras.layers.Layer):
         shape = [1] * rank
         shape[seq_axis], shape[feat_axis] = -1, dim
         cos = ops.reshape(ops.cos(angles), shape)  # T and D on their axes, 1 elsewhere
-        sin = ops.reshape(ops.sin(angles), shape)
+        # The rotation's signs ride on sin: (-sin, sin, -sin, sin, ...).
+        signs = ops.tile(ops.convert_to_tensor([-1.0, 1.0], "float32"), [dim // 2])  # (D,)
+        sin = ops.reshape(ops.sin(angles) * signs, shape)
         x = ops.cast(inputs, "float32")
-        # rotate_half: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)
+        # Each pair swapped, (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...): one reverse, no slices or stack.
         x_last = ops.moveaxis(x, feat_axis, -1)  # (..., D)
         pairs = ops.reshape(x_last, ops.shape(x_last)[:-1] + (dim // 2, 2))  # (..., D/2, 2)
-        rotated = ops.stack([-pairs[..., 1], pairs[..., 0]], axis=-1)  # (..., D/2, 2)
-        rotated = ops.reshape(rotated, ops.shape(x_last))  # (..., D)
-        rotated = ops.moveaxis(rotated, -1, feat_axis)
-        return ops.cast(x * cos + rotated * sin, self.compute_dtype)
+        swapped = ops.reshape(ops.flip(pairs, axis=-1), ops.shape(x_last))  # (..., D/2, 2) -> (..., D)
+        swapped = ops.moveaxis(swapped, -1, feat_axis)
+        return ops.cast(x * cos + swapped * sin, self.compute_dtype)
 
     def compute_output_shape(self, inputs_shape):
         return inputs_shape
