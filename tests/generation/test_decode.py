@@ -546,6 +546,124 @@ def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
 
 
+# === The prompts' pass outside XLA (`prefill_jit_compile=False`) ===
+def _compiled(key):
+    """What XLA compiles, in a key of `model._tfformer_generate_fns`: False (nothing), True (the whole function) or
+    "loop" (the decode loop; the prompts' pass outside XLA)."""
+    return key[3]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3])  # a batch of one on the "rows" plan (split caches), more on "halves"
+def test_prefill_outside_xla_gives_the_fused_functions_ids(policy, rows):
+    """The prompts' pass in TensorFlow's graph runtime, the loop under XLA: the greedy ids of the function that
+    compiles both, which in float32 are those of decoding without a cache. Both functions are kept, under keys
+    that differ in the prefill's choice only."""
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    prompts = PROMPTS[:rows]
+    fused = np.asarray(generation.generate_ids(model, prompts, 6))
+    split = np.asarray(generation.generate_ids(model, prompts, 6, prefill_jit_compile=False))
+    np.testing.assert_array_equal(split, fused)
+    if policy == "float32":
+        assert _trim(split) == _uncached_lm(model, prompts, 6)
+    assert len(set(fused.ravel())) > 3  # not one repeated token
+    keys = sorted(model._tfformer_generate_fns, key=lambda k: _compiled(k) == "loop")
+    assert [_compiled(k) for k in keys] == [True, "loop"]
+    assert keys[0][:3] + keys[0][4:] == keys[1][:3] + keys[1][4:]
+    # Cached: a second call runs the kept function again, without a retrace.
+    split_fn = model._tfformer_generate_fns[keys[1]]
+    before = split_fn.experimental_get_tracing_count()
+    again = np.asarray(generation.generate_ids(model, prompts[:, :3], 6, prefill_jit_compile=False))
+    assert split_fn.experimental_get_tracing_count() == before and len(model._tfformer_generate_fns) == 2
+    np.testing.assert_array_equal(again, generation.generate_ids(model, prompts[:, :3], 6))
+
+
+def _xla_calls(graph):
+    """The calls of XLA-compiled functions in `graph` and in the functions it holds (a `tf.cond`'s branches)."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return [n for n in nodes if n.op in ("StatefulPartitionedCall", "PartitionedCall")
+            and "_XlaMustCompile" in n.attr and n.attr["_XlaMustCompile"].b]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+def test_prefill_outside_xla_runs_the_prompt_in_the_graph_and_the_loop_under_xla(policy):
+    """The split function is a graph function (no XLA) holding the prompts' pass, its projections in the compute
+    dtype (oneDNN's bfloat16 matmuls under mixed_bfloat16), and one call of an XLA-compiled loop."""
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    generation.generate_ids(model, PROMPTS[:1], 6, prefill_jit_compile=False)
+    (fn,) = model._tfformer_generate_fns.values()
+    concrete = fn.get_concrete_function(tf.TensorSpec([None, None], tf.int32))
+    assert len(_xla_calls(concrete.graph)) == 1  # the loop, in the branch that runs decode steps
+    ops = concrete.graph.get_operations()
+    matmuls = [op.get_attr("T") for op in ops if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3")]
+    # qkv, attention output, swiglu's gate and up, down: per layer, at least.
+    bfloat16 = sum(dtype == tf.bfloat16 for dtype in matmuls)
+    if policy == "float32":
+        assert bfloat16 == 0 and len(matmuls) >= 4 * CFG["num_decoder_layers"]
+    else:
+        assert bfloat16 >= 4 * CFG["num_decoder_layers"]
+
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("prompts", ["equal", "ragged"])
+def test_prefill_outside_xla_first_token_alone(policy, prompts):
+    """One new token for prompts of one length needs no decode step: the graph function takes it from the prompt's
+    logits, in the branch that does not call the XLA loop (nor lay its kernels out). Ragged prompts still need
+    steps. The ids are the fused function's either way, and those of a longer call start with them."""
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    ids = np.concatenate([PROMPTS[1:2], PROMPTS[1:2, ::-1]]) if prompts == "equal" else PROMPTS  # (2, 5) unpadded
+    fused = np.asarray(generation.generate_ids(model, ids, 1))
+    split = np.asarray(generation.generate_ids(model, ids, 1, prefill_jit_compile=False))
+    np.testing.assert_array_equal(split, fused)
+    if policy == "float32":
+        assert _trim(split) == _uncached_lm(model, ids, 1)
+    loop_fns = [k for k in model._tfformer_generate_fns if _compiled(k) == "loop"]
+    assert len(loop_fns) == 1
+    longer = np.asarray(generation.generate_ids(model, ids, 5, prefill_jit_compile=False))
+    np.testing.assert_array_equal(longer[:, :1], split)
+    np.testing.assert_array_equal(longer, generation.generate_ids(model, ids, 5))
+
+
+@pytest.mark.parametrize("beam_size", [None, 2])
+def test_prefill_outside_xla_with_ragged_prompts_and_beams(lm, beam_size):
+    """The same split for beam search (stacked caches, each row's beams adjacent) and for ragged prompts."""
+    fused = np.asarray(generation.generate_ids(lm, PROMPTS, 7, beam_size=beam_size))
+    split = np.asarray(generation.generate_ids(lm, PROMPTS, 7, beam_size=beam_size, prefill_jit_compile=False))
+    np.testing.assert_array_equal(split, fused)
+    if beam_size is None:
+        assert _trim(split) == _uncached_lm(lm, PROMPTS, 7)
+
+
+def test_prefill_jit_compile_arguments(seq2seq, lm):
+    with pytest.raises(ValueError, match="prefill_jit_compile.*bool or None"):
+        generation.generate_ids(lm, PROMPTS, 3, prefill_jit_compile="no")
+    with pytest.raises(ValueError, match="prefill_jit_compile=True.*jit_compile=False"):
+        generation.generate_ids(lm, PROMPTS, 3, jit_compile=False, prefill_jit_compile=True)
+    with pytest.raises(ValueError, match="causal LMs.*architecture='seq2seq'"):
+        generation.generate_ids(seq2seq, SOURCE, 3, prefill_jit_compile=False)
+    # Without XLA at all, False is what None means.
+    np.testing.assert_array_equal(generation.generate_ids(lm, PROMPTS, 3, jit_compile=False, prefill_jit_compile=False),
+                                  generation.generate_ids(lm, PROMPTS, 3, jit_compile=False))
+
+
+@pytest.mark.parametrize("policy, under_xla", [("float32", True), ("mixed_bfloat16", False), ("bfloat16", False)])
+def test_causal_lm_generate_chooses_the_prefill_by_its_dtype_policy(policy, under_xla):
+    """`CausalLM.generate` runs the prompts' pass outside XLA under a bfloat16 compute dtype (its
+    `prefill_jit_compile_for_policy`), unless told otherwise; without XLA, nothing is compiled."""
+    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    assert model.prefill_jit_compile_for_policy() is under_xla
+    ids = np.asarray(model.generate(PROMPTS, 6))
+    (key,) = model._tfformer_generate_fns
+    assert _compiled(key) == (True if under_xla else "loop")
+    np.testing.assert_array_equal(ids, generation.generate_ids(model, PROMPTS, 6, prefill_jit_compile=under_xla))
+    np.testing.assert_array_equal(model.generate(PROMPTS, 6, prefill_jit_compile=not under_xla), ids)
+    model.generate(PROMPTS, 6, jit_compile=False)
+    assert {_compiled(k) for k in model._tfformer_generate_fns} == {False, True, "loop"}
+    assert len(model._tfformer_generate_fns) == 3
+
+
 # === Beam search with patience (CTranslate2's search) ===
 STUB_VOCAB, STUB_STATES, STUB_END = 8, 16, 5
 

@@ -2,9 +2,10 @@
 callback over `model.decode_step`, driven by a sampler's loop (`Sampler.run`, `BeamSampler.run`).
 
 Each step feeds one token and attends over the cache, so a new token costs O(current length) instead of a full
-re-run. Compiled functions are kept on the model (`reset_compiled` drops them) per sampler, length and decode
-plan (`generation.plan.DecodePlan`: under XLA, one for a batch of one, one for larger batches); they take
-dynamic batch/length shapes, so repeated calls do not retrace.
+re-run. Compiled functions are kept on the model (`reset_compiled` drops them) per sampler, length, decode plan
+(`generation.plan.DecodePlan`: under XLA, one for a batch of one, one for larger batches) and place of a causal
+prompt pass (under XLA with the loop, or before it in the graph runtime: `generate_ids`' `prefill_jit_compile`);
+they take dynamic batch/length shapes, so repeated calls do not retrace.
 """
 
 import warnings
@@ -13,9 +14,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.generation.beam import BeamSampler
-from tfformer.generation.plan import DecodePlan, check_kernel_layout
+from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown
 from tfformer.generation.samplers import as_sampler
 from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
+from tfformer.layers.layer_utils import split_cache
 
 
 def _check_max_new_tokens(max_new_tokens):
@@ -35,6 +37,22 @@ def reset_compiled(model):
     """Drops the decode functions kept on `model`; its `compile` calls this, as keras-hub's tasks drop their
     generate function there: a function traced before a change of the model (e.g. quantization) would keep it."""
     model.__dict__.pop("_tfformer_generate_fns", None)
+
+
+def _check_prefill_jit_compile(prefill_jit_compile, jit_compile, architecture):
+    """`generate_ids`' `prefill_jit_compile` as a bool (None: as `jit_compile`), checked."""
+    if prefill_jit_compile is None:
+        return bool(jit_compile)
+    if not isinstance(prefill_jit_compile, bool):
+        raise ValueError(f"`prefill_jit_compile` must be a bool or None. Received: "
+                         f"prefill_jit_compile={prefill_jit_compile!r}")
+    if prefill_jit_compile and not jit_compile:
+        raise ValueError("`prefill_jit_compile=True` needs `jit_compile=True` (the prompt's pass runs in the decode "
+                         "function). Received: jit_compile=False")
+    if not prefill_jit_compile and jit_compile and architecture != "causal_lm":
+        raise ValueError("`prefill_jit_compile=False` with `jit_compile=True` is for causal LMs (a prompt's pass "
+                         f"before the loop). Received: architecture={architecture!r}")
+    return prefill_jit_compile
 
 
 def _ids_spec():
@@ -65,32 +83,75 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan):
     return run
 
 
-def _causal_fn(model, max_new_tokens, sampler, end_id, plan):
-    beams = sampler.beams
+def _causal_prefill(model, prompt_ids, max_new_tokens, beams, plan):
+    """A causal decode's prompt pass: `(lengths (B,), logits (B*K, V) at the shortest prompt's last token, per-layer
+    caches)`, the caches in `plan`'s layout with slots for the prompt and the first segment."""
+    batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
+    lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
+    start = tf.reduce_min(lengths)
+    # Prompt + the first segment's slots, each row's beams adjacent; grows in the loop.
+    cache = plan.layer_caches(model, batch * beams, prompt_length + plan.first_segment(max_new_tokens))
+    # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
+    # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
+    # for that position overwrites them.
+    prompts = prompt_ids if beams == 1 else tf.repeat(prompt_ids, beams, axis=0)  # (B*K, P)
+    logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1, plan=plan)  # (B*K, 1, V)
+    return lengths, logits[:, -1, :], cache
 
+
+def _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, plan):
+    """A causal decode's loop after `_causal_prefill`: new ids `(B, max_new_tokens)`."""
+    tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
+
+    def next(ids, cache, index, plan=None):
+        logits, cache = model.decode_step(ids, cache, index, plan=plan)  # (B, 1, V)
+        return logits[:, -1, :], None, cache
+
+    tokens = sampler.run(next, tokens, cache, tf.reduce_min(lengths), end_id, max_new_tokens, logits=logits,
+                         prompt_lengths=lengths, plan=plan, prefix=tf.shape(prompt_ids)[1])
+    # Each row's continuation starts at its own prompt length.
+    index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
+    return tf.gather(tokens, index, batch_dims=1)
+
+
+def _causal_fn(model, max_new_tokens, sampler, end_id, plan):
     def run(prompt_ids):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop
-        batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
-        lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
-        tokens = tf.pad(prompt_ids, [[0, 0], [0, max_new_tokens]])  # (B, P + N)
-        start = tf.reduce_min(lengths)
-        # Prompt + the first segment's slots, each row's beams adjacent; grows in the loop.
-        cache = step_plan.layer_caches(model, batch * beams, prompt_length + step_plan.first_segment(max_new_tokens))
-        # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
-        # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
-        # for that position overwrites them.
-        prompts = prompt_ids if beams == 1 else tf.repeat(prompt_ids, beams, axis=0)  # (B*K, P)
-        logits, cache = model.decode_step(prompts, cache, 0, logits_index=start - 1, plan=step_plan)
+        lengths, logits, cache = _causal_prefill(model, prompt_ids, max_new_tokens, sampler.beams, step_plan)
+        return _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, step_plan)
 
-        def next(ids, cache, index, plan=None):
-            logits, cache = model.decode_step(ids, cache, index, plan=plan)  # (B, 1, V)
-            return logits[:, -1, :], None, cache
+    return run
 
-        tokens = sampler.run(next, tokens, cache, start, end_id, max_new_tokens, logits=logits[:, -1, :],
-                             prompt_lengths=lengths, plan=step_plan, prefix=prompt_length)
-        # Each row's continuation starts at its own prompt length.
-        index = lengths[:, None] + tf.range(max_new_tokens)[None, :]  # (B, N)
-        return tf.gather(tokens, index, batch_dims=1)
+
+def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
+    """`_causal_fn` with only its loop compiled with XLA: for a graph function without XLA, whose prompt pass then
+    runs in TensorFlow's graph runtime (its oneDNN matmuls run bfloat16 natively; XLA's CPU backend multiplies
+    bfloat16 at about the float32 rate). The prompt pass fills stacked caches (its batched attention's fast form);
+    the loop splits them first if its plan keeps split caches."""
+    prefill_plan = DecodePlan(cache_segments=plan.cache_segments)
+
+    def loop(prompt_ids, lengths, logits, cache):
+        step_plan = plan.prepared(model)  # kernels laid out once, before the loop
+        if step_plan.split_caches:
+            # (B, 2, N, S, H) -> 2 x (B*N, S', H) per layer, S' = split_slots(S): what the plan's own would be.
+            cache = grown(tuple(split_cache(c) for c in cache), tf.shape(cache[0])[-2])
+        return _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, step_plan)
+
+    loop = tf.function(loop, jit_compile=True, reduce_retracing=True)
+
+    def first_token(prompt_ids, lengths, logits, cache):
+        # The prompt's logits give every token asked for: the sampler's choice, no decode step, no kernel layout.
+        return _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, None)
+
+    def run(prompt_ids):
+        lengths, logits, cache = _causal_prefill(model, prompt_ids, max_new_tokens, sampler.beams, prefill_plan)
+        if sampler.beams > 1:
+            return loop(prompt_ids, lengths, logits, cache)
+        # The loop's steps fill the columns after the shortest prompt's first new token, up to the longest
+        # prompt's last one.
+        steps = tf.reduce_max(lengths) + max_new_tokens - (tf.reduce_min(lengths) + 1)
+        return tf.cond(steps > 0, lambda: loop(prompt_ids, lengths, logits, cache),
+                       lambda: first_token(prompt_ids, lengths, logits, cache))
 
     return run
 
@@ -152,7 +213,7 @@ def _as_ids(token_ids, vocabulary_size):
 
 
 def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6,
-                 jit_compile=True, end_id=END_ID, plan=None):
+                 jit_compile=True, end_id=END_ID, plan=None, prefill_jit_compile=None):
     """Decode from a `Seq2SeqTransformer` (token_ids = source ids) or a `CausalLM` (token_ids = right-padded prompts).
 
     Returns new ids `(B, max_new_tokens)` int32; after a row's end token (id 3) the rest is padding (0).
@@ -169,10 +230,17 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
 
     `plan` (a `generation.plan.DecodePlan`) overrides that choice of fast forms; by default, under XLA,
     `DecodePlan("rows" or "halves", in_place_cache_writes=True)`, without it `DecodePlan()`.
+
+    `prefill_jit_compile` (causal LMs, with `jit_compile`): False runs the prompt's pass outside XLA, in
+    TensorFlow's graph runtime, and only the decode loop under XLA. XLA's CPU backend multiplies bfloat16 at
+    about the float32 rate, while the graph runtime's oneDNN matmuls use the CPU's bfloat16 units: a bfloat16
+    model's long prompts are read faster so (`CausalLM.generate` chooses it by its dtype policy). The same
+    tokens either way, up to the order of the prompt pass's float sums. None (default): as `jit_compile`.
     """
     _check_max_new_tokens(max_new_tokens)
     if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
         raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
+    prefill_jit_compile = _check_prefill_jit_compile(prefill_jit_compile, jit_compile, model.config.architecture)
     sampler = _method(sampler, beam_size, length_penalty)
     beam = isinstance(sampler, BeamSampler)
     token_ids = _as_ids(token_ids, model.config.vocabulary_size)  # (B, L) int32
@@ -215,9 +283,14 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
                          f"function. Received: plan={plan!r}")
     if beam:
         plan = DecodePlan(in_place_cache_writes=plan.in_place_cache_writes, cache_segments=plan.cache_segments)
-    key = (architecture, max_new_tokens, sampler.key(), jit_compile, end_id, *plan.key())
+    # What XLA compiles: nothing, the whole function, or only its loop (the prompts' pass in the graph runtime).
+    compiled = "loop" if jit_compile and not prefill_jit_compile else jit_compile
+    key = (architecture, max_new_tokens, sampler.key(), compiled, end_id, *plan.key())
 
     def make():
+        if compiled == "loop":  # a graph function around the XLA loop
+            run = _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan)
+            return tf.function(run, input_signature=[_ids_spec()], reduce_retracing=True)
         run = decode_fn(model, max_new_tokens, sampler, end_id=end_id, plan=plan)
         return tf.function(run, input_signature=[_ids_spec()], jit_compile=jit_compile, reduce_retracing=True)
 

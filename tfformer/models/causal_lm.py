@@ -69,7 +69,8 @@ class CausalLM(base.TransformerModel):
         return {"token_ids": token_ids}, logits, sublayers
 
     # === Strings in, strings out ===
-    def generate(self, inputs, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6, jit_compile=True):
+    def generate(self, inputs, max_new_tokens=32, sampler=None, beam_size=None, length_penalty=0.6, jit_compile=True,
+                 prefill_jit_compile=None):
         """Continue prompts.
 
         Args:
@@ -78,19 +79,29 @@ class CausalLM(base.TransformerModel):
             sampler: a `tfformer.generation.Sampler` or its kind ("greedy", "top_k", ...). Defaults to greedy.
             beam_size: int or None. Beam search with the GNMT `length_penalty` instead of the sampler.
             jit_compile: bool. Decode with XLA (`generation.generate_ids`).
+            prefill_jit_compile: bool or None. With `jit_compile`, whether the prompts' pass runs under XLA too, or
+                in TensorFlow's graph runtime before the XLA decode loop. None: `prefill_jit_compile_for_policy()`.
 
         Returns:
             The continuations without the prompt: a str for a str, a list of str for a list, new ids
             `(B, max_new_tokens)` for ids. Generation stops at the preprocessor's end token (`end_ids`).
         """
+        if prefill_jit_compile is None:
+            prefill_jit_compile = jit_compile and self.prefill_jit_compile_for_policy()
+        options = dict(jit_compile=jit_compile, end_id=self.end_ids[0], prefill_jit_compile=prefill_jit_compile)
         if task.is_token_ids(inputs):
-            return generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty,
-                                           jit_compile=jit_compile, end_id=self.end_ids[0])
+            return generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty, **options)
         texts, single = task.as_texts(inputs, "inputs")
         new_ids = generation.generate_ids(self, self.tokenize(texts), max_new_tokens, sampler, beam_size,
-                                          length_penalty, jit_compile=jit_compile, end_id=self.end_ids[0])
+                                          length_penalty, **options)
         outputs = self.detokenize(new_ids)
         return outputs[0] if single else outputs
+
+    def prefill_jit_compile_for_policy(self):
+        """Whether `generate` runs the prompts' pass under XLA with the decode loop: not under a bfloat16 compute
+        dtype. XLA's CPU backend multiplies bfloat16 at about the float32 rate; TensorFlow's graph runtime (oneDNN)
+        uses the CPU's bfloat16 units, so a long prompt is read faster there."""
+        return self.compute_dtype != "bfloat16"
 
     def chat(self, messages, max_new_tokens=256, sampler=None, stream=False, jit_compile=True, **template_variables):
         """The assistant's reply to `messages` (a list of `{"role": str, "content": str}`), rendered with the
