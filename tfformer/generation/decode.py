@@ -83,14 +83,15 @@ def _seq2seq_fn(model, max_new_tokens, sampler, end_id, plan):
     return run
 
 
-def _causal_prefill(model, prompt_ids, max_new_tokens, beams, plan):
+def _causal_prefill(model, prompt_ids, max_new_tokens, beams, plan, cache_dtype="float32"):
     """A causal decode's prompt pass: `(lengths (B,), logits (B*K, V) at the shortest prompt's last token, per-layer
-    caches)`, the caches in `plan`'s layout with slots for the prompt and the first segment."""
+    caches)`, the caches in `plan`'s layout with slots for the prompt and the first segment (stacked ones in
+    `cache_dtype`)."""
     batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
     lengths = tf.reduce_sum(tf.cast(prompt_ids != PAD_ID, tf.int32), axis=1)  # (B,) right padding
     start = tf.reduce_min(lengths)
     # Prompt + the first segment's slots, each row's beams adjacent; grows in the loop.
-    cache = plan.layer_caches(model, batch * beams, prompt_length + plan.first_segment(max_new_tokens))
+    cache = plan.layer_caches(model, batch * beams, prompt_length + plan.first_segment(max_new_tokens), cache_dtype)
     # Prefill the part every prompt shares, in one pass. The whole (static-width) prompt goes in: a slice to
     # `start` would make XLA compile once per prompt. The padding's slots stay masked until the loop's step
     # for that position overwrites them.
@@ -127,14 +128,15 @@ def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
     """`_causal_fn` with only its loop compiled with XLA: for a graph function without XLA, whose prompt pass then
     runs in TensorFlow's graph runtime (its oneDNN matmuls run bfloat16 natively; XLA's CPU backend multiplies
     bfloat16 at about the float32 rate). The prompt pass fills stacked caches (its batched attention's fast form);
-    the loop splits them first if its plan keeps split caches."""
+    the loop splits them first if its plan keeps split caches. They hold the keys and values in the compute dtype,
+    as the attention makes them (no casts in the pass); split ones are float32 in the loop."""
     prefill_plan = DecodePlan(cache_segments=plan.cache_segments)
 
     def loop(prompt_ids, lengths, logits, cache):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop
         if step_plan.split_caches:
-            # (B, 2, N, S, H) -> 2 x (B*N, S', H) per layer, S' = split_slots(S): what the plan's own would be.
-            cache = grown(tuple(split_cache(c) for c in cache), tf.shape(cache[0])[-2])
+            # (B, 2, N, S, H) -> 2 x (B*N, S', H) float32 per layer, S' = split_slots(S): what the plan's own would be.
+            cache = grown(tuple(split_cache(tf.cast(c, tf.float32)) for c in cache), tf.shape(cache[0])[-2])
         return _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, step_plan)
 
     loop = tf.function(loop, jit_compile=True, reduce_retracing=True)
@@ -144,7 +146,8 @@ def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
         return _causal_loop(model, prompt_ids, lengths, logits, cache, max_new_tokens, sampler, end_id, None)
 
     def run(prompt_ids):
-        lengths, logits, cache = _causal_prefill(model, prompt_ids, max_new_tokens, sampler.beams, prefill_plan)
+        lengths, logits, cache = _causal_prefill(model, prompt_ids, max_new_tokens, sampler.beams, prefill_plan,
+                                                 model.compute_dtype)
         if sampler.beams > 1:
             return loop(prompt_ids, lengths, logits, cache)
         # The loop's steps fill the columns after the shortest prompt's first new token, up to the longest
