@@ -9,6 +9,7 @@ not as a wrong number elsewhere. Nothing else in `tfformer/` imports `keras.src`
 import contextlib
 import gc
 
+
 def gradient_recording():
     """Whether a `tf.GradientTape` could record the ops built now (a training step, not inference or export).
 

@@ -21,8 +21,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer import compat
-from tfformer.compat import gradient_recording
+from tfformer.compat import collection_paused, gradient_recording
 
 
 def check_positive_int(name, value, allow_none=False):
@@ -246,7 +245,7 @@ class LowRankAdapters(keras.layers.Layer):
 
     def remove(self):
         """Delete every adapter (Keras stops tracking a weight deleted from its layer)."""
-        with compat.collection_paused():  # Keras collects garbage after each deleted weight
+        with collection_paused():  # Keras collects garbage after each deleted weight
             for name in self.kernel_names:
                 delattr(self, f"{name}_lora_a")
                 delattr(self, f"{name}_lora_b")
