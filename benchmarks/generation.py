@@ -190,7 +190,7 @@ def main(argv=None):
     # No per-round form for this one: a round's difference of two short calls can be ~0 or negative, so only the
     # ratio of the medians means something.
     per_token_ratio = per_token[positions[1]] / per_token[positions[0]]
-    common.emit({"bench": "per_token_ratio", "positions": list(positions), "ratio": round(per_token_ratio, 3),
+    common.emit({"bench": "per_token_ratio", "positions": list(positions), "ratio": common.significant(per_token_ratio),
                  "rounds": len(times[(positions[0], short)])})
     goals.append(common.goal(f"per-token time at {positions[1]} <= 1.5x at {positions[0]}", per_token_ratio, 1.5,
                              at_least=False, rows=["tfformer xla=True"]))
