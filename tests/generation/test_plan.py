@@ -27,6 +27,8 @@ def _dense(rng, units=10, input_dim=6, use_bias=True, dtype=None):
     (dict(cache_segments=0), "cache_segments"),
     (dict(cache_segments=True), "cache_segments"),
     (dict(kernels={}), "kernel_layout"),
+    (dict(kernel_layout="rows", native_bfloat16=True), "native_bfloat16"),
+    (dict(in_place_cache_writes=True, native_bfloat16=True), "native_bfloat16"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -195,3 +197,35 @@ def test_generate_ids_takes_a_plan(rng):
     assert sorted(key[-2] for key in model._tfformer_generate_fns) == [1, plan_lib.CACHE_SEGMENTS]
     with pytest.raises(ValueError, match="prepared kernels"):
         generation.generate_ids(model, prompts, 4, plan=DecodePlan("halves").prepared(model))
+
+
+def _bfloat16_softmax_inputs(graph):
+    """How many Softmax ops of `graph` (and its functions) take bfloat16 tensors."""
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return sum(n.op in ("Softmax", "_MklSoftmax") and n.attr["T"].type == tf.bfloat16.as_datatype_enum for n in nodes)
+
+
+def test_native_bfloat16_gives_the_float32_casts_numbers(rng):
+    """`native_bfloat16`: a bfloat16 prompt pass through grouped-query attention with rotary positions and a SwiGLU
+    feed-forward takes its softmax and SiLU on bfloat16 tensors (the graph shows it) and gives the numbers of the
+    float32 casts around them, to bfloat16 rounding. 300 keys per row: a softmax that summed in bfloat16 would be
+    off by several units in the last place."""
+    from tfformer import layers
+
+    block = layers.DecoderBlock(num_heads=4, intermediate_dim=64, cross_attention=False, activation="swiglu",
+                                norm_first=True, normalization="rms", use_bias=False, rope_max_wavelength=1000.0,
+                                num_key_value_heads=2, dtype="bfloat16")
+    x = tf.constant(rng.normal(size=(1, 300, 32)), tf.bfloat16)
+    block.build(x.shape)
+    block.set_weights([rng.normal(size=w.shape).astype("float32") * 0.4 for w in block.get_weights()])
+    cache = tf.zeros((1, 2, 2, 304, 8), tf.bfloat16)  # (B, 2, K, S, H)
+    outputs = {}
+    for native in (False, True):
+        plan = DecodePlan(native_bfloat16=native)
+        fn = tf.function(lambda x, cache, plan=plan: block(x, cache=cache, cache_index=0, plan=plan), autograph=False)
+        graph = fn.get_concrete_function(x, cache).graph.as_graph_def()
+        assert _bfloat16_softmax_inputs(graph) == (1 if native else 0)
+        outputs[native] = [np.asarray(tf.cast(t, tf.float32)) for t in fn(x, cache)]
+    for plain, native in zip(outputs[False], outputs[True]):
+        np.testing.assert_allclose(native, plain, rtol=2 ** -8, atol=1e-6)
+    assert np.abs(outputs[True][0]).max() > 0.1  # not a vanishing output

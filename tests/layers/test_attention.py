@@ -215,6 +215,24 @@ def test_in_place_cache_write_under_xla_equals_select_write(rng):
     np.testing.assert_array_equal(write_cache(cache, new, 5).numpy(), expected)  # default: select form
 
 
+@pytest.mark.parametrize("shapes", [((2, 2, 3, 9, 4), (2, 2, 3, 4, 4)), ((6, 9, 4), (6, 9, 4))])
+def test_cache_write_at_a_python_zero_equals_the_select_form(rng, shapes):
+    """A prompt pass writes at a Python 0 as a concat of the new slots and the cache's own past them: the select
+    form's result at a tensor 0, the old slots kept (here not zeros), on stacked and split halves."""
+    import tensorflow as tf
+
+    from tfformer.layers.layer_utils import write_cache
+
+    cache = tf.constant(rng.normal(size=shapes[0]).astype("float32"))
+    new = tf.constant(rng.normal(size=shapes[1]).astype("float32"))
+    expected = write_cache(cache, new, tf.constant(0)).numpy()
+    np.testing.assert_array_equal(expected[..., : new.shape[-2], :], new.numpy())
+    np.testing.assert_array_equal(expected[..., new.shape[-2]:, :], cache.numpy()[..., new.shape[-2]:, :])
+    graph = tf.function(lambda c, n: write_cache(c, n, 0)).get_concrete_function(cache, new).graph.as_graph_def()
+    assert not any(node.op == "SelectV2" for node in graph.node)  # the concat form, not the select
+    np.testing.assert_array_equal(write_cache(cache, new, 0).numpy(), expected)
+
+
 @pytest.mark.parametrize("key_dim", [H, 16])  # one-query dot-product scores: a dot (H=4), a split multiply + sum (16)
 @pytest.mark.parametrize("batch", [1, B])
 @pytest.mark.parametrize("score", ["scaled_dot", "general", "dot", "additive"])

@@ -26,6 +26,10 @@ A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a 
   cache's fused form is faster, which "halves" keeps (docs/performance.md).
 - `cache_segments`: the loop runs in up to this many segments whose caches grow (`segment_sizes`), so a step
   attends over at most about twice the positions filled so far, not the whole buffer.
+- `native_bfloat16`: softmax and SiLU take bfloat16 tensors as they are, without float32 casts around them. For
+  TensorFlow's graph runtime on CPU (a prompt pass without XLA): its oneDNN kernels compute them in float32 inside
+  and round once, the same numbers as the casts give, in one pass instead of three. Not for XLA, whose bfloat16
+  reductions do not accumulate in float32.
 
 Layers never import this module: they take the plan as a call argument and use the small protocol described in
 `tfformer.layers.layer_utils` (`in_place_cache_writes`, `dense`, `uses`, `one_row`).
@@ -133,6 +137,7 @@ class DecodePlan:
             XLA only.
         in_place_cache_writes: bool. In-place cache writes and one-step attention forms. XLA only.
         cache_segments: int >= 1. Segments of growing caches in a decode loop (1: one loop over the full cache).
+        native_bfloat16: bool. bfloat16 softmax and SiLU without float32 casts around them. Graph runtime only.
         kernels: the prepared kernels (`prepared_kernels`); set by `prepared`, inside the traced function.
 
     Example:
@@ -143,25 +148,31 @@ class DecodePlan:
     ```
     """
 
-    def __init__(self, kernel_layout=None, in_place_cache_writes=False, cache_segments=CACHE_SEGMENTS, kernels=None):
+    def __init__(self, kernel_layout=None, in_place_cache_writes=False, cache_segments=CACHE_SEGMENTS, kernels=None,
+                 native_bfloat16=False):
         check_kernel_layout(kernel_layout)
         if isinstance(cache_segments, bool) or not isinstance(cache_segments, int) or cache_segments < 1:
             raise ValueError(f"`cache_segments` must be a positive integer. Received: cache_segments={cache_segments!r}")
         if kernels is not None and kernel_layout is None:
             raise ValueError("`kernels` need a `kernel_layout`. Received: kernel_layout=None")
+        if native_bfloat16 and (kernel_layout is not None or in_place_cache_writes):
+            raise ValueError("`native_bfloat16` is for the graph runtime, without XLA's forms. Received: "
+                             f"kernel_layout={kernel_layout!r}, in_place_cache_writes={in_place_cache_writes!r}")
         self.kernel_layout = kernel_layout
         self.in_place_cache_writes = bool(in_place_cache_writes)
         self.cache_segments = cache_segments
         self.kernels = kernels
+        self.native_bfloat16 = bool(native_bfloat16)
 
     def __repr__(self):
         return (f"DecodePlan(kernel_layout={self.kernel_layout!r}, in_place_cache_writes={self.in_place_cache_writes}, "
-                f"cache_segments={self.cache_segments}, prepared={self.kernels is not None})")
+                f"cache_segments={self.cache_segments}, native_bfloat16={self.native_bfloat16}, "
+                f"prepared={self.kernels is not None})")
 
     def key(self):
         """What tells compiled decode functions apart (not the prepared kernels, which are made inside them); the
         kernel layout last."""
-        return (self.in_place_cache_writes, self.cache_segments, self.kernel_layout)
+        return (self.in_place_cache_writes, self.native_bfloat16, self.cache_segments, self.kernel_layout)
 
     @property
     def split_caches(self):
@@ -170,7 +181,7 @@ class DecodePlan:
 
     def _replace(self, **changes):
         fields = dict(kernel_layout=self.kernel_layout, in_place_cache_writes=self.in_place_cache_writes,
-                      cache_segments=self.cache_segments, kernels=self.kernels)
+                      cache_segments=self.cache_segments, kernels=self.kernels, native_bfloat16=self.native_bfloat16)
         return DecodePlan(**{**fields, **changes})
 
     def prepared(self, model):

@@ -317,8 +317,28 @@ class MultiHeadAttention(keras.layers.Layer):
             return dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units, plan)
         return dense(query, self._kernel_of("query"), self.query_bias, 0, self._q_units, plan)
 
-    def _project(self, query, value, key, plan=None):
-        """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`."""
+    def _project(self, query, value, key, plan=None, rotary_start=None):
+        """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`; q and k rotated from position
+        `rotary_start` when the layer has rotary positions (and `rotary_start` is not None)."""
+        rotate = self.rotary is not None and rotary_start is not None
+        self_attention = self._fused and value is query and (key is None or key is query)
+        if rotate and self_attention and self._k_units == self._v_units and self._value_dim == self.key_dim:
+            # Every head moved in one transpose; the query and key heads rotated together, in one pass.
+            n, kv = self.num_heads, self._kv_heads
+            qkv = dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units + 2 * self._k_units, plan)
+            b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
+            heads = ops.reshape(qkv, (b, t, n + 2 * kv, self.key_dim))  # (B, T, N+2K, H)
+            heads = ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
+            qk, v = ops.split(heads, [n + kv], axis=1)  # (B, N+K, T, H), (B, K, T, H)
+            q, k = ops.split(self.rotary(qk, start_index=rotary_start), [n], axis=1)  # (B, N, T, H), (B, K, T, H)
+            return q, k, v
+        q, k, v = self._project_heads(query, value, key, plan)
+        if rotate:
+            q, k = self.rotary(q, start_index=rotary_start), self.rotary(k, start_index=rotary_start)
+        return q, k, v
+
+    def _project_heads(self, query, value, key, plan=None):
+        """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`, without rotary positions."""
         qu, ku, vu = self._q_units, self._k_units, self._v_units
         n, kv = self.num_heads, self._kv_heads
         qkv_kernel = self._kernel_of("qkv") if self._fused else None
@@ -371,7 +391,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         self._check_cacheable()
         dummy_query = value[:, :1]
-        _, k, v = self._project(dummy_query, value, key)
+        _, k, v = self._project_heads(dummy_query, value, key)
         return ops.stack([k, v], axis=1)  # (B, 2, K, S, H)
 
     # === Cache ===
@@ -461,10 +481,7 @@ class MultiHeadAttention(keras.layers.Layer):
             q = self._split_heads(self._project_query(query, plan), self.num_heads, self.key_dim)
             k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
         else:
-            q, k, v = self._project(query, value, key, plan)
-            if self.rotary is not None:
-                start = 0 if cache_index is None else cache_index
-                q, k = self.rotary(q, start_index=start), self.rotary(k, start_index=start)
+            q, k, v = self._project(query, value, key, plan, rotary_start=0 if cache_index is None else cache_index)
         if cache is not None and cache_index is not None:
             k, v, cache = self._update_cache(cache, k, v, cache_index, plan)
         k, v = self._shared_heads(k, q), self._shared_heads(v, q)  # K -> N heads
@@ -482,9 +499,15 @@ class MultiHeadAttention(keras.layers.Layer):
         if dot_scores and mask is not None:
             scores = scores + masks_lib.mask_bias(mask, scores.dtype)
         # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
-        weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)  # (B, N, T, S) float32
+        if dot_scores and plan is not None and plan.native_bfloat16 and scores.dtype == "bfloat16":
+            weights = ops.softmax(scores, axis=-1)  # oneDNN's: float32 inside, (B, N, T, S) in the scores' dtype
+        else:
+            weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)  # (B, N, T, S) float32
         x = self._mix(self._dropout_layer(weights, training=training), v, q.dtype, one_step)  # (B, N, T, Hv)
-        if mask is not None:
+        # Causal masks (and the cache's) leave key 0 to every query; only the others can empty a row.
+        may_empty_rows = self.window is not None or any(
+            m is not None for m in (attention_mask, query_mask, value_mask, key_mask))
+        if mask is not None and may_empty_rows:
             row_has_key = masks_lib.has_visible_key(mask)  # (B|1, 1, T, 1)
             x = x * ops.cast(row_has_key, x.dtype)
             if return_attention_scores:

@@ -10,6 +10,8 @@ builds; layers never import it):
   before the loop, or None when the plan has no layout for that kernel, bias and input.
 - `uses(x, kernel, bias)`: whether `dense` takes the plan's layout for the whole `kernel` (one token, `kernel`
   among the plan's, with its own bias).
+- `native_bfloat16`: bool. Softmax and SiLU take bfloat16 tensors without float32 casts around them (TensorFlow's
+  graph runtime on CPU, whose oneDNN kernels compute them in float32 inside: the same numbers).
 - `one_row(x)`: whether `x` `(B, T, D)` is one token of a batch-1 loop in the "rows" layout (the tied output
   projection then runs in float32, see `TokenEmbedding.attend`).
 
@@ -126,6 +128,10 @@ def write_cache(cache, new, index, in_place=False):
     compiled with XLA only) the slice update is used, so a step's cost does not grow with `S`.
     """
     axis = len(cache.shape) - 2
+    if isinstance(index, int) and index == 0 and not in_place:
+        # A prompt pass from slot 0 (a Python 0): the new slots, then the cache's own past them.
+        rest = cache[(slice(None),) * axis + (slice(ops.shape(new)[axis], None),)]  # (..., S - T, H)
+        return ops.concatenate([new, rest], axis=axis)
     if in_place:
         zero = ops.zeros((), "int32")
         start = [zero] * len(cache.shape)
