@@ -355,7 +355,7 @@ def main(argv=None):
     exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
                                    "SavedModel and/or TFLite")
     exporter.add_argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2, "
-                          "whisper-tiny-en)")
+                          "smollm2-135m-instruct, whisper-tiny-en)")
     exporter.add_argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model")
     exporter.add_argument("--out", required=True, help="the model's base path, e.g. export/models/en-de")
     exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
@@ -363,7 +363,9 @@ def main(argv=None):
                           "for Whisper every position after the prompt, 446)")
     exporter.add_argument("--beam-size", type=int, help="beams in the SavedModel (default: 4 for a translator, "
                                                          "greedy for a language model)")
-    exporter.add_argument("--quantize", choices=["dynamic", "float16"], help="TFLite quantization")
+    exporter.add_argument("--quantize", choices=["dynamic", "float16", "gguf"], help="TFLite quantization (gguf: "
+                          "a model converted from a GGUF, e.g. smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks "
+                          "exactly as int8)")
     exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
     exporter.add_argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
                           "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "

@@ -129,6 +129,7 @@ def files(tmp_path_factory):
     path = str(directory / "no_scales.tflite")
     out["no_scales"] = path, exact_int8.requantize_blocks(f32, path)
     out["option"] = export.tflite_decoder(lm, str(directory / "option.tflite"), max_length=MAX_LENGTH, quantize="gguf")
+    out["lm"] = lm
     counts = {"embedding": v * dim, "plain": int(np.prod(plain.shape)),
               "all": sum(int(np.prod(w.shape)) for w in lm.weights if len(w.shape) == 2),
               "plain_values": np.asarray(plain).T}  # the FULLY_CONNECTED filter (out, in)
@@ -302,3 +303,40 @@ def test_the_gguf_option_of_tflite_decoder_writes_the_default_rewrite(files):
     out, _ = files
     with open(out["option"], "rb") as a, open(out["default"][0], "rb") as b:
         assert a.read() == b.read()
+
+
+def _logits(path, ids):
+    from ai_edge_litert.interpreter import Interpreter
+
+    runner = Interpreter(model_path=path).get_signature_runner("predict_ids")
+    return runner(token_ids=ids)["logits"]  # (1, T, V)
+
+
+def test_the_gguf_option_of_tflite_and_the_cli(tmp_path, files, monkeypatch, capsys):
+    """`export.tflite(..., quantize="gguf")` (the whole-sequence logits file) stores the blocks as int8 and gives the
+    float32 file's logits to float rounding; `tfformer export --format tflite --quantize gguf` writes it and the
+    gguf decoder file (the bytes of `tflite_decoder(..., quantize="gguf")`). A model without block weights is
+    refused by name."""
+    from tfformer import cli
+
+    out, _ = files
+    lm = out["lm"]
+    ids = np.array([[5, 300, 17, 511, 0, 42, 9, 1]], np.int32)
+    f32 = export.tflite(lm, str(tmp_path / "f32.tflite"), sequence_length=8, batch_size=1)
+    monkeypatch.setattr(models, "from_preset", lambda name: lm)
+    assert cli.main(["export", "tiny", "--format", "tflite", "--out", str(tmp_path / "cli"), "--quantize", "gguf",
+                     "--sequence-length", "8", "--batch-size", "1", "--max-length", str(MAX_LENGTH)]) == 0
+    assert "decoder.tflite" in capsys.readouterr().out
+    exact = str(tmp_path / "cli" / "model.tflite")
+    assert os.path.getsize(exact) < 0.5 * os.path.getsize(f32)  # int8 blocks, not float32
+    want, got = _logits(f32, ids), _logits(exact, ids)
+    scale = float(np.abs(want).max())
+    assert scale > 1.0
+    assert float(np.abs(got - want).max()) / scale <= LOGIT_RTOL
+    with open(tmp_path / "cli" / "decoder.tflite", "rb") as a, open(out["option"], "rb") as b:
+        assert a.read() == b.read()
+    plain = models.build_causal_lm(models.TransformerConfig(**CONFIG))  # random weights: no blocks
+    with pytest.raises(ValueError, match="quantize='gguf' found no Q8_0 / Q4_1 block weights"):
+        export.tflite(plain, str(tmp_path / "plain.tflite"), quantize="gguf", sequence_length=8, batch_size=1)
+    with pytest.raises(ValueError, match=r"`quantize` must be one of .*Received: quantize='int4'"):
+        export.tflite(plain, str(tmp_path / "plain.tflite"), quantize="int4")

@@ -86,13 +86,17 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
     Args:
         model: a tfformer Keras model.
         path: output file.
-        quantize: `None` (float32), `"dynamic"` (int8 weights), `"float16"` or `"int8"` (full integer; needs
-            `representative_data`, an iterable of input dicts).
+        quantize: `None` (float32), `"dynamic"` (int8 weights), `"float16"`, `"int8"` (full integer; needs
+            `representative_data`, an iterable of input dicts), or `"gguf"`: for a model converted from a Q8_0 /
+            Q4_1 GGUF (SmolLM2), its block weights stored exactly as int8 with float16 block scales
+            (`tfformer.export.exact_int8`), so the logits equal the float32 file's to float rounding.
         sequence_length: fix the sequence length (static shapes convert to fewer ops); `None` keeps it dynamic.
         batch_size: fix the batch size too. With both fixed every shape is static: the converter folds the
             shape arithmetic away and XNNPACK takes the whole graph (docs/performance.md,
             "TFLite"). `None` keeps the batch dynamic (`resize_tensor_input`).
     """
+    if quantize not in QUANTIZE + ("gguf",):
+        raise ValueError(f"`quantize` must be one of {QUANTIZE + ('gguf',)}. Received: quantize={quantize!r}")
     for name, value in (("sequence_length", sequence_length), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"`{name}` must be a positive integer or None. Received: {name}={value!r}")
@@ -109,7 +113,22 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
 
         archive.add_endpoint(sig.PREDICT_IDS, predict, input_signature=_input_specs(model, sequence_length, batch_size))
         archive.write_out(tmp, verbose=False)
-        return _write(_converter(tmp, [sig.PREDICT_IDS], quantize, representative_data), path)
+        if quantize != "gguf":
+            return _write(_converter(tmp, [sig.PREDICT_IDS], quantize, representative_data), path)
+        return _requantized(_converter(tmp, [sig.PREDICT_IDS], None, None), model, tmp, path)
+
+
+def _requantized(converter, model, tmp, path):
+    """`quantize="gguf"`: the float32 file, written to `tmp`, with its GGUF block weights stored as int8 at `path`."""
+    float_path = _write(converter, os.path.join(tmp, "float32.tflite"))
+    # The norm scales the converter folds into the next matmul's weights: the rewrite takes them out again.
+    scales = [keras.ops.convert_to_numpy(w) for w in model.weights if len(w.shape) == 1]
+    summary = exact_int8.requantize_blocks(float_path, path, input_scales=scales)
+    if not summary["q8_0"] and not summary["q4_1"]:
+        os.remove(path)
+        raise ValueError("quantize='gguf' found no Q8_0 / Q4_1 block weights in the model: it is for models "
+                         "converted from a GGUF (e.g. models.from_preset('smollm2-135m-instruct')).")
+    return path
 
 
 class _StackedKeysValues:
@@ -279,12 +298,4 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
                                custom_ops=tokenizer is not None)
         if quantize != "gguf":
             return _write(converter, path)
-        float_path = _write(converter, os.path.join(tmp, "float32.tflite"))
-        # The norm scales the converter folds into the next matmul's weights: the rewrite takes them out again.
-        scales = [keras.ops.convert_to_numpy(w) for w in model.weights if len(w.shape) == 1]
-        summary = exact_int8.requantize_blocks(float_path, path, input_scales=scales)
-    if not summary["q8_0"] and not summary["q4_1"]:
-        os.remove(path)
-        raise ValueError("quantize='gguf' found no Q8_0 / Q4_1 block weights in the model: it is for models "
-                         "converted from a GGUF (e.g. models.from_preset('smollm2-135m-instruct')).")
-    return path
+        return _requantized(converter, model, tmp, path)
