@@ -194,6 +194,33 @@ def test_unknown_preset_and_override():
         models.get_preset("transformer-tiny", hidden_size=3)
 
 
+def test_from_preset_dtype_builds_under_that_policy_and_leaves_the_global_one(monkeypatch, tmp_path):
+    """`from_preset(..., dtype=)`: an architecture preset and a pretrained one (its loader stood in for) are built
+    under the policy asked for, the global policy is the caller's afterwards (also after an error), and bad values
+    and preset directories are refused by name."""
+    from tfformer.models import presets
+
+    assert keras.config.dtype_policy().name == "float32"
+    model = models.from_preset("transformer-tiny", dtype="mixed_bfloat16", vocabulary_size=50)
+    assert (model.compute_dtype, model.variable_dtype) == ("bfloat16", "float32")
+    assert keras.config.dtype_policy().name == "float32"
+    model = models.from_preset("transformer-tiny", dtype=keras.DTypePolicy("bfloat16"), vocabulary_size=50)
+    assert {w.dtype for w in model.weights if keras.backend.is_float_dtype(w.dtype)} == {"bfloat16"}
+    seen = []
+    monkeypatch.setitem(presets.PRETRAINED, "stand-in", presets.PRETRAINED["smollm2-135m-instruct"])
+    monkeypatch.setattr(presets, "load_pretrained", lambda name: seen.append(keras.config.dtype_policy().name))
+    models.from_preset("stand-in", dtype="bfloat16")
+    assert seen == ["bfloat16"] and keras.config.dtype_policy().name == "float32"
+    for bad in ("float64x", "int8", 3):
+        with pytest.raises(ValueError, match=r"`dtype` must be a float Keras dtype policy name.*Received: dtype="):
+            models.from_preset("transformer-tiny", dtype=bad)
+    with pytest.raises(ValueError, match=r"takes no overrides"):
+        models.from_preset("stand-in", dtype="bfloat16", dropout=0.0)
+    with pytest.raises(ValueError, match=r"leave `dtype` out\. Received: dtype='bfloat16'"):
+        models.from_preset(str(tmp_path), dtype="bfloat16")
+    assert keras.config.dtype_policy().name == "float32"
+
+
 def test_token_ids_out_of_range_raise_eagerly(rng):
     model = models.build_causal_lm(CONFIGS["causal_lm"])
     with pytest.raises(ValueError, match=r"token_ids.*vocabulary_size=40"):

@@ -190,7 +190,7 @@ def load_pretrained(name):
     return getattr(importlib.import_module(module), function)()
 
 
-def from_preset(name, **overrides):
+def from_preset(name, dtype=None, **overrides):
     """The task of preset `name`, or of the preset directory `name`, with `overrides` applied.
 
     Architecture presets are randomly initialised and have no preprocessor (set `task.preprocessor`); pretrained
@@ -198,12 +198,42 @@ def from_preset(name, **overrides):
     take no overrides; a directory written by `task.save_to_preset` (or a `tfformer train` run) is loaded as
     saved, with `safe_mode=True`.
 
-    Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`, `from_preset("runs/de")`.
+    `dtype`: a Keras dtype policy name or `keras.DTypePolicy` (`"float32"`, `"bfloat16"`: weights and compute in
+    bfloat16, `"mixed_bfloat16"`: float32 weights), for the model built here, whatever the global policy
+    (`keras.config.dtype_policy()`, which is used when None and left as it was). Not for a preset directory,
+    whose layers keep the policies they were saved with.
+
+    Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`, `from_preset("runs/de")`,
+    `from_preset("smollm2-135m-instruct", dtype="bfloat16")`.
     """
+    if dtype is not None:
+        import keras
+
+        try:
+            policy = dtype if isinstance(dtype, keras.DTypePolicy) else keras.DTypePolicy(dtype)
+        except (TypeError, ValueError):
+            policy = None
+        if policy is None or not all(keras.backend.is_float_dtype(d) for d in (policy.compute_dtype,
+                                                                              policy.variable_dtype)):
+            raise ValueError("`dtype` must be a float Keras dtype policy name (e.g. 'float32', 'bfloat16', "
+                             f"'mixed_bfloat16') or a keras.DTypePolicy. Received: dtype={dtype!r}")
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            return _from_preset(name, overrides, dtype)
+        finally:
+            keras.config.set_dtype_policy(previous)
+    return _from_preset(name, overrides, dtype)
+
+
+def _from_preset(name, overrides, dtype):
     if isinstance(name, os.PathLike) or (isinstance(name, str) and os.sep in name) or (
             isinstance(name, str) and name not in PRETRAINED and name not in PRESETS and os.path.isdir(name)):
         if overrides:
             raise ValueError(f"A preset directory loads as saved and takes no overrides. Received: {sorted(overrides)}")
+        if dtype is not None:
+            raise ValueError("A preset directory loads as saved, its layers with the dtype policies they were saved "
+                             f"with: leave `dtype` out. Received: dtype={dtype!r}")
         if not os.path.isdir(name):
             raise ValueError(f"`name` {os.fspath(name)!r} is not a preset directory (it does not exist), nor one of "
                              f"{list_presets()}.")
