@@ -28,8 +28,8 @@ A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a 
   attends over at most about twice the positions filled so far, not the whole buffer.
 - `native_bfloat16`: softmax and SiLU take bfloat16 tensors as they are, without float32 casts around them. For
   TensorFlow's graph runtime on CPU (a prompt pass without XLA): its oneDNN kernels compute them in float32 inside
-  and round once, the same numbers as the casts give, in one pass instead of three. Not for XLA, whose bfloat16
-  reductions do not accumulate in float32.
+  and round once, the same numbers as the casts give, in one pass instead of three. Not for XLA: the equality is
+  a property of oneDNN's kernels.
 
 Layers never import this module: they take the plan as a call argument and use the small protocol described in
 `tfformer.layers.layer_utils` (`in_place_cache_writes`, `dense`, `uses`, `one_row`).
