@@ -32,7 +32,7 @@ A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a 
   a property of oneDNN's kernels.
 
 Layers never import this module: they take the plan as a call argument and use the small protocol described in
-`tfformer.layers.layer_utils` (`in_place_cache_writes`, `dense`, `uses`, `one_row`).
+`tfformer.layers.layer_utils` (`in_place_cache_writes`, `native_bfloat16`, `dense`, `uses`, `one_row`).
 """
 
 import keras

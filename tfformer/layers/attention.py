@@ -312,6 +312,12 @@ class MultiHeadAttention(keras.layers.Layer):
         x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, B, N, T, H)
         return tf.unstack(x, num=parts, axis=0)  # parts x (B, N, T, H)
 
+    def _heads_first(self, qkv):
+        """A fused projection `(B, T, (N+2K) * H)` as `(B, N+2K, T, H)`: every head moved in one transpose."""
+        b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
+        heads = ops.reshape(qkv, (b, t, self.num_heads + 2 * self._kv_heads, self.key_dim))  # (B, T, N+2K, H)
+        return ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
+
     def _project_query(self, query, plan=None):
         if self._fused:
             return dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units, plan)
@@ -323,13 +329,10 @@ class MultiHeadAttention(keras.layers.Layer):
         rotate = self.rotary is not None and rotary_start is not None
         self_attention = self._fused and value is query and (key is None or key is query)
         if rotate and self_attention and self._k_units == self._v_units and self._value_dim == self.key_dim:
-            # Every head moved in one transpose; the query and key heads rotated together, in one pass.
+            # The query and key heads rotated together, in one pass.
             n, kv = self.num_heads, self._kv_heads
             qkv = dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units + 2 * self._k_units, plan)
-            b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
-            heads = ops.reshape(qkv, (b, t, n + 2 * kv, self.key_dim))  # (B, T, N+2K, H)
-            heads = ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
-            qk, v = ops.split(heads, [n + kv], axis=1)  # (B, N+K, T, H), (B, K, T, H)
+            qk, v = ops.split(self._heads_first(qkv), [n + kv], axis=1)  # (B, N+K, T, H), (B, K, T, H)
             q, k = ops.split(self.rotary(qk, start_index=rotary_start), [n], axis=1)  # (B, N, T, H), (B, K, T, H)
             return q, k, v
         q, k, v = self._project_heads(query, value, key, plan)
@@ -348,9 +351,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 return tuple(self._split_stacked_heads(qkv, 3, n))
             if ku == vu and self._value_dim == self.key_dim:
                 # Grouped query heads: every head moved in one transpose, then split along the head axis.
-                b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
-                heads = ops.reshape(qkv, (b, t, n + 2 * kv, self.key_dim))  # (B, T, N+2K, H)
-                heads = ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
+                heads = self._heads_first(qkv)  # (B, N+2K, T, H)
                 return tuple(ops.split(heads, [n, n + kv], axis=1))  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
             # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
             q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
