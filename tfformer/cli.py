@@ -95,6 +95,18 @@ def _generate(args):
     return 0
 
 
+def _finetune(args):
+    from tfformer.recipes import finetune
+
+    losses = finetune.finetune_lm(args.out, preset=args.run or args.preset, chat=args.chat, text=args.text,
+                                  lora_rank=args.lora_rank, steps=args.steps, batch_size=args.batch_size,
+                                  sequence_length=args.sequence_length, learning_rate=args.learning_rate,
+                                  system_prompt=args.system, replicas=args.replicas, overwrite=args.overwrite)
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; preset: {args.out} "
+          f"(`tfformer chat --run {args.out}`)")
+    return 0
+
+
 def _chat(args):
     from tfformer import models
 
@@ -351,6 +363,26 @@ def main(argv=None):
     chat.add_argument("--system", help="a system message before the first turn")
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.set_defaults(fn=_chat)
+
+    finetune = commands.add_parser("finetune", help="fine-tune a causal LM on a chat TSV or a text file and save "
+                                   "it as a preset")
+    source = finetune.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s")
+    source.add_argument("--run", help="a preset directory of a causal LM")
+    examples = finetune.add_mutually_exclusive_group(required=True)
+    examples.add_argument("--chat", help="prompt<TAB>answer lines; the loss is on the answers")
+    examples.add_argument("--text", help="a UTF-8 text file, one example per non-blank line")
+    finetune.add_argument("--out", required=True, help="the preset directory to write")
+    finetune.add_argument("--overwrite", action="store_true", help="replace a preset already in --out")
+    finetune.add_argument("--lora-rank", type=int, default=4, help="low-rank adapters on the attention "
+                          "projections, merged before saving; 0 trains every weight (default: %(default)s)")
+    finetune.add_argument("--steps", type=int, default=100)
+    finetune.add_argument("--batch-size", type=int, default=8)
+    finetune.add_argument("--sequence-length", type=int, default=256)
+    finetune.add_argument("--learning-rate", type=float, default=2e-4)
+    finetune.add_argument("--system", help="a system message before each chat prompt")
+    finetune.add_argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices")
+    finetune.set_defaults(fn=_finetune)
 
     exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
                                    "SavedModel and/or TFLite")

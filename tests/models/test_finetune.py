@@ -4,6 +4,7 @@ data, a MirroredStrategy over two replicas, and the real SmolLM2-135M-Instruct (
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -147,6 +148,46 @@ def test_bad_calls_say_what_to_do():
     lm.merge_lora()
     with pytest.raises(ValueError, match="merged into its kernels.*reload"):
         lm.enable_lora(2)
+
+
+def test_finetune_command_trains_adapters_and_saves_the_merged_preset(tmp_path, capsys):
+    """`tfformer finetune --run DIR --chat FILE`: LoRA rank 2, 4 Adam steps on a tiny LM preset. The printed loss
+    falls; the saved preset is a plain model (adapters merged) whose attention kernels changed and whose other
+    weights are bit-identical; its answer loss is below the base model's. Bad calls exit 2 naming the argument."""
+    from tfformer import cli
+
+    base_dir, out = str(tmp_path / "base"), str(tmp_path / "tuned")
+    _tiny_lm().save_to_preset(base_dir)
+    tsv = tmp_path / "chat.tsv"
+    tsv.write_text("What is 2+2?\t4\nCapital of France?\tParis.\nName a color.\tBlue.\n", encoding="utf-8")
+    assert cli.main(["finetune", "--run", base_dir, "--chat", str(tsv), "--out", out, "--lora-rank", "2",
+                     "--steps", "4", "--batch-size", "3", "--sequence-length", "60", "--learning-rate", "0.02"]) == 0
+    first, last = (float(v) for v in re.search(r"loss (\S+) -> (\S+) over 4 steps", capsys.readouterr().out).groups())
+    assert last < first
+
+    base, tuned = models.from_preset(base_dir), models.from_preset(out)
+    assert tuned.lora_rank is None and not any(map(_is_adapter, tuned.weights))
+    attention = {w.path for layer in base.attention_layers() for w in layer.weights}
+    for before, after in zip(base.weights, tuned.weights):
+        assert before.path == after.path
+        if before.path in attention and before.name.endswith("kernel"):
+            assert np.abs(after.numpy() - before.numpy()).max() > 1e-4, before.path
+        else:
+            np.testing.assert_array_equal(after.numpy(), before.numpy(), err_msg=before.path)
+    x, y, w = next(iter(data.make_chat_dataset(str(tsv), base.preprocessor, sequence_length=60, batch_size=3,
+                                               shuffle=False)))
+    loss = training.MaskedSparseCrossEntropy(0.0)
+    assert float(loss(y, tuned(x), sample_weight=w)) < float(loss(y, base(x), sample_weight=w))
+
+    small = ["--chat", str(tsv), "--out", out, "--batch-size", "3", "--sequence-length", "60"]
+    for argv, message in [
+        (["--run", base_dir, "--lora-rank", "-1"], "`lora_rank` must be an integer >= 0"),
+        (["--run", base_dir, "--steps", "0"], "`steps` must be a positive integer"),
+        (["--preset", "transformer-tiny", "--steps", "1"], "`preset` must be a causal LM with a tokenizer"),
+        (["--run", base_dir, "--steps", "1"], "already holds a preset"),  # --out exists, no --overwrite
+    ]:
+        assert cli.main(["finetune", *argv, *small]) == 2
+        assert message in capsys.readouterr().err
 
 
 MIRRORED = """
