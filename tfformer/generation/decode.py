@@ -129,9 +129,11 @@ def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
     runs in TensorFlow's graph runtime (its oneDNN matmuls run bfloat16 natively; XLA's CPU backend multiplies
     bfloat16 at about the float32 rate). The prompt pass fills stacked caches (its batched attention's fast form);
     the loop splits them first if its plan keeps split caches. They hold the keys and values in the compute dtype,
-    as the attention makes them (no casts in the pass); split ones are float32 in the loop. The pass takes
-    bfloat16 softmax and SiLU as they are (`DecodePlan.native_bfloat16`)."""
-    prefill_plan = DecodePlan(cache_segments=plan.cache_segments, native_bfloat16=True)
+    as the attention makes them (no casts in the pass); split ones are float32 in the loop. On CPUs the pass takes
+    bfloat16 softmax and SiLU as they are (`DecodePlan.native_bfloat16`: a property of oneDNN's kernels, not
+    claimed for GPU ones)."""
+    on_cpu = not tf.config.list_physical_devices("GPU")
+    prefill_plan = DecodePlan(cache_segments=plan.cache_segments, native_bfloat16=on_cpu)
 
     def loop(prompt_ids, lengths, logits, cache):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop
