@@ -56,10 +56,19 @@ def wait_for_cli_server(process, log_path, timeout=120):
         raise RuntimeError(f"tfformer serve did not start:\n{handle.read()[-3000:]}")
 
 
-def start_cli_server(config_path, log_path, *flags):
-    """`tfformer serve` as a subprocess on free ports; returns (process, grpc_url, rest_url) once it serves."""
-    process = spawn_cli_server(config_path, log_path, *flags)
-    return (process, *wait_for_cli_server(process, log_path))
+def start_cli_server(config_path, log_path, *flags, attempts=3):
+    """`tfformer serve` as a subprocess on free ports; returns (process, grpc_url, rest_url) once it serves.
+
+    `free_port` closes its probe socket before the server starts, so another process (the other test worker's
+    client connections) can take that port first: the server then exits with "Address already in use", and it
+    is started again on a new port, up to `attempts` times."""
+    for attempt in range(attempts):
+        process = spawn_cli_server(config_path, log_path, *flags)
+        try:
+            return (process, *wait_for_cli_server(process, log_path))
+        except RuntimeError as error:
+            if "Address already in use" not in str(error) or attempt == attempts - 1:
+                raise
 
 
 def free_port():
