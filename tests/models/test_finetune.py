@@ -179,15 +179,18 @@ def test_finetune_command_trains_adapters_and_saves_the_merged_preset(tmp_path, 
     loss = training.MaskedSparseCrossEntropy(0.0)
     assert float(loss(y, tuned(x), sample_weight=w)) < float(loss(y, base(x), sample_weight=w))
 
-    small = ["--chat", str(tsv), "--out", out, "--batch-size", "3", "--sequence-length", "60"]
+    small = ["--chat", str(tsv), "--batch-size", "3", "--sequence-length", "60"]
+    fresh = str(tmp_path / "unused")
     for argv, message in [
-        (["--run", base_dir, "--lora-rank", "-1"], "`lora_rank` must be an integer >= 0"),
-        (["--run", base_dir, "--steps", "0"], "`steps` must be a positive integer"),
-        (["--preset", "transformer-tiny", "--steps", "1"], "`preset` must be a causal LM with a tokenizer"),
-        (["--run", base_dir, "--steps", "1"], "already holds a preset"),  # --out exists, no --overwrite
+        (["--run", base_dir, "--lora-rank", "-1", "--out", fresh], "`lora_rank` must be an integer >= 0"),
+        (["--run", base_dir, "--steps", "0", "--out", fresh], "`steps` must be a positive integer"),
+        (["--preset", "transformer-tiny", "--steps", "1", "--out", fresh], "`preset` must be a causal LM with a "
+                                                                           "tokenizer"),
+        (["--run", base_dir, "--steps", "1", "--out", out], "already holds a preset"),  # before any training
     ]:
         assert cli.main(["finetune", *argv, *small]) == 2
         assert message in capsys.readouterr().err
+    assert not os.path.exists(fresh)
 
 
 MIRRORED = """

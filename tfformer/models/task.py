@@ -23,6 +23,15 @@ from tfformer.data.tokenizers import END_ID
 from tfformer.version import __version__
 
 PRESET_FILE, CONFIG_FILE, MODEL_FILE = "preset.json", "config.json", "model.keras"
+
+
+def check_preset_target(directory, overwrite=False):
+    """Raise a ValueError unless `save_to_preset(directory, overwrite)` may write there: a directory (or nothing
+    yet) that holds no preset, unless `overwrite`."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"`directory` {directory!r} exists and is not a directory.")
+    if os.path.exists(os.path.join(directory, PRESET_FILE)) and not overwrite:
+        raise ValueError(f"`directory` {directory!r} already holds a preset; pass `overwrite=True` to replace it.")
 PRESET_FORMAT = "tfformer-preset"
 
 
@@ -110,10 +119,7 @@ class Task:
         Other files in `directory` are left alone (a run directory keeps its metrics). A directory that already
         holds a preset is an error unless `overwrite`.
         """
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise ValueError(f"`directory` {directory!r} exists and is not a directory.")
-        if os.path.exists(os.path.join(directory, PRESET_FILE)) and not overwrite:
-            raise ValueError(f"`directory` {directory!r} already holds a preset; pass `overwrite=True` to replace it.")
+        check_preset_target(directory, overwrite)
         os.makedirs(directory, exist_ok=True)
         spec = None
         if self.preprocessor is not None and not self.saves_preprocessor_in_config:

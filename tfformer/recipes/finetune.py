@@ -3,6 +3,8 @@
 import keras
 
 from tfformer import data, models, training
+from tfformer.layers.layer_utils import check_positive_int
+from tfformer.models.task import check_preset_target
 
 
 def finetune_lm(out, preset="smollm2-135m-instruct", chat=None, text=None, lora_rank=4, steps=100, batch_size=8,
@@ -23,8 +25,8 @@ def finetune_lm(out, preset="smollm2-135m-instruct", chat=None, text=None, lora_
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"`lora_rank` must be an integer >= 0 (0: every weight trains). Received: "
                          f"lora_rank={lora_rank!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"`steps` must be a positive integer. Received: steps={steps!r}")
+    check_positive_int("steps", steps)
+    check_preset_target(out, overwrite)  # before the training, not after it
     strategy = training.get_strategy(replicas)
     with strategy.scope():
         lm = models.from_preset(preset)
