@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install bench peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +32,29 @@ test: $(STAMP)
 	MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -n 2 tests --ignore=tests/notebooks
 	MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests/notebooks
 
+# The benchmarks' peers, never needed by `make test`: .venv-peers from benchmarks/peers.txt (PyTorch, transformers,
+# sentence-transformers, faster-whisper, ...), and llama.cpp's llama-bench and llama-perplexity built from the
+# llama-cpp-python sdist's vendored sources (cmake and ninja from PyPI) into .venv-peers/bin, where the benchmarks
+# find them (benchmarks/peers.py).
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+LLAMA_BENCH := $(PEERS)/bin/llama-bench
+BENCH_WORKLOADS ?= training generation encoder tflite llm asr
+
+$(PEERS_STAMP): benchmarks/peers.txt
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/bin/python -m pip install --quiet -r benchmarks/peers.txt
+	touch $(PEERS_STAMP)
+
+$(LLAMA_BENCH): $(PEERS_STAMP) benchmarks/peers.py
+	$(PEERS)/bin/python benchmarks/peers.py build-llama-cpp $(PEERS)
+
+peers: $(PEERS_STAMP) $(LLAMA_BENCH)
+
+# The workloads of benchmarks/RESULTS.md, one after another, their JSON lines in benchmarks/results/.
+bench: $(STAMP) peers
+	MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks run $(BENCH_WORKLOADS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEERS) build *.egg-info

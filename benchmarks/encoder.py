@@ -8,7 +8,7 @@ sentence embedder (encoder, mean pooling, L2 norm) on 2 threads:
   1536; random weights) plus the same pooling, float32 and `mixed_bfloat16`;
 - PyTorch: sentence-transformers' `SentenceTransformer` of the same checkpoint on CPU, float32 and under
   `torch.autocast("cpu", dtype=torch.bfloat16)`. It runs in a worker process: this interpreter if it has
-  torch and sentence-transformers, else `/tmp/torchvenv/bin/python` (or `--torch-python`); without either,
+  torch and sentence-transformers, else the peers' `.venv-peers/bin/python` (or `--torch-python`); without either,
   the PyTorch rows are skipped.
 
 Also timed, the whole path a user runs (rows "tfformer encode" and "pytorch encode"): `SentenceEncoder.encode`

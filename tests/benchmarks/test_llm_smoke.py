@@ -1,5 +1,6 @@
 """`python -m benchmarks.llm --smoke` runs (a 2-layer random model of SmolLM2's architecture, one round; the
-numbers mean nothing), and every derived figure agrees with the rows it is read from."""
+numbers mean nothing), with no peers and with stand-ins for PyTorch and llama-bench, and every derived figure
+agrees with the rows it is read from."""
 
 import os
 
@@ -18,11 +19,12 @@ def smoke_parameters(s):
     return s["vocab"] * s["hidden"] + s["layers"] * (attention + feedforward + 2 * s["hidden"]) + s["hidden"]
 
 
-def test_llm_benchmark_smoke():
-    stdout, records = run_smoke("benchmarks.llm")
+def test_llm_benchmark_smoke(peers):
+    stdout, records = run_smoke("benchmarks.llm", peers.path)
     # A worker that exists but fails is an error, not a skip.
     assert "worker failed" not in stdout and "worker did not start" not in stdout
-    with_torch = "PyTorch rows skipped" not in stdout
+    with_torch = with_llama = peers.kind != "none"
+    assert ("PyTorch rows skipped" in stdout) != with_torch
     smoke = llm.SMOKE
     parameters = smoke_parameters(llm.SMOKE_SHAPE)
 
@@ -35,8 +37,9 @@ def test_llm_benchmark_smoke():
         assert limit == pytest.approx(bandwidth["best_gb_per_s"] * 1e9 / bandwidth["bytes_per_token"][dtype],
                                       rel=0.01)
 
-    decode = {r["system"]: r for r in records if r["bench"] == "llm_decode"}
-    prefill = {r["system"]: r for r in records if r["bench"] == "llm_prefill"}
+    llama = [r for r in records if r.get("system") == llm.LLAMA]
+    decode = {r["system"]: r for r in records if r["bench"] == "llm_decode" and r not in llama}
+    prefill = {r["system"]: r for r in records if r["bench"] == "llm_prefill" and r not in llama}
     skipped = {r["system"]: r["reason"] for r in records if r["bench"] == "skipped"}
     ours = {"tfformer float32", "tfformer bfloat16"}
     torch_rows = {"pytorch float32", "pytorch bfloat16"}
@@ -47,7 +50,17 @@ def test_llm_benchmark_smoke():
     assert ("tflite int8" in decode) != ("tflite int8" in skipped)
     # The GGUF-exact file needs GGUF blocks, which the random smoke model has not: a skip that says so.
     assert "tflite gguf-int8" not in decode and "no Q8_0 / Q4_1 block weights" in skipped["tflite gguf-int8"]
-    assert skipped.get("llama.cpp")
+    # llama.cpp: llama-bench's three tests at the smoke's sizes, or a skip that names what is missing.
+    if with_llama:
+        assert "llama.cpp" not in skipped
+        tests = {(r["bench"], r["prompt_length"], r["new_tokens"]) for r in llama}
+        assert tests == {("llm_prefill", smoke["prefill"], 0), ("llm_decode_only", 0, smoke["new_tokens"]),
+                         ("llm_decode", smoke["prompt"], smoke["new_tokens"])}
+        for r in llama:
+            assert r["tokens_per_s"] == pytest.approx((r["prompt_length"] + r["new_tokens"]) / r["seconds"], rel=0.01)
+            assert r["threads"] == len(os.sched_getaffinity(0)) and r["file_bytes"] > 0
+    else:
+        assert not llama and "make peers" in skipped["llama.cpp"]
     for name, r in decode.items():
         assert (r["prompt_length"], r["new_tokens"], r["short_tokens"]) == (smoke["prompt"], smoke["new_tokens"],
                                                                             smoke["short_tokens"])
@@ -65,7 +78,7 @@ def test_llm_benchmark_smoke():
                                                                      abs=1e-3)
         else:
             assert r["decode_tokens_per_s"] is None and r["fraction_of_bandwidth_limit"] is None
-        if name in ours | torch_rows:  # the same architecture and shape in both libraries
+        if name in ours or (name in torch_rows and r["torch"] != "stand-in"):  # one architecture and shape
             assert r["parameters"] == parameters, name
     for r in prefill.values():
         assert r["prompt_length"] == smoke["prefill"]
