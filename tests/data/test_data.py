@@ -53,6 +53,20 @@ def test_gettext_pairs_parses_skips_and_splits(tmp_path):
     assert 0 < len(splits["test"]) + len(splits["validation"]) < len(splits["train"])
 
 
+@pytest.mark.parametrize("content", [b"garbage", b"truncated", b"\xde\x12\x04\x95" + b"\0" * 8])
+def test_an_unreadable_catalog_is_skipped_in_one_line(tmp_path, capsys, content):
+    folder = tmp_path / "xx" / "LC_MESSAGES"
+    folder.mkdir(parents=True)
+    _write_mo(folder / "a.mo", {"": "Content-Type: text/plain; charset=UTF-8\n", "Open file": "Datei öffnen"})
+    if content == b"truncated":  # a real catalog cut short: its tables point past the end
+        content = (folder / "a.mo").read_bytes()[:40]
+    (folder / "b.mo").write_bytes(content)
+    splits = data.gettext_pairs("xx", locale_dir=str(tmp_path))
+    assert [p for split in splits.values() for p in split] == [("Open file", "Datei öffnen")]
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"tfformer: skipping catalog {folder / 'b.mo'}: "), err
+
+
 def test_split_is_stable():
     # A fixed hash: the same on every machine and Python run.
     assert [data.split_of(s) for s in ["Open file", "Quit", "Cancel", "%s: %s"]] == [
@@ -135,6 +149,35 @@ def test_translation_pipeline_teacher_forcing():
     assert again == [x["encoder_token_ids"].numpy().tolist() for x, _ in batches]
     # Autotuning off: with it, deleting an iterator after an epoch blocked for up to ~60 s (data/pipelines.py).
     assert ds.options().autotune.enabled is False
+
+
+@pytest.mark.parametrize("bucket", [True, False])
+def test_translation_pipeline_knows_its_length(bucket):
+    """The number of batches is stated (tf.data checks it as it runs), so Keras' `fit` and `evaluate` know an
+    epoch's end and do not warn "Your input ran out of data"."""
+    import warnings
+
+    import keras
+
+    words = ["open", "the", "file", "close", "a", "new", "window", "save", "all", "documents", "now", "please"]
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=rng.integers(1, 30))) for _ in range(300)]
+    tokenizer = data.SubwordTokenizer.train(texts, vocabulary_size=40)
+    pairs = list(zip(texts, texts[::-1]))
+    ds = data.make_translation_dataset(pairs, tokenizer, batch_size=8, max_length=20, bucket=bucket)
+    counted = sum(1 for _ in ds)
+    assert int(ds.cardinality()) == counted == sum(1 for _ in ds)  # reshuffled: the same count
+    sizes = [int(x["encoder_token_ids"].shape[0]) for x, _ in ds]
+    assert sum(sizes) == len(pairs) and (bucket or counted == -(-len(pairs) // 8))
+    inputs = {name: keras.Input((None,), dtype="int32", name=name) for name in ("encoder_token_ids",
+                                                                                "decoder_token_ids")}
+    logits = keras.layers.Dense(40)(keras.layers.Embedding(40, 4)(inputs["decoder_token_ids"]))
+    model = keras.Model(inputs, logits)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ran out of data")
+        model.fit(ds, validation_data=ds, epochs=2, shuffle=False, verbose=0)
+        model.evaluate(ds, verbose=0)
 
 
 def test_lm_pipeline():

@@ -4,6 +4,7 @@ import glob
 import hashlib
 import os
 import pathlib
+import struct
 import sys
 
 import polib
@@ -31,8 +32,9 @@ def read_mo(path):
     """(msgid, msgstr) pairs of one compiled gettext catalog; plural, context and empty entries skipped."""
     try:
         catalog = polib.mofile(path)
-    except (UnicodeDecodeError, OSError, LookupError, ValueError) as error:  # a legacy charset, or corrupt
-        print(f"tfformer: skipping {path}: {error}", file=sys.stderr)
+    except (UnicodeDecodeError, OSError, LookupError, ValueError, struct.error) as error:  # legacy charset, corrupt
+        reason = " ".join(str(error).split())[:200]  # one line, whatever the error says
+        print(f"tfformer: skipping catalog {path}: {type(error).__name__}: {reason}", file=sys.stderr)
         return []
     return [
         (entry.msgid, entry.msgstr)

@@ -23,8 +23,12 @@ def _finish(dataset):
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
+def _boundaries(max_length):
+    return [b for b in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_length] + [max_length + 1]
+
+
 def _bucketing(dataset, length_fn, batch_size, max_length):
-    boundaries = [b for b in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_length] + [max_length + 1]
+    boundaries = _boundaries(max_length)
     return dataset.bucket_by_sequence_length(
         length_fn,
         bucket_boundaries=boundaries,
@@ -69,9 +73,23 @@ def make_translation_dataset(pairs, tokenizer, batch_size=64, max_length=64, shu
     if bucket:
         length = lambda inputs, labels: tf.maximum(tf.shape(inputs["encoder_token_ids"])[0], tf.shape(labels)[0])  # noqa: E731
         dataset = _bucketing(dataset, length, batch_size, max_length)
+        batches = _bucketed_batches(sources, targets, tokenizer, batch_size, max_length)
     else:
         dataset = dataset.padded_batch(batch_size)
-    return _finish(dataset)
+        batches = -(-len(pairs) // batch_size)
+    # Bucketing hides the number of batches from tf.data; stated here (and checked by tf.data as it runs), Keras
+    # knows an epoch's length: a progress bar with a total, and no "Your input ran out of data" warning at the end
+    # of every first epoch and every evaluation.
+    return _finish(dataset.apply(tf.data.experimental.assert_cardinality(batches)))
+
+
+def _bucketed_batches(sources, targets, tokenizer, batch_size, max_length):
+    """How many batches `_bucketing` makes of these pairs: per bucket of `_boundaries`, ceil(its pairs / batch
+    size), whatever their order (each bucket emits full batches, then its remainder at the end)."""
+    source_length = np.minimum(tokenizer.tokenize(list(sources)).row_lengths().numpy(), max_length)
+    label_length = np.minimum(tokenizer.tokenize(list(targets)).row_lengths().numpy(), max_length - 1) + 1  # + END
+    buckets = np.searchsorted(_boundaries(max_length), np.maximum(source_length, label_length), side="right")
+    return int(sum(-(-count // batch_size) for count in np.bincount(buckets) if count))
 
 
 def _end_id(tokenizer):
