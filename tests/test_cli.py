@@ -25,8 +25,13 @@ def _tsv(path, n=300):
     return str(path)
 
 
-def _cli(*args, timeout=600):
+def _cli(*args, timeout=600, newcomer=False):
+    """`tfformer ARGS` in a fresh process on CPU; `newcomer`: with the environment a new user has (no
+    TF_CPP_MIN_LOG_LEVEL, no CUDA_VISIBLE_DEVICES), so what the command prints is what they would see."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    if newcomer:
+        for name in ("TF_CPP_MIN_LOG_LEVEL", "CUDA_VISIBLE_DEVICES"):
+            env.pop(name)
     return subprocess.run([sys.executable, "-m", "tfformer.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -51,6 +56,15 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):
     assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1
     import re
     assert re.search(message, err), err
+
+
+def test_tensorflow_log_level_is_the_users_else_quiet_on_a_cpu_machine(tmp_path):
+    driver = tmp_path / "version"
+    for environ, present, expected in (({}, False, "3"), ({}, True, "2"), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False, "0")):
+        if present:
+            driver.write_text("NVRM version: 1")
+        cli.quiet_tensorflow_logs(environ, nvidia_driver=str(driver))
+        assert environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
@@ -89,9 +103,12 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     """A whole tiny run through the CLI: train, translate (same strings as the library), export both formats."""
     out = tmp_path / "run"
     trained = _cli("train", "translation", "--data", _tsv(tmp_path / "d.tsv", 200), "--out", str(out),
-                   "--time-budget", "25s", "--eval-every", "20", *TINY)
+                   "--time-budget", "25s", "--eval-every", "20", *TINY, newcomer=True)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "BLEU on the test split" in trained.stdout
+    # No TensorFlow error line on a machine without a GPU, and no Keras warning at the end of an epoch or of an
+    # evaluation (the datasets state their length).
+    assert "cuInit" not in trained.stderr and "ran out of data" not in trained.stderr + trained.stdout
     translated = _cli("translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3", "save a folder 9")
     assert translated.returncode == 0, translated.stderr[-3000:]
     from tfformer.recipes import translation
