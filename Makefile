@@ -23,7 +23,7 @@ $(STAMP): $(PY) setup.py constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/tfformer demo
+	$(VENV)/bin/tfformer demo
 
 # The notebooks run after the rest, one at a time: their kernels load whole pretrained models, and beside two
 # workers that hold others they would take the machine's memory. Two malloc arenas per process keep the
