@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,6 +16,22 @@ def _seed_and_policy():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_after_module():
+    """A module's models, once its fixtures are torn down, are freed before the next module builds its own: Keras
+    layers hold reference cycles, which only the cycle collector frees."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def pytest_configure(config):
+    # The suite's memory peak, measured once, in the main process (not in each xdist worker).
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        from tests.memory_report import MemoryReport
+
+        config.pluginmanager.register(MemoryReport(), "tfformer-memory-report")

@@ -1,0 +1,116 @@
+"""The suite's memory, measured while it runs: a pytest plugin of the main process (the xdist controller).
+
+A thread reads, every `INTERVAL` seconds, the proportional set size (PSS: shared pages split between the processes
+that map them, so TensorFlow's library counts once) of the pytest process and every process below it (xdist
+workers, the servers and benchmark runs they start, notebook kernels), and the machine's used memory (MemTotal -
+MemAvailable). The terminal summary gives both peaks, the tests running at the tree's peak, and the tests during
+which the tree was largest: the ones to share models in, free after, or run alone. Linux only (it reads /proc);
+elsewhere it says nothing. Numbers, not a target: memory targets live in benchmarks/.
+"""
+
+import os
+import threading
+import time
+
+INTERVAL = 0.5
+GIB = 2**30
+SHOWN = 8  # tests listed by their peak
+
+
+def _children():
+    """`{ppid: [pid, ...]}` of every process on the machine."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def _pss(pid):
+    """Bytes of `pid`'s PSS (RSS where smaps_rollup is not readable); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def tree_bytes(root):
+    """PSS of `root` and all its descendants, in bytes."""
+    children, total, stack = _children(), 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += _pss(pid)
+        stack += children.get(pid, [])
+    return total
+
+
+def used_bytes():
+    """The machine's MemTotal - MemAvailable, in bytes."""
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+class MemoryReport:
+    def __init__(self):
+        self.running = {}  # nodeid -> None, in start order
+        self.per_test = {}  # nodeid -> the tree's peak while it ran
+        self.peak = (0, [])  # (bytes, tests running then)
+        self.peak_used = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = None
+
+    def pytest_sessionstart(self, session):
+        if not os.path.isdir("/proc/self"):
+            return
+        self.thread = threading.Thread(target=self._sample, name="memory-report", daemon=True)
+        self.thread.start()
+
+    def _sample(self):
+        root = os.getpid()
+        while not self.stop.wait(INTERVAL):
+            size, used = tree_bytes(root), used_bytes()
+            with self.lock:
+                self.peak_used = max(self.peak_used, used)
+                if size > self.peak[0]:
+                    self.peak = (size, list(self.running))
+                for nodeid in self.running:
+                    self.per_test[nodeid] = max(self.per_test.get(nodeid, 0), size)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        with self.lock:
+            self.running[nodeid] = None
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        with self.lock:
+            self.running.pop(nodeid, None)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.thread is None:
+            return
+        self.stop.set()
+        self.thread.join()
+        size, running = self.peak
+        write = terminalreporter.write_line
+        terminalreporter.section("memory")
+        write(f"peak PSS of pytest and the processes below it: {size / GIB:.2f} GiB; machine's used memory at its "
+              f"peak: {self.peak_used / GIB:.2f} GiB (MemTotal - MemAvailable, sampled every {INTERVAL} s)")
+        write("running at the PSS peak: " + (", ".join(running) or "none"))
+        largest = sorted(self.per_test.items(), key=lambda item: -item[1])[:SHOWN]
+        for nodeid, peak in largest:
+            write(f"  {peak / GIB:6.2f} GiB  {nodeid}")
