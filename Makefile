@@ -49,6 +49,7 @@ $(PEERS_STAMP): benchmarks/peers.txt
 
 $(LLAMA_BENCH): $(PEERS_STAMP) benchmarks/peers.py
 	$(PEERS)/bin/python benchmarks/peers.py build-llama-cpp $(PEERS)
+	touch $(LLAMA_BENCH)
 
 peers: $(PEERS_STAMP) $(LLAMA_BENCH)
 

@@ -49,5 +49,7 @@ setup(
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
     },
-    entry_points={"console_scripts": ["tfformer = tfformer.cli:main"]},
+    # The command's entry point sits outside the package: it sets TensorFlow's log level before TensorFlow loads.
+    py_modules=["tfformer_command"],
+    entry_points={"console_scripts": ["tfformer = tfformer_command:main"]},
 )

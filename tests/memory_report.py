@@ -100,6 +100,10 @@ class MemoryReport:
         with self.lock:
             self.running.pop(nodeid, None)
 
+    def pytest_runtest_logreport(self, report):
+        if report.when == "???":  # xdist's report of a test whose worker died: no logfinish follows
+            self.pytest_runtest_logfinish(report.nodeid, report.location)
+
     def pytest_terminal_summary(self, terminalreporter):
         if self.thread is None:
             return

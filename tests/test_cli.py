@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import tfformer_command
 from tfformer import cli
 
 TINY = ["--set", "hidden_dim=16", "--set", "num_heads=2", "--set", "intermediate_dim=32",
@@ -29,10 +30,12 @@ def _cli(*args, timeout=600, newcomer=False):
     """`tfformer ARGS` in a fresh process on CPU; `newcomer`: with the environment a new user has (no
     TF_CPP_MIN_LOG_LEVEL, no CUDA_VISIBLE_DEVICES), so what the command prints is what they would see."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    if newcomer:
+    entry = "tfformer.cli"
+    if newcomer:  # and the `tfformer` console script's entry point
         for name in ("TF_CPP_MIN_LOG_LEVEL", "CUDA_VISIBLE_DEVICES"):
             env.pop(name)
-    return subprocess.run([sys.executable, "-m", "tfformer.cli", *args], capture_output=True, text=True,
+        entry = "tfformer_command"
+    return subprocess.run([sys.executable, "-m", entry, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -63,7 +66,7 @@ def test_tensorflow_log_level_is_the_users_else_quiet_on_a_cpu_machine(tmp_path)
     for environ, present, expected in (({}, False, "3"), ({}, True, "2"), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False, "0")):
         if present:
             driver.write_text("NVRM version: 1")
-        cli.quiet_tensorflow_logs(environ, nvidia_driver=str(driver))
+        tfformer_command.quiet_tensorflow_logs(environ, nvidia_driver=str(driver))
         assert environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 

@@ -311,15 +311,6 @@ def _transcribe(args):
     return 0
 
 
-def quiet_tensorflow_logs(environ=os.environ, nvidia_driver="/proc/driver/nvidia/version"):
-    """TensorFlow's C++ log threshold for this command, unless the user set `TF_CPP_MIN_LOG_LEVEL`: no warnings (2),
-    and on a machine without NVIDIA's driver no C++ error lines either (3). There the full `tensorflow` wheel logs
-    "failed call to cuInit" as an error at start-up (tensorflow#37689), which is no error on a CPU machine. Every
-    error that stops an op still reaches the user as a Python exception."""
-    if "TF_CPP_MIN_LOG_LEVEL" not in environ:
-        environ["TF_CPP_MIN_LOG_LEVEL"] = "2" if os.path.exists(nvidia_driver) else "3"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -472,7 +463,6 @@ def main(argv=None):
     transcribe.set_defaults(fn=_transcribe)
 
     args = parser.parse_args(argv)
-    quiet_tensorflow_logs()  # before the command imports TensorFlow
     try:
         return args.fn(args)
     except ValueError as error:

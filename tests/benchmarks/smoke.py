@@ -7,15 +7,20 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_peer.py")
-PEERS = ("none", "stand-in")  # what a smoke test runs against: `peers_dir`'s kinds
+PEERS = ("none", "stand-in", "installed")  # what a smoke test runs against: `peers_dir`'s kinds
 
 
 def peers_dir(kind, directory):
-    """A peers directory for `TFFORMER_PEERS` (`benchmarks.peers`) in `directory`: empty for "none", else
-    `bin/python` and `bin/llama-bench` that run `stand_in_peer.py`. Either way, the machine's own `.venv-peers`
-    (if `make peers` made one) is not what the test sees."""
+    """A peers directory for `TFFORMER_PEERS` (`benchmarks.peers`): for "none", an empty `directory`; for
+    "stand-in", `directory` with `bin/python` and `bin/llama-bench` that run `stand_in_peer.py`; for "installed",
+    the clone's own `.venv-peers` (`make peers`), real PyTorch, faster-whisper and llama.cpp."""
+    from benchmarks import peers
+
     if kind not in PEERS:
         raise ValueError(f"kind must be one of {PEERS}, got {kind!r}")
+    if kind == "installed":
+        return peers.DEFAULT_DIR
+    os.makedirs(directory)
     if kind == "stand-in":
         os.makedirs(os.path.join(directory, "bin"))
         for role in ("python", "llama-bench"):
