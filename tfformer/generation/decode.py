@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.generation.beam import BeamSampler
-from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown
+from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown, native_bfloat16_on_this_cpu
 from tfformer.generation.samplers import as_sampler
 from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 from tfformer.layers.layer_utils import split_cache
@@ -129,11 +129,10 @@ def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
     runs in TensorFlow's graph runtime (its oneDNN matmuls run bfloat16 natively; XLA's CPU backend multiplies
     bfloat16 at about the float32 rate). The prompt pass fills stacked caches (its batched attention's fast form);
     the loop splits them first if its plan keeps split caches. They hold the keys and values in the compute dtype,
-    as the attention makes them (no casts in the pass); split ones are float32 in the loop. On CPUs the pass takes
-    bfloat16 softmax and SiLU as they are (`DecodePlan.native_bfloat16`: a property of oneDNN's kernels, not
-    claimed for GPU ones)."""
-    on_cpu = not tf.config.list_physical_devices("GPU")
-    prefill_plan = DecodePlan(cache_segments=plan.cache_segments, native_bfloat16=on_cpu)
+    as the attention makes them (no casts in the pass); split ones are float32 in the loop. On CPUs with bfloat16
+    instructions the pass takes bfloat16 softmax and SiLU as they are (`DecodePlan.native_bfloat16`: a property of
+    oneDNN's kernels there, not claimed for GPU ones or other CPUs)."""
+    prefill_plan = DecodePlan(cache_segments=plan.cache_segments, native_bfloat16=native_bfloat16_on_this_cpu())
 
     def loop(prompt_ids, lengths, logits, cache):
         step_plan = plan.prepared(model)  # kernels laid out once, before the loop

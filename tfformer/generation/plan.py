@@ -29,7 +29,8 @@ A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a 
 - `native_bfloat16`: softmax and SiLU take bfloat16 tensors as they are, without float32 casts around them. For
   TensorFlow's graph runtime on CPU (a prompt pass without XLA): its oneDNN kernels compute them in float32 inside
   and round once, the same numbers as the casts give, in one pass instead of three. Not for XLA: the equality is
-  a property of oneDNN's kernels.
+  a property of oneDNN's kernels, and only of those for CPUs with bfloat16 instructions (AVX512-BF16 or AMX;
+  `native_bfloat16_on_this_cpu`): on an AMD Zen 2 without them the outputs differed by several bfloat16 units.
 
 Layers never import this module: they take the plan as a call argument and use the small protocol described in
 `tfformer.layers.layer_utils` (`in_place_cache_writes`, `native_bfloat16`, `dense`, `uses`, `one_row`).
@@ -51,6 +52,19 @@ MIN_SEGMENT = 16
 # every head. A split cache of 3/4 of that size or more is allocated past it: up to a third more (masked) slots, read
 # on every core (docs/performance.md).
 PARALLEL_HEAD_BYTES = 128 * 1024
+
+
+def native_bfloat16_on_this_cpu(cpuinfo="/proc/cpuinfo"):
+    """Whether a CPU prompt pass may take `DecodePlan(native_bfloat16=True)`: no GPU visible, and the CPU has
+    bfloat16 instructions (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo's flags; False where it cannot be read)."""
+    if tf.config.list_physical_devices("GPU"):
+        return False
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def check_kernel_layout(kernel_layout, allow_none=True):
