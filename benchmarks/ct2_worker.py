@@ -23,7 +23,7 @@ import time
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import peers, torch_worker  # noqa: E402  (standard library only)
+from benchmarks import torch_worker  # noqa: E402  (standard library only)
 
 MODULES = ("ctranslate2", "faster_whisper")
 LABEL = "faster-whisper"  # how a skip is announced: "faster-whisper rows skipped: ..."
@@ -78,20 +78,8 @@ def worker_main(system, spec):
 
 
 def ct2_python(explicit=None):
-    """`(python, None)`: `explicit`, else this interpreter, else the peers' (`benchmarks.peers.python()`),
-    whichever has ctranslate2 and faster_whisper; `(None, why)` if none does."""
-    import importlib.util
-
-    if explicit:
-        if not torch_worker._has_modules(explicit, MODULES):
-            return None, f"--ct2-python {explicit!r} lacks ctranslate2 + faster_whisper"
-        return explicit, None
-    if all(importlib.util.find_spec(m) for m in MODULES):
-        return sys.executable, None
-    peer = peers.python()
-    if peer is not None and torch_worker._has_modules(peer, MODULES):
-        return peer, None
-    return None, f"no interpreter with ctranslate2 + faster_whisper: not this one, nor {peers.describe('python')}"
+    """`torch_worker.find_python` of ctranslate2 and faster_whisper (`--ct2-python`)."""
+    return torch_worker.find_python(MODULES, explicit, option="--ct2-python")
 
 
 def start(spec, arrays, explicit_python=None):

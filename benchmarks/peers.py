@@ -35,13 +35,12 @@ def directory():
 
 def python():
     """The peers' interpreter (`<directory>/bin/python`), or None when there is none."""
-    path = os.path.join(directory(), "bin", "python")
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return binary("python")
 
 
-def binary(name):
-    """The peers' executable `name` (e.g. "llama-bench"), or None when it was not built."""
-    path = os.path.join(directory(), "bin", name)
+def binary(name, peers_dir=None):
+    """The executable `name` (e.g. "llama-bench") in `<peers_dir or directory()>/bin`, or None when there is none."""
+    path = os.path.join(peers_dir or directory(), "bin", name)
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 

@@ -5,7 +5,8 @@ TensorFlow or tfformer), so it runs in another interpreter: this one if it has t
 else the peers' `.venv-peers/bin/python` (`benchmarks.peers`; `make peers` installs it). The benchmark process
 starts it with a system and a JSON spec, the worker builds the system and prints `{"ready": ...}`; then each
 line it reads (`float32`, `bfloat16`, or for generation `float32 8`) runs the system once and it prints
-`{"seconds": ...}`, the time of that run alone, without the pipe around it; `quit` ends it. The worker waits on its pipe while the Keras systems run.
+`{"seconds": ...}`, the time of that run alone, without the pipe around it; `quit` ends it. The worker waits on
+its pipe while the Keras systems run.
 
 Systems (the spec's intra-op threads, 1 inter-op thread; bfloat16 is `torch.autocast("cpu", dtype=torch.bfloat16)`):
 - `encoder`: sentence-transformers' `SentenceTransformer` of a checkpoint directory, one forward pass; with
@@ -258,26 +259,31 @@ def _has_modules(python, modules):
         return False
 
 
-def torch_python(system, explicit=None):
-    """`(python, None)`: `explicit`, else this interpreter, else the peers' (`benchmarks.peers.python()`), whichever
-    has the modules that `system` needs; `(None, why)` if none does."""
+def find_python(modules, explicit=None, option="--torch-python"):
+    """`(python, None)`: `explicit` (given as `option`), else this interpreter, else the peers'
+    (`benchmarks.peers.python()`), whichever has `modules`; `(None, why)` if none does."""
     import importlib.util
 
     from benchmarks import peers
 
-    needs = " + ".join(MODULES[system])
+    needs = " + ".join(modules)
     if explicit:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            return None, f"--torch-python {explicit!r} is not an executable file"
-        if not _has_modules(explicit, MODULES[system]):
-            return None, f"--torch-python {explicit!r} lacks {needs}"
+            return None, f"{option} {explicit!r} is not an executable file"
+        if not _has_modules(explicit, modules):
+            return None, f"{option} {explicit!r} lacks {needs}"
         return explicit, None
-    if all(importlib.util.find_spec(m) for m in MODULES[system]):
+    if all(importlib.util.find_spec(m) for m in modules):
         return sys.executable, None
     peer = peers.python()
-    if peer is not None and _has_modules(peer, MODULES[system]):
+    if peer is not None and _has_modules(peer, modules):
         return peer, None
     return None, f"no interpreter with {needs}: not this one, nor {peers.describe('python')}"
+
+
+def torch_python(system, explicit=None):
+    """`find_python` of the modules that `system` needs (`MODULES`)."""
+    return find_python(MODULES[system], explicit)
 
 
 def add_python_option(parser, system):

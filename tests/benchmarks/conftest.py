@@ -1,5 +1,4 @@
 import collections
-import os
 
 import pytest
 
@@ -15,6 +14,6 @@ def peers(request, tmp_path):
     real ones."""
     from benchmarks import peers as installed
 
-    if request.param == "installed" and not os.access(os.path.join(installed.DEFAULT_DIR, "bin", "python"), os.X_OK):
+    if request.param == "installed" and installed.binary("python", installed.DEFAULT_DIR) is None:
         pytest.skip(f"no {installed.DEFAULT_DIR}: `make peers` installs the real peers")
     return Peers(request.param, peers_dir(request.param, tmp_path / "peers"))
