@@ -25,12 +25,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tfformer demo
 
-# The notebooks run after the rest, one at a time: their kernels load whole pretrained models, and beside two
-# workers that hold others they would take the machine's memory. Two malloc arenas per process keep the
-# workers' resident memory from growing with TensorFlow's threads over a long run.
+# Three pytest runs, each with fresh processes: TensorFlow keeps what a process compiled and allocated, so two
+# workers that ran the whole suite would hold most of the machine's memory by its end. The tests that load
+# pretrained models or start benchmark runs get workers of their own; the notebooks run one at a time, as their
+# kernels load whole pretrained models. Every run runs even when one before it failed; any failure (exit code 5,
+# no tests, included) fails `make test`. Two malloc arenas per process keep resident memory from growing with
+# TensorFlow's threads.
+PYTEST := MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest
+PRETRAINED := tests/convert tests/models tests/export tests/benchmarks tests/test_cli_transcribe.py
+
 test: $(STAMP)
-	MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -n 2 tests --ignore=tests/notebooks
-	MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests/notebooks
+	status=0; \
+	$(PYTEST) -n 2 tests --ignore=tests/notebooks $(addprefix --ignore=,$(PRETRAINED)) || status=1; \
+	$(PYTEST) -n 2 $(PRETRAINED) || status=1; \
+	$(PYTEST) tests/notebooks || status=1; \
+	exit $$status
 
 # The benchmarks' peers, never needed by `make test`: .venv-peers from benchmarks/peers.txt (PyTorch, transformers,
 # sentence-transformers, faster-whisper, ...), and llama.cpp's llama-bench and llama-perplexity built from the

@@ -5,9 +5,9 @@ what only swap or the OOM killer can take back; TensorFlow's shared library page
 and reclaimable) of the pytest process and every process below it (xdist workers, the servers and benchmark runs
 they start, notebook kernels), and the machine's used memory (MemTotal - MemAvailable). Both reads are cheap: no
 page-table walk (smaps) that would stall a worker's allocations. The terminal summary gives both peaks, the tests
-running at the tree's peak, and the tests during which the tree was largest: the ones to share models in, free
-after, or run alone. Linux only (it reads /proc); elsewhere it says nothing. Numbers, not a target: memory targets
-live in benchmarks/.
+running at the tree's peak, how it splits by process (each xdist worker with what it started), and the tests
+during which the tree was largest: the ones to share models in, free after, or run alone. Linux only (it reads
+/proc); elsewhere it says nothing. Numbers, not a target: memory targets live in benchmarks/.
 """
 
 import os
@@ -47,14 +47,31 @@ def _anonymous(pid):
     return total
 
 
-def tree_bytes(root):
+def tree_bytes(root, children=None):
     """Anonymous resident memory of `root` and all its descendants, in bytes."""
-    children, total, stack = _children(), 0, [root]
+    children, total, stack = children or _children(), 0, [root]
     while stack:
         pid = stack.pop()
         total += _anonymous(pid)
         stack += children.get(pid, [])
     return total
+
+
+def _name(pid):
+    """A short name of `pid`: `worker PID` for an xdist worker (execnet starts it as `python -u -c CODE`), else
+    its command line's first words."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = [word.decode(errors="replace") for word in f.read().split(b"\0")]
+    except OSError:
+        return str(pid)
+    return f"worker {pid}" if words[1:3] == ["-u", "-c"] else " ".join(words[:3])[:60]
+
+
+def breakdown(root):
+    """`[(name, bytes)]`: `root`'s own anonymous memory, then each child's with everything below it."""
+    children = _children()
+    return [("pytest", _anonymous(root))] + [(_name(pid), tree_bytes(pid, children)) for pid in children.get(root, [])]
 
 
 def used_bytes():
@@ -68,7 +85,7 @@ class MemoryReport:
     def __init__(self):
         self.running = {}  # nodeid -> None, in start order
         self.per_test = {}  # nodeid -> the tree's peak while it ran
-        self.peak = (0, [])  # (bytes, tests running then)
+        self.peak = (0, [], [])  # (bytes, tests running then, [(process, bytes)])
         self.peak_used = 0
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -84,10 +101,12 @@ class MemoryReport:
         root = os.getpid()
         while not self.stop.wait(INTERVAL):
             size, used = tree_bytes(root), used_bytes()
+            new_peak = size > self.peak[0]
+            parts = breakdown(root) if new_peak else None  # where the memory is: only at a new peak (cheap reads)
             with self.lock:
                 self.peak_used = max(self.peak_used, used)
-                if size > self.peak[0]:
-                    self.peak = (size, list(self.running))
+                if new_peak:
+                    self.peak = (size, list(self.running), parts)
                 for nodeid in self.running:
                     self.per_test[nodeid] = max(self.per_test.get(nodeid, 0), size)
 
@@ -108,12 +127,13 @@ class MemoryReport:
             return
         self.stop.set()
         self.thread.join()
-        size, running = self.peak
+        size, running, parts = self.peak
         write = terminalreporter.write_line
         terminalreporter.section("memory")
         write(f"peak anonymous memory of pytest and the processes below it: {size / GIB:.2f} GiB; machine's used "
               f"memory at its peak: {self.peak_used / GIB:.2f} GiB (MemTotal - MemAvailable; every {INTERVAL:g} s)")
         write("running at the peak: " + (", ".join(running) or "none"))
+        write("by process at the peak: " + ", ".join(f"{name} {part / GIB:.2f} GiB" for name, part in parts or []))
         largest = sorted(self.per_test.items(), key=lambda item: -item[1])[:SHOWN]
         for nodeid, peak in largest:
             write(f"  {peak / GIB:6.2f} GiB  {nodeid}")
