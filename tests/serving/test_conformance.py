@@ -38,6 +38,9 @@ def error(message):
     return {"error": message}
 
 
+PARSE_ERROR = object()  # a malformed body: `{"error": "JSON Parse error: <python-rapidjson's message> ..."}`
+
+
 def status_of(*versions):
     return {"model_version_status": [{"version": str(v), "state": "AVAILABLE",
                                       "status": {"error_code": "OK", "error_message": ""}} for v in versions]}
@@ -113,14 +116,14 @@ REST_CASES = [
      error("JSON Parse error: Invalid value. at offset: 18"), []),
     ("trailing-garbage", "POST", PREDICT, '{"instances": [[1,1,1]]} x', 400,
      error("JSON Parse error: The document root must not be followed by other values. at offset: 25"), []),
-    # RapidJSON 1.1.0 (TF Serving's) reads on where newer RapidJSON stops: raw bytes and lone low surrogates in
-    # strings, NaN/Infinity with a fraction, overflow to Infinity; and it converts doubles without full precision.
-    ("invalid-utf8-outside-string", "POST", PREDICT, b'{"instances": [\xff]}', 400,
-     error("JSON Parse error: Invalid value. at offset: 15"), []),
+    # TF Serving's RapidJSON 1.1.0 reads on where python-rapidjson's newer one stops (raw bytes that are not UTF-8,
+    # lone low surrogates, NaN/Infinity with a fraction, overflow to Infinity): malformed JSON, refused with TF
+    # Serving's status and error shape and python-rapidjson's message. Doubles convert without full precision.
+    ("invalid-utf8-outside-string", "POST", PREDICT, b'{"instances": [\xff]}', 400, PARSE_ERROR, []),
     ("raw-bytes-in-strings", "POST", "/v1/models/text:predict",
-     b'{"signature_name": "lengths", "instances": ["a\xffb", "\\udc00"]}', 200, {"predictions": [3, 3]}, []),
+     b'{"signature_name": "lengths", "instances": ["a\xffb", "\\udc00"]}', 400, PARSE_ERROR, []),
     ("nan-with-fraction", "POST", "/v1/models/text:predict",
-     '{"signature_name": "echo_float", "instances": [NaN.5, 10e308]}', 200, None, ["[0.5, Infinity"]),
+     '{"signature_name": "echo_float", "instances": [NaN.5, 10e308]}', 400, PARSE_ERROR, []),
     ("double-conversion", "POST", "/v1/models/text:predict",
      '{"signature_name": "types", "inputs": {"f64": [9.041138514025523], "i64": [1], "b": [true], "u8": [1]}}',
      200, None, ["18.082277028051049"]),
@@ -274,7 +277,11 @@ def test_rest(server, case):
     code, headers, data = http_request(server.rest_url, method, path, body)
     assert code == status, data
     assert headers.get("content-type") == "application/json"
-    if expected is not None:
+    if expected is PARSE_ERROR:
+        (message,) = _loads(data).values()
+        assert list(_loads(data)) == ["error"]
+        assert message.startswith("JSON Parse error: ") and " at offset: " in message
+    elif expected is not None:
         assert _loads(data) == expected
     for fragment in fragments:
         assert fragment in data.decode("utf-8")

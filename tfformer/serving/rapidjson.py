@@ -4,24 +4,16 @@ Reading: `parse(body)` parses with python-rapidjson, which wraps RapidJSON: its 
 (`JSON Parse error: Invalid value. at offset: 0`), its split between integers (up to uint64) and doubles, its
 double conversion, and the `NaN`/`Infinity` tokens (`NM_NATIVE | NM_NAN` is RapidJSON's own number parsing with
 `kParseNanAndInfFlag`, TF Serving's flag). Objects come back as `JsonObject`, which keeps the first of duplicate
-keys as RapidJSON's `FindMember` does. Strings are decoded from UTF-8 with `surrogateescape`, so the original
-bytes come back with `to_bytes`. A leading UTF-8 byte order mark, or any leading part of one, is skipped and
-counted in offsets, as TF Serving's input stream does.
-
-python-rapidjson bundles a newer RapidJSON than TF Serving's 1.1.0. The two were compared on generated bodies
-(a C++ build of 1.1.0 running TF Serving's `ParseJson` against python-rapidjson); they differ only where the newer
-reader is stricter, and there `rapidjson_1_1_0.Reader`, a port of 1.1.0's reader, rereads the body:
-- bytes that are not UTF-8 are copied into strings (python-rapidjson refuses the whole body);
-- a lone `\\udc00` escape is kept as the bytes ED B0 80 (newer: `The surrogate pair in string is invalid.`);
-- a raw control character in a string is `Invalid escape character in string.` (newer: `Invalid encoding ...`);
-- `NaN`/`Inf` followed by a fraction or exponent (`NaN.5` is 0.5), and `NInf`, are numbers (newer: an error);
-- `10e308` is Infinity while `0e309` is `Number too big to be stored in double.` (newer: the reverse).
+keys as RapidJSON's `FindMember` does. A leading UTF-8 byte order mark, or any leading part of one, is skipped and
+counted in offsets, as TF Serving's input stream does. python-rapidjson's RapidJSON is newer than 1.1.0 and
+stricter on a few malformed bodies that 1.1.0 reads on (bytes that are not UTF-8, a lone `\\udc00` escape,
+`NaN.5`, `10e308`): those are refused here with TF Serving's status and error shape and python-rapidjson's message.
 
 Writing: `PrettyWriter` reproduces RapidJSON's `PrettyWriter` layout (4-space indent, `kFormatSingleLineArray`),
 `format_decimal` TF Serving's float printing (`WriteDecimal`: shortest of `%g` that round-trips, else 9/17
 digits, `.0` on whole numbers, bare `NaN`/`Infinity`), and `value_to_string` TF Serving's `JsonValueToString`
-used inside error messages, with doubles as 1.1.0's `Writer::Double` (`rapidjson_1_1_0.write_double`) prints
-them. No library writes these layouts.
+used inside error messages, with doubles as 1.1.0's `Writer::Double` prints them (`grisu2.write_double`). No
+library writes these layouts.
 """
 
 import math
@@ -30,7 +22,7 @@ import re
 import numpy as np
 import rapidjson
 
-from tfformer.serving import rapidjson_1_1_0
+from tfformer.serving.grisu2 import write_double
 from tfformer.serving.status import invalid_argument
 
 _FLOAT32_MAX = 3.4028234e38  # RapidJSON's IsFloat() range check
@@ -52,8 +44,8 @@ class JsonObject(dict):
 
 
 def to_bytes(text):
-    """A JSON string (decoded with surrogateescape) back to its original bytes."""
-    return text.encode("utf-8", "surrogateescape")
+    """A JSON string back to its bytes (UTF-8: python-rapidjson refuses bodies that are not)."""
+    return text.encode("utf-8")
 
 
 def is_number(value):
@@ -93,17 +85,6 @@ class _Decoder(rapidjson.Decoder):
 
 _decode = _Decoder(number_mode=rapidjson.NM_NATIVE | rapidjson.NM_NAN)
 _ERROR = re.compile(r"Parse error at offset (\d+): (.*)", re.S)
-# Newer-reader errors that 1.1.0 does not raise at that point.
-_STRICTER = {"The surrogate pair in string is invalid.", "Number too big to be stored in double."}
-# An error right after a NaN/Inf token: 1.1.0 may read on into a fraction or exponent.
-_AFTER_NAN_INF = re.compile(rb"[NI][a-z]{0,7}\Z")
-_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
-
-
-def _overflow_checks_differ(text):
-    """Whether `text` has a long digit run or a 3-digit exponent, where the two readers' overflow checks differ."""
-    shape = text.translate(_DIGITS_TO_ZERO)
-    return b"0" * 300 in shape or any(exponent in shape for exponent in (b"e000", b"E000", b"e+000", b"E+000"))
 
 
 def parse(body):
@@ -114,42 +95,20 @@ def parse(body):
     """
     if not body:
         raise invalid_argument("JSON Parse error: The document is empty")
-    body = bytes(body)
-    try:
-        return _parse(body)
-    except rapidjson_1_1_0.ParseError as error:
-        raise invalid_argument(f"JSON Parse error: {error.message} at offset: {error.offset}") from None
-
-
-def _parse(body):
-    start = 0
+    body, start = bytes(body), 0
     for byte in b"\xef\xbb\xbf":  # EncodedInputStream<UTF8<>, MemoryStream> skips each BOM byte in turn
         if body[start:start + 1] == bytes((byte,)):
             start += 1
     try:
-        value = _decode(body[start:] if start else body)
+        return _decode(body[start:] if start else body)
     except rapidjson.JSONDecodeError as error:
         offset, message = _ERROR.match(str(error)).groups()
-        offset = int(offset) + start
-        if (message in _STRICTER or _overflow_checks_differ(body[:offset + 1])
-                or _AFTER_NAN_INF.search(body, max(0, offset - 8), offset)):
-            return _reread(body)
-        if message == "Invalid encoding in string.":  # a raw control character; 1.1.0 names it this way
-            message = "Invalid escape character in string."
-        raise rapidjson_1_1_0.ParseError(message, offset) from None
-    except UnicodeDecodeError:
-        return _reread(body)
+    except UnicodeDecodeError as error:  # python-rapidjson decodes the whole body first
+        offset, message = error.start, f"Invalid encoding: byte 0x{body[start + error.start]:02x} is not UTF-8."
     except RecursionError as error:  # deeper than Python's limit: the handler refuses, as a RapidJSON handler can
         match = _ERROR.match(str(error))
-        raise rapidjson_1_1_0.ParseError("Terminate parsing due to Handler error.",
-                                         int(match.group(1)) + start if match else start) from None
-    if _overflow_checks_differ(body):
-        return _reread(body)
-    return value
-
-
-def _reread(body):
-    return rapidjson_1_1_0.Reader(body, make_object=JsonObject).parse()
+        offset, message = (match.group(1) if match else 0), "Terminate parsing due to Handler error."
+    raise invalid_argument(f"JSON Parse error: {message} at offset: {int(offset) + start}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +232,7 @@ class PrettyWriter:
             if math.isnan(value) or math.isinf(value):
                 self._prefix()
                 raise _Abort()  # Writer::Double refuses NaN/Inf without kWriteNanAndInfFlag
-            self.raw(rapidjson_1_1_0.write_double(value))
+            self.raw(write_double(value))
         elif isinstance(value, str):
             self.string(value)
         elif isinstance(value, dict):
