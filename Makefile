@@ -34,8 +34,10 @@ demo: $(STAMP)
 PYTEST := MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest
 PRETRAINED := tests/convert tests/models tests/export tests/benchmarks tests/test_cli_transcribe.py
 
+# `ruff check` (ruff.toml) first, taking seconds: a lint failure fails `make test` but the pytest runs still run.
 test: $(STAMP)
 	status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
 	$(PYTEST) -n 2 tests --ignore=tests/notebooks $(addprefix --ignore=,$(PRETRAINED)) || status=1; \
 	$(PYTEST) -n 2 $(PRETRAINED) || status=1; \
 	$(PYTEST) tests/notebooks || status=1; \

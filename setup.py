@@ -46,6 +46,7 @@ setup(
             "jupytext",
             "matplotlib",
             "sacrebleu",
+            "ruff==0.17.5",
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
     },

@@ -8,7 +8,8 @@ translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recip
 the default set, nor are llm (SmolLM2-135M-Instruct decode and prefill vs transformers on the same GGUF; ~10
 minutes) and asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~5 minutes). Each runs in its
 own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI runs it so
-the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round (`common.paired_ratio`: median, min-max over rounds of each round's pair).
+the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round
+(`common.paired_ratio`: median, min-max over rounds of each round's pair).
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
 if it has torch and transformers (sentence-transformers for the encoder), else of the peers' interpreter,
 `.venv-peers/bin/python` in this clone (`benchmarks.peers`), which `make peers` installs with faster-whisper (asr)

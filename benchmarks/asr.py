@@ -28,8 +28,6 @@ import json
 import os
 import tempfile
 
-import numpy as np
-
 from benchmarks import common, ct2_worker, peers
 from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 

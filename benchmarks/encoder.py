@@ -77,7 +77,8 @@ def forward_flops(shape, batch, length):
 
 
 def _token_ids(vocab, batch, length, seed=0):
-    return np.random.default_rng(seed).integers(1000 if vocab > 2000 else 4, vocab, size=(batch, length)).astype("int32")
+    return np.random.default_rng(seed).integers(1000 if vocab > 2000 else 4, vocab,
+                                                size=(batch, length)).astype("int32")
 
 
 # === Keras systems ===

@@ -45,8 +45,9 @@ def build(shape, max_length, policy="float32"):
 
 
 def _build(shape, max_length, xla_settings):
-    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=shape["vocab"], hidden_dim=shape["hidden"],
-                                      num_heads=shape["heads"], intermediate_dim=shape["intermediate"],
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=shape["vocab"],
+                                      hidden_dim=shape["hidden"], num_heads=shape["heads"],
+                                      intermediate_dim=shape["intermediate"],
                                       num_encoder_layers=0, num_decoder_layers=shape["layers"], dropout=0.0,
                                       max_sequence_length=max_length, activation="gelu_approximate", norm_first=True,
                                       position="learned", scale_embeddings=False)

@@ -31,9 +31,9 @@ measured as the best of 3 numpy streaming reads (`arr.sum()`) of a 1 GB array on
 caps decoding at bandwidth / bytes per token; "fraction of the bandwidth limit" is the decode tokens/s over that
 cap. Peak resident memory while loading is measured in a fresh process (`--load-peak`): its peak (Linux VmHWM;
 `ru_maxrss` beside it, which can carry the parent's peak over fork + exec) after `from_preset` minus its peak
-after the imports, against 2x the float32 weights; the whole process's peak beside it. Ratios: of the medians and per round
-(`common.paired_ratio`). `--smoke`: a 2-layer random model of the same architecture (both libraries), tiny
-prompts, one round; its numbers mean nothing.
+after the imports, against 2x the float32 weights; the whole process's peak beside it. Ratios: of the medians and
+per round (`common.paired_ratio`). `--smoke`: a 2-layer random model of the same architecture (both libraries),
+tiny prompts, one round; its numbers mean nothing.
 
     python -m benchmarks.llm [--smoke] [--torch-python PYTHON] [--llama-bench PATH]
 """

@@ -28,7 +28,8 @@ def main(argv=None):
         raise RuntimeError(f"TensorFlow already runs {tf.config.threading.get_intra_op_parallelism_threads()} "
                            f"intra-op threads; the interpreters would get {threads}. Run the benchmark in a fresh "
                            f"process.")
-    overrides = dict(num_decoder_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64) if args.smoke else {}
+    overrides = (dict(num_decoder_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64)
+                 if args.smoke else {})
     model = models.from_preset("gpt-mini", dropout=0.0, **overrides)
     length = 8 if args.smoke else 64
     ids = np.random.default_rng(0).integers(4, model.config.vocabulary_size, size=(1, length)).astype("int32")
@@ -50,7 +51,8 @@ def main(argv=None):
     for name, values in times.items():
         # Latency ratio (< 1: faster than the SavedModel); per round: this file's time / the SavedModel's.
         per_round = common.paired_ratio(times["saved_model"], values)
-        rows.append(common.emit({"bench": "latency_batch1", "system": name, "ms": round(common.median(values) * 1000, 2),
+        rows.append(common.emit({"bench": "latency_batch1", "system": name,
+                                 "ms": round(common.median(values) * 1000, 2),
                                  "ratio_vs_saved_model": round(common.median(values) / base, 2),
                                  "threads": threads,
                                  "per_round": [common.significant(x) for x in per_round]}))

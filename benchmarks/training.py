@@ -233,7 +233,8 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
         s = _seq2seq_shape(smoke)
         ids = rng.integers(4, s["vocab"], size=(s["batch"], s["length"])).astype("int32")
         x, y = {"encoder_token_ids": ids, "decoder_token_ids": ids}, ids
-        builders = {"tfformer float32": (tfformer_seq2seq, "float32"), "tfformer bfloat16": (tfformer_seq2seq, "mixed_bfloat16"),
+        builders = {"tfformer float32": (tfformer_seq2seq, "float32"),
+                    "tfformer bfloat16": (tfformer_seq2seq, "mixed_bfloat16"),
                     "keras-hub float32": (keras_hub_seq2seq, "float32")}
         documented = {"tfformer": lambda s: with_recipe_metrics(tfformer_seq2seq(s)),
                       "keras-hub": lambda s: with_task_defaults(keras_hub_seq2seq(s))}

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tensorflow_text  # noqa: E402,F401  (registers the tokenizer ops the SavedModel uses)
 
-from tfformer import data, export, generation, models, training  # noqa: E402
+from tfformer import data, export, models, training  # noqa: E402
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 if QUICK:

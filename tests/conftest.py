@@ -7,6 +7,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The Whisper fixtures (manifest, asr, waveforms); pytest takes `pytest_plugins` only in the root conftest.
+pytest_plugins = ["tests.speech"]
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_policy():

@@ -12,7 +12,6 @@ during which the tree was largest: the ones to share models in, free after, or r
 
 import os
 import threading
-import time
 
 INTERVAL = 1.0
 GIB = 2**30

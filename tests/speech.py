@@ -1,5 +1,6 @@
 """What the Whisper tests share: the espeak-ng fixture clips and their manifest, the pretrained task, and the skip
-for machines without its wheel. Test modules import the fixtures they use."""
+for machines without its wheel. tests/conftest.py registers this module as a plugin, so its fixtures reach every
+test module (a module's own fixture of the same name wins); test modules import only `SPEECH` and `needs_wheel`."""
 
 import importlib.util
 import json

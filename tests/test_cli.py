@@ -53,7 +53,8 @@ def _cli(*args, timeout=600, newcomer=False):
 def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):
     (tmp_path / "empty.tsv").write_text("")
     (tmp_path / "notab.tsv").write_text("just one column\n")
-    fill = dict(tmp=tmp_path, tsv=_tsv(tmp_path / "ok.tsv", 20), empty=tmp_path / "empty.tsv", notab=tmp_path / "notab.tsv")
+    fill = dict(tmp=tmp_path, tsv=_tsv(tmp_path / "ok.tsv", 20), empty=tmp_path / "empty.tsv",
+                notab=tmp_path / "notab.tsv")
     assert cli.main([a.format(**fill) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1
@@ -82,7 +83,8 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
 def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
     data = _tsv(tmp_path / "d.tsv")
     out = tmp_path / "run"
-    args = ["train", "translation", "--data", data, "--out", str(out), "--time-budget", "45s", "--eval-every", "5", *TINY]
+    args = ["train", "translation", "--data", data, "--out", str(out), "--time-budget", "45s", "--eval-every", "5",
+            *TINY]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([sys.executable, "-m", "tfformer.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -137,7 +139,8 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     runner = Interpreter(model_path=str(tmp_path / "static" / "model.tflite")).get_signature_runner("predict_ids")
     assert {name: list(d["shape"]) for name, d in runner.get_input_details().items()} == {
         "encoder_token_ids": [1, 8], "decoder_token_ids": [1, 8]}
-    again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"), "--version", "1")
+    again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
+                 "--version", "1")
     assert again.returncode == 2 and "already exists" in again.stderr
     blank = _cli("translate", "--run", str(out), "   ")
     assert blank.returncode == 2 and "whitespace-only" in blank.stderr

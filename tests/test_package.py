@@ -54,7 +54,8 @@ def test_imports_flow_one_way():
         package = path.relative_to(ROOT).parts[0]
         for imported in _tfformer_imports(path):
             assert imported != "cli" or package == "cli.py", f"{path} imports tfformer.cli"
-            if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training", "serving", "convert"}:
+            if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training",
+                                                   "serving", "convert"}:
                 assert imported in ALLOWED[package], f"{path} ({package}) must not import tfformer.{imported}"
 
 

@@ -24,3 +24,10 @@ def test_quickstart_runs(tmp_path):
     assert out.stdout.strip().endswith("done")
     assert sorted(os.listdir(tmp_path / "my_lm")) == ["config.json", "model.keras", "preset.json", "tokenizer.model"]
     assert os.listdir(tmp_path / "export" / "models" / "my_lm") == ["1"]
+
+
+def test_performance_page_stays_short():
+    # docs/performance.md explains today's numbers; their history is in git.
+    with open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    assert len(lines) <= 150, len(lines)

@@ -418,7 +418,8 @@ def main(argv=None):
     embed = commands.add_parser("embed", help="sentence embeddings of TEXT... (one vector per line)")
     embed.add_argument("texts", nargs="+", metavar="TEXT")
     embed.add_argument("--similarity", action="store_true", help="print the cosine similarity matrix instead")
-    embed.add_argument("--preset", default="all-minilm-l6-v2", help="a sentence-embedding preset (default: %(default)s)")
+    embed.add_argument("--preset", default="all-minilm-l6-v2",
+                       help="a sentence-embedding preset (default: %(default)s)")
     embed.add_argument("--batch-size", type=int, default=32)
     embed.set_defaults(fn=_embed)
 

@@ -14,7 +14,8 @@ into a `.po`, and the script records:
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/catalog_check.py --run RUN [--catalogs 5] [--entries test|all]
         [--order messages|printf]
 
-prints one JSON line per catalog and a summary, and writes them to `--work` (default: a new temporary directory, printed).
+prints one JSON line per catalog and a summary, and writes them to `--work` (default: a new temporary directory,
+printed).
 """
 
 import argparse

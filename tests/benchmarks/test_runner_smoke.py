@@ -34,7 +34,8 @@ def test_runner_smoke(peers):
     speed = {(r["batch"], r["system"]): r["tokens_per_s"] for r in records if r["bench"] == "generation"}
     assert {batch for batch, _ in speed} == {1, 2}  # batch 2: the batch > 1 decode paths run too
     for r in (r for r in records if r["bench"] == "generation_ratio"):
-        assert r["ratio"] == pytest.approx(speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["keras_hub"])], rel=0.01)
+        assert r["ratio"] == pytest.approx(speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["keras_hub"])],
+                                           rel=0.01)
         assert r["per_round"] == pytest.approx([r["ratio"]] * 3, rel=0.01)
     for r in (r for r in records if r["bench"] == "generation_ratio_pytorch"):
         ratio = speed[(r["batch"], r["tfformer"])] / speed[(r["batch"], r["pytorch"])]

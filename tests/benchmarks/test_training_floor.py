@@ -30,6 +30,7 @@ def test_floor_computes_each_matmul_and_both_gradients():
         np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, dy @ np.swapaxes(w, -1, -2), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dw, np.swapaxes(x, -1, -2) @ dy, rtol=1e-5, atol=1e-5)
-        expected_first += sum(t.reshape(-1)[0] for t in (x @ w, dy @ np.swapaxes(w, -1, -2), np.swapaxes(x, -1, -2) @ dy))
+        expected_first += sum(t.reshape(-1)[0]
+                              for t in (x @ w, dy @ np.swapaxes(w, -1, -2), np.swapaxes(x, -1, -2) @ dy))
     # The floor runs all of them: its result is the sum of every product's first element.
     np.testing.assert_allclose(float(training.matmul_floor(shapes, "float32")()), expected_first, rtol=1e-5, atol=1e-5)

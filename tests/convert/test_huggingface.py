@@ -250,7 +250,8 @@ def test_bad_checkpoints_fail_loudly(tmp_path, rng, case):
     if "replace" in fault:
         name, shape = fault["replace"]
         tensors[name] = np.zeros(shape, "float32")
-    path = write_checkpoint(tmp_path / "bad", tensors, overrides=fault.get("config"), vocab_lines=fault.get("vocab_lines"))
+    path = write_checkpoint(tmp_path / "bad", tensors, overrides=fault.get("config"),
+                            vocab_lines=fault.get("vocab_lines"))
     if fault.get("truncate"):
         weights = path / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-100])

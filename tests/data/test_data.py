@@ -73,7 +73,8 @@ def test_split_is_stable():
         data.split_of("Open file"), data.split_of("Quit"), data.split_of("Cancel"), data.split_of("%s: %s")]
     import hashlib
     assert data.split_of("Open file") == ("test" if int(hashlib.sha256(b"Open file").hexdigest()[:8], 16) % 100 < 2
-                                          else "validation" if int(hashlib.sha256(b"Open file").hexdigest()[:8], 16) % 100 < 4
+                                          else "validation"
+                                          if int(hashlib.sha256(b"Open file").hexdigest()[:8], 16) % 100 < 4
                                           else "train")
 
 
@@ -145,7 +146,8 @@ def test_translation_pipeline_teacher_forcing():
     decoded = tokenizer.detokenize(tf.RaggedTensor.from_tensor(lab, padding=0)).numpy()
     assert set(d.decode() for d in decoded) <= {"Datei öffnen", "Datei schließen"}
     # The same seed gives the same order.
-    again = [x["encoder_token_ids"].numpy().tolist() for x, _ in data.make_translation_dataset(pairs, tokenizer, 4, 16, seed=1)]
+    again = [x["encoder_token_ids"].numpy().tolist()
+             for x, _ in data.make_translation_dataset(pairs, tokenizer, 4, 16, seed=1)]
     assert again == [x["encoder_token_ids"].numpy().tolist() for x, _ in batches]
     # Autotuning off: with it, deleting an iterator after an epoch blocked for up to ~60 s (data/pipelines.py).
     assert ds.options().autotune.enabled is False

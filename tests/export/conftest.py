@@ -3,8 +3,9 @@ import pytest
 from tests.harness import spread  # noqa: F401  (re-exported for the export tests)
 from tfformer import data, models
 
-PAIRS = [("open the file", "Datei öffnen"), ("close the file", "Datei schließen"), ("save the folder", "Ordner speichern"),
-         ("delete a file", "eine Datei löschen"), ("Error: %s\n", "Fehler: %s\n")]
+PAIRS = [("open the file", "Datei öffnen"), ("close the file", "Datei schließen"),
+         ("save the folder", "Ordner speichern"), ("delete a file", "eine Datei löschen"),
+         ("Error: %s\n", "Fehler: %s\n")]
 CFG = dict(hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
            max_sequence_length=32, norm_first=True, tie_embeddings=False)
 

@@ -19,7 +19,8 @@ for signature, inputs in json.load(open(request_path)).items():
     fn = loaded.signatures[signature]
     feed = {}
     for name, (value, dtype) in inputs.items():
-        feed[name] = tf.constant([v.encode("latin-1") for v in value]) if dtype == "bytes" else tf.constant(value, dtype)
+        feed[name] = (tf.constant([v.encode("latin-1") for v in value]) if dtype == "bytes"
+                      else tf.constant(value, dtype))
     for key, tensor in fn(**feed).items():
         outputs[f"{signature}/{key}"] = tensor.numpy()
 assert "tfformer" not in sys.modules

@@ -282,7 +282,8 @@ def test_135m_saved_model_completes_like_the_fixture_in_a_fresh_process(smollm2,
     path = export.saved_model(model, str(tmp_path / "smollm2"), tokenizer=tokenizer, max_new_tokens=NEW_TOKENS)
     exported = time.monotonic()
     assert abs(_directory_bytes(os.path.join(path, "variables")) - smollm2["weights"]) < 0.01 * smollm2["weights"]
-    out = saved_model_in_fresh_process(path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
+    out = saved_model_in_fresh_process(
+        path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
     print(f"\nSmolLM2 SavedModel export: {exported - start:.0f} s, fresh-process load and run: "
           f"{time.monotonic() - exported:.0f} s")
     want = []

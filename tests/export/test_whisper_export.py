@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.harness import saved_model_in_fresh_process
-from tests.speech import SPEECH, asr, manifest, needs_wheel, waveforms  # noqa: F401 (fixtures)
+from tests.speech import SPEECH, needs_wheel
 from tfformer.training.metrics import word_error_rate
 
 pytestmark = needs_wheel

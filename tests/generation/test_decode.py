@@ -123,7 +123,8 @@ def test_beam_one_and_top_k_one_equal_greedy(request, fixture):
     ids = SOURCE if fixture == "seq2seq" else PROMPTS
     greedy = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6))
     beam1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6, beam_size=1))
-    topk1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6, sampler=generation.Sampler("top_k", k=1, seed=3)))
+    topk1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6,
+                                               sampler=generation.Sampler("top_k", k=1, seed=3)))
     assert _trim(beam1) == _trim(greedy)
     np.testing.assert_array_equal(topk1, greedy)
 
@@ -528,7 +529,8 @@ def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(name):
     batch (bfloat16 matmuls, stacked caches)."""
     model = _one_row_model(ONE_ROW_MODELS[name], "mixed_bfloat16")
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
-    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0] for i in range(len(inputs))]
+    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
+            for i in range(len(inputs))]
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6))
     assert sorted(key[-1] for key in model._tfformer_generate_fns) == ["halves", "rows"]
     np.testing.assert_array_equal(np.stack(rows), batch)
@@ -539,7 +541,8 @@ def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(name):
 def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
     model = _one_row_model(ONE_ROW_MODELS[name])
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
-    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0] for i in range(len(inputs))]
+    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
+            for i in range(len(inputs))]
     assert [key[-1] for key in model._tfformer_generate_fns] == ["rows"]  # only the one-row function so far
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
     np.testing.assert_array_equal(np.stack(rows), batch)

@@ -73,7 +73,8 @@ def test_dense_on_its_kernels_equals_the_matmul(rng, layout):
 def test_prepared_kernels_layouts(rng):
     layer = _dense(rng)
     (rows, bias_id), = prepared_kernels(layer, "rows").values()
-    np.testing.assert_array_equal(rows.numpy(), np.concatenate([layer.kernel.numpy().T, layer.bias.numpy()[:, None]], 1))
+    np.testing.assert_array_equal(rows.numpy(),
+                                  np.concatenate([layer.kernel.numpy().T, layer.bias.numpy()[:, None]], 1))
     assert bias_id == id(layer.bias)
     (halves, _), = prepared_kernels(layer, "halves").values()
     np.testing.assert_array_equal(np.concatenate([h.numpy() for h in halves], 1), layer.kernel.numpy())
@@ -124,7 +125,8 @@ def test_while_loop_carries_bfloat16_rows_through_a_barrier(rng):
     assert states and all("bf16[10,7]" in state and "f32[10,7]" not in state for state in states), states
 
 
-@pytest.mark.parametrize("segments, expected", [(plan_lib.CACHE_SEGMENTS, [16, 32, 64, 128]), (2, [64, 128]), (1, [128])])
+@pytest.mark.parametrize("segments, expected", [
+    (plan_lib.CACHE_SEGMENTS, [16, 32, 64, 128]), (2, [64, 128]), (1, [128])])
 def test_segmented_loop_grows_the_caches(segments, expected):
     """Each segment's loop runs on caches of its size; the caches are zero-padded between segments."""
     plan = DecodePlan(cache_segments=segments)

@@ -254,8 +254,8 @@ def test_beam_search_stops_a_beam_at_end_id_and_finds_the_penalized_best(seed, l
         steps, = cache
         return tf.gather(table, ids[:, 0]), None, (steps + 1,)
 
-    found = BeamSampler(beams, length_penalty).run(next, tf.zeros([1, length], tf.int32), (tf.zeros([beams]),), 0, end_id,
-                                        length, ids=tf.fill([beams, 1], 1)).numpy()[0].tolist()
+    found = BeamSampler(beams, length_penalty).run(next, tf.zeros([1, length], tf.int32), (tf.zeros([beams]),), 0,
+                                                   end_id, length, ids=tf.fill([beams, 1], 1)).numpy()[0].tolist()
     best = _best_by_enumeration(table.numpy(), 1, end_id, length, length_penalty)
     assert (end_id in best) == ends and (length_penalty == 0 or best != _best_by_enumeration(
         table.numpy(), 1, end_id, length, 0.0))

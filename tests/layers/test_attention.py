@@ -36,7 +36,8 @@ def _pair(rng, query, value, num_heads=N, key_dim=H, value_dim=None):
     return ours, ref
 
 
-@pytest.mark.parametrize("case", ["self", "self_causal", "self_padding", "cross", "cross_padding", "self_causal_padding"])
+@pytest.mark.parametrize("case", [
+    "self", "self_causal", "self_padding", "cross", "cross_padding", "self_causal_padding"])
 def test_matches_keras_multi_head_attention(rng, case):
     query = rng.normal(size=(B, T, D)).astype("float32")
     value = query if case.startswith("self") else rng.normal(size=(B, S, D)).astype("float32")
@@ -317,7 +318,8 @@ def test_split_cache_object_keeps_its_float32_buffers_under_mixed_bfloat16(rng, 
     for got, expected in zip(wrapped, pair):
         np.testing.assert_array_equal(got.numpy(), tf.cast(expected, tf.float32).numpy())
     assert np.abs(wrapped[0].numpy()[:, :3]).max() > 0.1  # the three written slots hold keys, not zeros
-    np.testing.assert_allclose(np.asarray(out_wrapped, "float32"), np.asarray(out_pair, "float32"), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(out_wrapped, "float32"), np.asarray(out_pair, "float32"),
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_split_cache_needs_a_pair_and_cache_index(rng):
@@ -500,7 +502,8 @@ def test_cross_attention_gradients_match_keras(rng, value_dim):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch([query, value])
             ours_out, ref_out = ours(query, value), ref(query, value)
-        ours_grads = tape.gradient(ours_out, [query, value, ours.qkv_kernel.value, ours.qkv_bias.value], output_gradients=dy)
+        ours_grads = tape.gradient(ours_out, [query, value, ours.qkv_kernel.value, ours.qkv_bias.value],
+                                   output_gradients=dy)
         ref_grads = tape.gradient(ref_out, [query, value] + [p.kernel.value for p in projections]
                                   + [p.bias.value for p in projections], output_gradients=dy)
         return ours_out, ref_out, ours_grads, ref_grads

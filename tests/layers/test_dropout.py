@@ -18,7 +18,8 @@ def test_drop_fraction_and_scale(rate, dtype):
     expected_scale = 65536 / (65536 - round(rate * 65536))
     np.testing.assert_allclose(np.unique(y[y != 0]), [expected_scale], rtol=1e-2 if dtype == "bfloat16" else 1e-7)
     # Mean preserved (unbiased): |mean - 1| within 5 standard errors.
-    assert abs(y.mean() - 1) < 5 * expected_scale * np.sqrt(rate * (1 - rate) / x.size) + (1e-2 if dtype == "bfloat16" else 0)
+    assert abs(y.mean() - 1) < (5 * expected_scale * np.sqrt(rate * (1 - rate) / x.size)
+                                + (1e-2 if dtype == "bfloat16" else 0))
 
 
 def test_identity_at_inference_and_new_masks_each_call(rng):

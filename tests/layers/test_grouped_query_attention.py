@@ -27,7 +27,8 @@ def _reference(layer, query, value, causal=False, attention_mask=None):
     qu, ku = n * layer.key_dim, k_heads * layer.key_dim
     if hasattr(layer, "qkv_kernel"):
         w, b = layer.qkv_kernel.numpy(), layer.qkv_bias.numpy()
-        q, k, v = query @ w[:, :qu] + b[:qu], value @ w[:, qu : qu + ku] + b[qu : qu + ku], value @ w[:, qu + ku :] + b[qu + ku :]
+        q, k, v = (query @ w[:, :qu] + b[:qu], value @ w[:, qu : qu + ku] + b[qu : qu + ku],
+                   value @ w[:, qu + ku :] + b[qu + ku :])
     else:
         q = query @ layer.query_kernel.numpy() + layer.query_bias.numpy()
         k = value @ layer.key_kernel.numpy() + layer.key_bias.numpy()
@@ -78,7 +79,8 @@ def test_projections_and_cache_have_the_key_value_heads(rng):
     assert tuple(cache.shape) == (B, 2, 2, 6, H)
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_key_value_heads=3), dict(num_key_value_heads=0), dict(num_key_value_heads=8)])
+@pytest.mark.parametrize("kwargs", [
+    dict(num_key_value_heads=3), dict(num_key_value_heads=0), dict(num_key_value_heads=8)])
 def test_bad_num_key_value_heads(kwargs):
     with pytest.raises(ValueError, match="num_key_value_heads"):
         MultiHeadAttention(num_heads=N, key_dim=H, **kwargs)

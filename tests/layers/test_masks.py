@@ -42,7 +42,8 @@ def test_masked_softmax_fully_masked_row_is_zero_not_nan(dtype):
     assert np.all(np.isfinite(weights))
     np.testing.assert_array_equal(weights[1], 0.0)
     e = np.exp(np.array([1.0, 3.0]) - 3.0)
-    np.testing.assert_allclose(weights[0], [e[0] / e.sum(), 0.0, e[1] / e.sum()], rtol=1e-2 if dtype != "float32" else 1e-6)
+    np.testing.assert_allclose(weights[0], [e[0] / e.sum(), 0.0, e[1] / e.sum()],
+                               rtol=1e-2 if dtype != "float32" else 1e-6)
 
 
 def test_mask_value_is_finite():

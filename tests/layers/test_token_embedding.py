@@ -41,5 +41,5 @@ def test_mask_zero():
 
 
 def test_harness():
-    check_layer(TokenEmbedding, dict(vocabulary_size=20, hidden_dim=8), {"inputs": np.array([[1, 2, 3], [4, 5, 0]], "int32")},
-                expected_output_shape=(2, 3, 8), mixed=True)
+    check_layer(TokenEmbedding, dict(vocabulary_size=20, hidden_dim=8),
+                {"inputs": np.array([[1, 2, 3], [4, 5, 0]], "int32")}, expected_output_shape=(2, 3, 8), mixed=True)

@@ -121,8 +121,10 @@ def test_fit_learns_copy_task():
     src = rng.integers(3, 12, size=(512, 6)).astype("int32")
     dec_in = np.concatenate([np.ones((512, 1), "int32"), src], axis=1)  # 1 = start token
     labels = np.concatenate([src, np.full((512, 1), 2, "int32")], axis=1)  # 2 = end token
-    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit({"encoder_token_ids": src, "decoder_token_ids": dec_in}, labels, batch_size=32, epochs=10, verbose=0)
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit({"encoder_token_ids": src, "decoder_token_ids": dec_in}, labels, batch_size=32, epochs=10,
+                        verbose=0)
     # Chance is log(12) = 2.48; measured here: 0.04 after 10 epochs.
     assert history.history["loss"][-1] < 0.1 * np.log(12)
 
@@ -132,7 +134,8 @@ def test_parameter_counts_of_the_paper():
     base = models.from_preset("transformer-base").count_params()
     big = models.from_preset("transformer-big").count_params()
     d, f, v, n = 512, 2048, 37000, 6
-    closed_form = v * d + n * (4 * (d * d + d) + 2 * d * f + d + f + 4 * d) + n * (8 * (d * d + d) + 2 * d * f + d + f + 6 * d)
+    closed_form = (v * d + n * (4 * (d * d + d) + 2 * d * f + d + f + 4 * d)
+                   + n * (8 * (d * d + d) + 2 * d * f + d + f + 6 * d))
     assert base == closed_form
     assert abs(base - 65e6) / 65e6 < 0.05
     assert abs(big - 213e6) / 213e6 < 0.05

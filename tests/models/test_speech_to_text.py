@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from tests.speech import SPEECH, asr, manifest, needs_wheel, waveforms  # noqa: F401 (fixtures)
+from tests.speech import SPEECH, needs_wheel
 from tfformer.training.metrics import normalize_transcript, word_error_rate
 
 pytestmark = needs_wheel

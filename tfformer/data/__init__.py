@@ -15,6 +15,8 @@ from tfformer.data.pipelines import (
 from tfformer.data.tokenizers import END_ID, PAD_ID, START_ID, UNK_ID, SubwordTokenizer
 
 __all__ = [
+    "assets",
+    "placeholders",
     "END_ID",
     "PAD_ID",
     "START_ID",

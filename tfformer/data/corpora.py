@@ -115,7 +115,8 @@ def tfds_pairs(name, source_key, target_key, data_dir=None):
         raise ValueError("TensorFlow Datasets is not installed: `pip install tensorflow-datasets`.") from error
     builder = tfds.builder(name, data_dir=data_dir)
     if not builder.is_prepared():
-        raise ValueError(f"TFDS dataset {name!r} is not downloaded under {builder.data_dir}; nothing is fetched at run time.")
+        raise ValueError(f"TFDS dataset {name!r} is not downloaded under {builder.data_dir}; nothing is fetched at "
+                         "run time.")
     pairs = [
         (ex[source_key].decode("utf-8"), ex[target_key].decode("utf-8"))
         for split in builder.info.splits

@@ -73,7 +73,8 @@ class SubwordTokenizer(tf.Module):
     def train(cls, texts, vocabulary_size=8192, num_threads=2):
         """Learn a unigram vocabulary of at most `vocabulary_size` pieces from an iterable of strings."""
         if isinstance(vocabulary_size, bool) or not isinstance(vocabulary_size, int) or vocabulary_size < 8:
-            raise ValueError(f"`vocabulary_size` must be an integer >= 8. Received: vocabulary_size={vocabulary_size!r}")
+            raise ValueError("`vocabulary_size` must be an integer >= 8. Received: "
+                             f"vocabulary_size={vocabulary_size!r}")
         texts = [_escape_py(t) for t in texts if t]
         if not texts:
             raise ValueError("Cannot learn a vocabulary from no text: `texts` is empty.")

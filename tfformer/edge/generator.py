@@ -49,7 +49,8 @@ class Generator:
             import tensorflow_text as tf_text  # the file carries TF-Text tokenizer ops (custom ops)
 
             self.interpreter = InterpreterWithCustomOps(
-                model_path=path, num_threads=num_threads, custom_op_registerers=tf_text.tflite_registrar.SELECT_TFTEXT_OPS
+                model_path=path, num_threads=num_threads,
+                custom_op_registerers=tf_text.tflite_registrar.SELECT_TFTEXT_OPS
             )
         if "decode_step" not in signatures:
             raise ValueError(f"{path} has no decode_step signature (found {sorted(signatures)}); "

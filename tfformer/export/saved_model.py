@@ -247,7 +247,8 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
         raise ValueError(f"A speech_seq2seq model is exported through `tfformer.models.WhisperModel` (its prompt, "
                          f"suppression and end id). Received: model={type(model).__name__}")
     if architecture not in ("seq2seq", "causal_lm"):
-        raise ValueError(f"No string signature for architecture {architecture!r}; export seq2seq, causal_lm or a SentenceEncoder.")
+        raise ValueError(f"No string signature for architecture {architecture!r}; export seq2seq, causal_lm or a "
+                         "SentenceEncoder.")
     _check_tokenizer(model, tokenizer)
     if architecture == "causal_lm":
         if max_new_tokens >= limit:
@@ -350,7 +351,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
         raise ValueError(f"`version` must be a non-negative integer. Received: version={version!r}")
     final = os.path.join(base_path, str(version))
     if os.path.exists(final):
-        raise ValueError(f"Version {version} already exists at {final}; versions are never overwritten. Existing: {existing}")
+        raise ValueError(f"Version {version} already exists at {final}; versions are never overwritten. Existing: "
+                         f"{existing}")
 
     endpoints, resources = _endpoints(model, tokenizer, max_new_tokens, beam_size)
     archive = keras.export.ExportArchive()

@@ -56,7 +56,8 @@ def _converter(saved_model_dir, signature_keys, quantize, representative_data, c
         if representative_data is None:
             raise ValueError("quantize='int8' needs `representative_data`: an iterable of input dicts for calibration.")
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        converter.representative_dataset = lambda: ({k: tf.constant(v) for k, v in d.items()} for d in representative_data)
+        converter.representative_dataset = lambda: ({k: tf.constant(v) for k, v in d.items()}
+                                                    for d in representative_data)
     return converter
 
 
@@ -64,7 +65,8 @@ def _write(converter, path):
     with warnings.catch_warnings():
         # int8 calibration runs TF's own tf.lite.Interpreter inside convert(); its deprecation notice is
         # about TF's code, not the caller's (our files run with ai_edge_litert).
-        warnings.filterwarnings("ignore", message=r"\s*Warning: tf\.lite\.Interpreter is deprecated", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"\s*Warning: tf\.lite\.Interpreter is deprecated",
+                                category=UserWarning)
         content = converter.convert()
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as handle:
@@ -262,10 +264,12 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
 
         def encode(encoder_token_ids):
             outputs, mask = model.encode(encoder_token_ids)
-            return {"cross_cache": model.cross_attention_caches(outputs), "encoder_padding_mask": tf.cast(mask, tf.int32)}
+            return {"cross_cache": model.cross_attention_caches(outputs),
+                    "encoder_padding_mask": tf.cast(mask, tf.int32)}
 
         def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
-            logits, cache = model.decode_step(token_ids, cache, index, cross_cache, tf.cast(encoder_padding_mask, tf.bool))
+            logits, cache = model.decode_step(token_ids, cache, index, cross_cache,
+                                              tf.cast(encoder_padding_mask, tf.bool))
             return {sig.LOGITS: logits, "cache": cache}
 
         endpoints["encode"] = (encode, [src_spec])

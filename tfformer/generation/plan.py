@@ -97,7 +97,8 @@ def prepared_kernels(model, layout):
         if layout == "rows":
             dtype = compute_dtype.get(id(w), model.compute_dtype)
             column = ops.zeros((w.shape[1],), dtype) if bias is None else ops.cast(bias, dtype)
-            parts = ops.concatenate([ops.transpose(ops.cast(w, dtype)), column[:, None]], axis=1)  # (units, input_dim + 1)
+            # (units, input_dim + 1)
+            parts = ops.concatenate([ops.transpose(ops.cast(w, dtype)), column[:, None]], axis=1)
         else:
             half = w.shape[1] // 2
             parts = (tf.identity(w[:, :half]), tf.identity(w[:, half:]))  # (input_dim, units/2), (input_dim, rest)
@@ -166,7 +167,8 @@ class DecodePlan:
                  native_bfloat16=False):
         check_kernel_layout(kernel_layout)
         if isinstance(cache_segments, bool) or not isinstance(cache_segments, int) or cache_segments < 1:
-            raise ValueError(f"`cache_segments` must be a positive integer. Received: cache_segments={cache_segments!r}")
+            raise ValueError("`cache_segments` must be a positive integer. Received: "
+                             f"cache_segments={cache_segments!r}")
         if kernels is not None and kernel_layout is None:
             raise ValueError("`kernels` need a `kernel_layout`. Received: kernel_layout=None")
         if native_bfloat16 and (kernel_layout is not None or in_place_cache_writes):

@@ -203,11 +203,13 @@ class MultiHeadAttention(keras.layers.Layer):
     def _check_cacheable(self):
         # Keys and values share one cache tensor (B, 2, K, S, H).
         if self._value_dim != self.key_dim:
-            raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, value_dim={self.value_dim}")
+            raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, "
+                             f"value_dim={self.value_dim}")
 
     def _kernel(self, name, input_dim, units):
         kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
-        bias = self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer) if self.use_bias else None
+        bias = (self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer)
+                if self.use_bias else None)
         return kernel, bias
 
     def build(self, query_shape, value_shape, key_shape=None):
@@ -223,10 +225,13 @@ class MultiHeadAttention(keras.layers.Layer):
             self.key_kernel, self.key_bias = self._kernel("key", key_dim, kv * h)
             self.value_kernel, self.value_bias = self._kernel("value", value_dim, kv * hv)
         if self.score == "general":
-            self.general_kernel = self.add_weight(name="general_kernel", shape=(n, h, h), initializer=self.kernel_initializer)
+            self.general_kernel = self.add_weight(name="general_kernel", shape=(n, h, h),
+                                                  initializer=self.kernel_initializer)
         elif self.score == "additive":
-            self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h), initializer=self.kernel_initializer)
-        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)  # N heads out
+            self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h),
+                                                   initializer=self.kernel_initializer)
+        # N heads out
+        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)
         if self.lora_rank:
             self._add_adapters()
         self.built = True
@@ -404,14 +409,16 @@ class MultiHeadAttention(keras.layers.Layer):
         if isinstance(cache, tuple):
             b, t = ops.shape(k)[0], ops.shape(k)[2]
             cache = tuple(
-                write_cache(half, ops.cast(ops.reshape(new, (b * self._kv_heads, t, -1)), half.dtype), cache_index, in_place)
+                write_cache(half, ops.cast(ops.reshape(new, (b * self._kv_heads, t, -1)), half.dtype), cache_index,
+                            in_place)
                 for half, new in zip(cache, (k, v))  # (B, K, T, H) -> (B*K, T, H) into (B*K, S_max, H)
             )
             # float32 scores and mixing also under mixed precision, as in the stacked one-step form (XLA's
             # CPU dots on bfloat16 convert their operands first anyway).
             k, v = (ops.cast(half, "float32") for half in cache)  # (B*K, S_max, H), (B*K, S_max, Hv)
             return k, v, cache
-        cache = write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index, in_place)  # (B, 2, K, S_max, H)
+        # (B, 2, K, S_max, H)
+        cache = write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index, in_place)
         return ops.cast(cache[:, 0], k.dtype), ops.cast(cache[:, 1], k.dtype), cache
 
     def _shared_heads(self, x, q):
@@ -434,7 +441,8 @@ class MultiHeadAttention(keras.layers.Layer):
     def _scores(self, q, k, one_query=False):
         # q (B, N, T, H), k (B, N, S, H) or, from a split cache, (B*N, S, H) -> (B, N, T, S)
         if len(k.shape) == 3 and self.score == "additive":
-            k = ops.reshape(ops.cast(k, q.dtype), (ops.shape(q)[0], self.num_heads, ops.shape(k)[1], self.key_dim))  # (B*N, S, H) -> (B, N, S, H)
+            # (B*N, S, H) -> (B, N, S, H)
+            k = ops.reshape(ops.cast(k, q.dtype), (ops.shape(q)[0], self.num_heads, ops.shape(k)[1], self.key_dim))
         if self.score == "additive":
             w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
             hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
@@ -447,7 +455,8 @@ class MultiHeadAttention(keras.layers.Layer):
             # A split cache: one batched matmul reading the key buffer in place, also under XLA.
             b, t, s = ops.shape(q)[0], ops.shape(q)[2], ops.shape(k)[1]
             q3 = ops.reshape(ops.cast(q, k.dtype), (b * self.num_heads, t, head_dim))  # (B, N, T, H) -> (B*N, T, H)
-            return ops.reshape(tf.matmul(q3, k, transpose_b=True), (b, self.num_heads, t, s))  # (B*N, T, S) -> (B, N, T, S)
+            # (B*N, T, S) -> (B, N, T, S)
+            return ops.reshape(tf.matmul(q3, k, transpose_b=True), (b, self.num_heads, t, s))
         if one_query and head_dim is not None and head_dim % 8 == 0:
             # One query against a cache, under XLA: a dot needs the key half of the (B, 2, N, S, H) cache as a
             # buffer of its own, i.e. a copy of all cached keys every step; a multiply + sum fuses and reads the
@@ -486,7 +495,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None and cache_index is not None:
             k, v, cache = self._update_cache(cache, k, v, cache_index, plan)
         k, v = self._shared_heads(k, q), self._shared_heads(v, q)  # K -> N heads
-        mask = self._mask(query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache, cache_index)
+        mask = self._mask(query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache,
+                          cache_index)
         # One query against a stacked cache, under XLA (a decode step): see _scores and _mix.
         one_step = plan is not None and plan.in_place_cache_writes and cache is not None and query.shape[1] == 1
         one_step = one_step and not isinstance(cache, tuple)
@@ -503,7 +513,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if dot_scores and plan is not None and plan.native_bfloat16 and scores.dtype == "bfloat16":
             weights = ops.softmax(scores, axis=-1)  # oneDNN's: float32 inside, (B, N, T, S) in the scores' dtype
         else:
-            weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)  # (B, N, T, S) float32
+            # (B, N, T, S) float32
+            weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)
         x = self._mix(self._dropout_layer(weights, training=training), v, q.dtype, one_step)  # (B, N, T, Hv)
         # Causal masks (and the cache's) leave key 0 to every query; only the others can empty a row.
         may_empty_rows = self.window is not None or any(
@@ -555,8 +566,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """The weighted sum of the values, `(B, N, T, S)` x v -> `(B, N, T, Hv)`."""
         if one_step:
             # One query against a cache, under XLA: XLA's CPU dot for the (B*N) tiny weights-times-values
-            # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass.
-            return ops.sum(ops.cast(weights, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]  # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv)
+            # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass:
+            # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv).
+            return ops.sum(ops.cast(weights, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]
         if len(v.shape) == 3:  # a split cache
             b, t, s = ops.shape(weights)[0], ops.shape(weights)[2], ops.shape(weights)[3]
             x = ops.reshape(ops.cast(weights, v.dtype), (b * self.num_heads, t, s))  # (B*N, T, S)

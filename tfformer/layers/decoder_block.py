@@ -80,7 +80,8 @@ class DecoderBlock(EncoderBlock):
     def __init__(self, num_heads, intermediate_dim, cross_attention=True, normalization="layer", use_bias=True,
                  rope_max_wavelength=None, **kwargs):
         if normalization not in NORMALIZATIONS:
-            raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}. Received: normalization={normalization!r}")
+            raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}. Received: "
+                             f"normalization={normalization!r}")
         if not use_bias and kwargs.get("activation", "relu") != "swiglu":
             raise ValueError("`use_bias=False` needs activation='swiglu' (a GatedFeedForward). "
                              f"Received: activation={kwargs.get('activation', 'relu')!r}")
@@ -140,7 +141,8 @@ class DecoderBlock(EncoderBlock):
         plan=None,
     ):
         if self.cross_attention and encoder_outputs is None and cross_attention_cache is None:
-            raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or `cross_attention_cache`).")
+            raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or "
+                             "`cross_attention_cache`).")
         if cache is not None and cache_index is None:
             raise ValueError("`cache_index` is required with `cache` (the position of the first new token).")
 
@@ -186,7 +188,8 @@ class DecoderBlock(EncoderBlock):
                 scores = extra[0]
 
         # Feed-forward block.
-        x, _ = self._sublayer(x, self.feedforward_norm, lambda h: self.feedforward(h, training=training, plan=plan), training)
+        x, _ = self._sublayer(x, self.feedforward_norm, lambda h: self.feedforward(h, training=training, plan=plan),
+                              training)
 
         result = (x,)
         if return_attention_scores:

@@ -149,7 +149,8 @@ class EncoderBlock(keras.layers.Layer):
         x = x + self._residual_dropout(y, training=training)
         return (x if self.norm_first else norm(x)), tuple(extra)
 
-    def call(self, inputs, padding_mask=None, attention_mask=None, training=None, return_attention_scores=False, mask=None):
+    def call(self, inputs, padding_mask=None, attention_mask=None, training=None, return_attention_scores=False,
+             mask=None):
         if padding_mask is None:
             padding_mask = mask
         self_mask = masks_lib.merge_masks(masks_lib.key_mask(padding_mask), attention_mask)

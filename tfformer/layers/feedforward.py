@@ -108,7 +108,8 @@ class FeedForward(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, hidden_dim, intermediate_dim, activation="relu", dropout=0.0, kernel_initializer="glorot_uniform", **kwargs):
+    def __init__(self, hidden_dim, intermediate_dim, activation="relu", dropout=0.0,
+                 kernel_initializer="glorot_uniform", **kwargs):
         check_positive_int("hidden_dim", hidden_dim)
         check_positive_int("intermediate_dim", intermediate_dim)
         if activation not in ACTIVATIONS:

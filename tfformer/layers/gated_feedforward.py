@@ -59,7 +59,8 @@ class GatedFeedForward(keras.layers.Layer):
 
     def _kernel(self, name, input_dim, units):
         kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
-        bias = self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer) if self.use_bias else None
+        bias = (self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer)
+                if self.use_bias else None)
         return kernel, bias
 
     def build(self, inputs_shape):

@@ -48,8 +48,8 @@ class RotaryEmbedding(keras.layers.Layer):
             raise ValueError(f"RotaryEmbedding needs an even feature size. Received: {dim} on axis {self.feature_axis}")
         length = ops.shape(inputs)[seq_axis]
         positions = ops.cast(ops.arange(length) + start_index, "float32")  # (T,)
-        # 1 / base^(2i/D), as Hugging Face and keras-hub compute it, so that the angles round as theirs do.
-        inverse_freq = 1.0 / ops.power(float(self.max_wavelength), ops.arange(0, dim, 2, dtype="float32") / dim)  # (D/2,)
+        # (D/2,): 1 / base^(2i/D), as Hugging Face and keras-hub compute it, so that the angles round as theirs do.
+        inverse_freq = 1.0 / ops.power(float(self.max_wavelength), ops.arange(0, dim, 2, dtype="float32") / dim)
         angles = ops.repeat(positions[:, None] * inverse_freq[None, :], 2, axis=-1)  # (T, D): each angle twice
         shape = [1] * rank
         shape[seq_axis], shape[feat_axis] = -1, dim

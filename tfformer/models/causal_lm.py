@@ -129,7 +129,8 @@ class CausalLM(base.TransformerModel):
         ids = self.tokenize([prompt])  # (1, L)
         length = ids.shape[1]
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+            raise ValueError("`max_new_tokens` must be a positive integer. Received: "
+                             f"max_new_tokens={max_new_tokens!r}")
         if length + max_new_tokens > self.config.max_sequence_length:
             raise ValueError(f"Prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_sequence_length={self.config.max_sequence_length}; shorten the prompt or ask for "
@@ -212,7 +213,8 @@ def check_messages(messages):
     for i, message in enumerate(messages):
         if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
                 or not isinstance(message.get("content"), str)):
-            raise ValueError(f'`messages[{i}]` must be a dict with str "role" and "content". Received: {message!r:.120}')
+            raise ValueError(f'`messages[{i}]` must be a dict with str "role" and "content". Received: '
+                             f"{message!r:.120}")
 
 
 def build_causal_lm(config):

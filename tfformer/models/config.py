@@ -71,7 +71,8 @@ class TransformerConfig:
         choice("activation", ACTIVATIONS)
         choice("score", SCORES)
         choice("normalization", NORMALIZATIONS)
-        for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length", "output_dim"):
+        for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length",
+                     "output_dim"):
             positive(name)
         for name in ("num_encoder_layers", "num_decoder_layers", "num_segments"):
             positive(name, allow_zero=True)
@@ -132,7 +133,8 @@ class TransformerConfig:
         """A copy with some fields changed (validated); unknown names raise ValueError."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
         if unknown:
-            raise ValueError(f"Unknown config field(s) {unknown}. Allowed: {sorted(f.name for f in dataclasses.fields(self))}")
+            raise ValueError(f"Unknown config field(s) {unknown}. Allowed: "
+                             f"{sorted(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **overrides)
 
     def to_dict(self):

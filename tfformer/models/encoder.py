@@ -38,7 +38,8 @@ class TransformerEncoder(base.TransformerModel):
         pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init, name="pooler")
         classifier = None
         if config.num_classes:
-            classifier = keras.layers.Dense(config.num_classes, kernel_initializer=init, dtype="float32", name="classifier")
+            classifier = keras.layers.Dense(config.num_classes, kernel_initializer=init, dtype="float32",
+                                            name="classifier")
 
         # === Functional model ===
         token_ids = base.token_ids_input("token_ids")

@@ -149,7 +149,8 @@ def load_preset(directory):
             preset = json.load(handle)
         if not isinstance(preset, dict) or preset.get("format") != PRESET_FORMAT:
             raise ValueError(f"{path} is not a tfformer preset (expected \"format\": {PRESET_FORMAT!r}).")
-    elif os.path.isfile(os.path.join(directory, MODEL_FILE)) and os.path.isfile(os.path.join(directory, "tokenizer.model")):
+    elif (os.path.isfile(os.path.join(directory, MODEL_FILE))
+            and os.path.isfile(os.path.join(directory, "tokenizer.model"))):
         # A run directory written before presets existed: a model and a SentencePiece tokenizer.
         preset = {"task": None, "model_file": MODEL_FILE, "tokenizer": {"class": "SubwordTokenizer"}}
     else:

@@ -26,9 +26,9 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     `time_budget` covers vocabulary learning and training, with 5% of it left for the final evaluations and the
     sample (which may run over). `micro_batches`: the model's `compile(micro_batches=...)`; None picks
     `default_micro_batches`. `cpu_threads=True` first calls `training.configure_cpu_threads` for those micro-batches
-    and replicas (one share of the cores per part, docs/performance.md, "Training: CPU threads"; process-wide, so only in a
-    process whose TensorFlow runtime has not started: it raises otherwise; the `tfformer train lm` command passes
-    it). The returned metrics hold the validation and test perplexities (`test_perplexity`
+    and replicas (one share of the cores per part, docs/performance.md, "Training: CPU threads"; process-wide, so
+    only in a process whose TensorFlow runtime has not started: it raises otherwise; the `tfformer train lm` command
+    passes it). The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
     (the optimizer's, a resumed run's earlier ones included), `train_seconds` (this call's `fit`) and
     `dtype_policy` (the model's). The caller's global dtype policy is back when it returns (the run's is set by
@@ -56,7 +56,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     else:
         tokenizer = data.SubwordTokenizer.train(splits["train"], vocabulary_size)
         tokenizer.save(tokenizer_path)
-    printer("lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f"; vocabulary {tokenizer.vocabulary_size}")
+    printer("lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
+            + f"; vocabulary {tokenizer.vocabulary_size}")
     config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
                                max_sequence_length=max(sequence_length, 64), **overrides)
     if config.architecture != "causal_lm":

@@ -23,7 +23,8 @@ def prepare(path, overwrite=False):
         elif os.path.isdir(os.path.join(path, "backup")) and not os.path.exists(os.path.join(path, FINISHED_MARKER)):
             return "resume"
         else:
-            raise ValueError(f"Run directory {path!r} already holds a run; pass --overwrite to replace it, or choose --out.")
+            raise ValueError(f"Run directory {path!r} already holds a run; pass --overwrite to replace it, or choose "
+                             "--out.")
     os.makedirs(path, exist_ok=True)
     return "new"
 
