@@ -33,6 +33,9 @@ ALLOWED = {
     # recipes are end-to-end jobs: everything but the CLI
     "recipes": {"layers", "models", "generation", "export", "data", "training", "serving", "convert", "recipes"},
 }
+# Modules every package may import: argument checks, the special token ids, atomic file writes. They import no
+# other tfformer module, so they sit below every package of ALLOWED.
+FOUNDATIONS = ("checks.py", "tokens.py", "files.py")
 
 
 def _tfformer_imports(path):
@@ -57,6 +60,11 @@ def test_imports_flow_one_way():
             if package in ALLOWED and imported in {"layers", "models", "generation", "export", "data", "training",
                                                    "serving", "convert"}:
                 assert imported in ALLOWED[package], f"{path} ({package}) must not import tfformer.{imported}"
+
+
+def test_foundations_import_nothing_from_tfformer():
+    for name in FOUNDATIONS:
+        assert list(_tfformer_imports(ROOT / name)) == [], f"tfformer/{name} must import no tfformer module"
 
 
 def test_allowed_imports_have_no_cycle():

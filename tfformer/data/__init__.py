@@ -12,7 +12,8 @@ from tfformer.data.pipelines import (
     make_translation_dataset,
     read_chat_tsv,
 )
-from tfformer.data.tokenizers import END_ID, PAD_ID, START_ID, UNK_ID, SubwordTokenizer
+from tfformer.data.tokenizers import SubwordTokenizer
+from tfformer.tokens import END_ID, PAD_ID, START_ID, UNK_ID
 
 __all__ = [
     "assets",

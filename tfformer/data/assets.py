@@ -10,6 +10,7 @@ import os
 from tfformer.data.bert_tokenizer import BertTokenizer, read_vocabulary
 from tfformer.data.byte_pair import BytePairTokenizer
 from tfformer.data.tokenizers import SubwordTokenizer
+from tfformer.files import write_atomic
 
 TOKENIZERS = ("SubwordTokenizer", "BytePairTokenizer", "BertTokenizer")
 FILES = {"SubwordTokenizer": "tokenizer.model", "BytePairTokenizer": "byte_pair.json", "BertTokenizer": "vocab.txt"}
@@ -29,9 +30,9 @@ def save_tokenizer(tokenizer, directory):
         fields = dict(vocabulary=list(tokenizer.vocabulary), merges=list(tokenizer.merges),
                       special_tokens=list(tokenizer.special_tokens), pre_tokenizer=tokenizer.pre_tokenizer,
                       chat_template=tokenizer.chat_template, end_tokens=list(tokenizer.end_tokens))
-        _write(path, json.dumps(fields, ensure_ascii=False))
+        write_atomic(path, json.dumps(fields, ensure_ascii=False))
     else:
-        _write(path, "".join(token + "\n" for token in tokenizer.vocabulary))
+        write_atomic(path, "".join(token + "\n" for token in tokenizer.vocabulary))
         spec.update(lower_case=tokenizer.lower_case, max_length=tokenizer.max_length)
     return spec
 
@@ -51,10 +52,3 @@ def load_tokenizer(directory, spec):
             return BytePairTokenizer(**json.load(handle))
     return BertTokenizer(read_vocabulary(path), lower_case=spec.get("lower_case", True),
                          max_length=spec.get("max_length", 512))
-
-
-def _write(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
-    os.replace(tmp, path)

@@ -18,6 +18,8 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tfformer.checks import check_int
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
@@ -151,8 +153,7 @@ def prepare_waveform(waveform, sample_rate, name="waveform"):
         float32 array `(samples,)` at 16 kHz. More than one channel is averaged to mono, with a warning.
     """
     waveform = np.asarray(waveform)
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-        raise ValueError(f"`sample_rate` must be a positive int (Hz). Received: sample_rate={sample_rate!r}")
+    check_int("sample_rate", sample_rate, numpy=True, expected="a positive int (Hz)")
     if waveform.ndim not in (1, 2):
         raise ValueError(f"{name} must have shape (samples,) or (samples, channels). Received: shape={waveform.shape}")
     if waveform.size == 0:
@@ -229,8 +230,7 @@ def split_windows(waveform, window_samples=WINDOW_SAMPLES, search_samples=5 * SA
         raise ValueError(f"`waveform` must have shape (samples,). Received: shape={waveform.shape}")
     for name, value in (("window_samples", window_samples), ("search_samples", search_samples),
                         ("frame_samples", frame_samples), ("smoothing_frames", smoothing_frames)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+        check_int(name, value, numpy=True, expected="a positive int")
     if search_samples > window_samples or smoothing_frames * frame_samples > search_samples:
         raise ValueError(
             "Need smoothing_frames * frame_samples <= search_samples <= window_samples. Received: "

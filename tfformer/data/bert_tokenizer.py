@@ -4,6 +4,8 @@ import keras
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from tfformer.checks import check_int
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 # Hugging Face's BertNormalizer (the Rust `tokenizers` one every BERT
@@ -88,10 +90,7 @@ class BertTokenizer(tf.Module):
             raise ValueError(
                 f"`vocabulary` must have '[PAD]' at id 0 (tfformer pads with 0). Received: {first!r} at id 0"
             )
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(
-                f"`max_length` must be an integer >= 2 ([CLS] and [SEP]). Received: max_length={max_length!r}"
-            )
+        check_int("max_length", max_length, minimum=2, expected="an integer >= 2 ([CLS] and [SEP])")
         self._vocabulary = tuple(vocabulary)
         self.lower_case = bool(lower_case)
         self.max_length = max_length

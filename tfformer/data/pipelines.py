@@ -6,7 +6,8 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfformer.data.tokenizers import END_ID, START_ID
+from tfformer.checks import check_int
+from tfformer.tokens import END_ID, START_ID
 
 
 def _finish(dataset):
@@ -51,8 +52,7 @@ def make_translation_dataset(pairs, tokenizer, batch_size=64, max_length=64, shu
     """
     if not pairs:
         raise ValueError("`pairs` is empty: there is nothing to train or evaluate on.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    check_int("batch_size", batch_size)
     sources, targets = zip(*pairs)
     dataset = tf.data.Dataset.from_tensor_slices((list(sources), list(targets)))
     if shuffle:
@@ -188,9 +188,8 @@ def make_chat_dataset(pairs, tokenizer, sequence_length=256, batch_size=8, shuff
     where = (lambda i: f"{source}:{i + 1}") if source else (lambda i: f"`pairs[{i}]`")
     if not pairs:
         raise ValueError("`pairs` is empty: there is nothing to fine-tune on.")
-    for name, value in (("sequence_length", sequence_length), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    check_int("sequence_length", sequence_length)
+    check_int("batch_size", batch_size)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"`tokenizer` must have a chat template; this {type(tokenizer).__name__} has none.")
     prompts, completions = [], []

@@ -29,9 +29,10 @@ import sentencepiece
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from tfformer.checks import check_int
 from tfformer.data.placeholders import RESERVED_SYMBOLS
+from tfformer.tokens import END_ID, PAD_ID, START_ID, UNK_ID
 
-PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
 ESCAPES = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
 
 
@@ -72,9 +73,7 @@ class SubwordTokenizer(tf.Module):
     @classmethod
     def train(cls, texts, vocabulary_size=8192, num_threads=2):
         """Learn a unigram vocabulary of at most `vocabulary_size` pieces from an iterable of strings."""
-        if isinstance(vocabulary_size, bool) or not isinstance(vocabulary_size, int) or vocabulary_size < 8:
-            raise ValueError("`vocabulary_size` must be an integer >= 8. Received: "
-                             f"vocabulary_size={vocabulary_size!r}")
+        check_int("vocabulary_size", vocabulary_size, minimum=8)
         texts = [_escape_py(t) for t in texts if t]
         if not texts:
             raise ValueError("Cannot learn a vocabulary from no text: `texts` is empty.")

@@ -3,7 +3,9 @@ tfformer .tflite file."""
 
 import numpy as np
 
-PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
+from tfformer.checks import check_int, check_number
+from tfformer.tokens import END_ID, PAD_ID, START_ID, UNK_ID, cut_at_end
+
 BEAM_NEG = -1e9  # the score of an impossible beam, as tfformer.generation.beam
 UNK_TEXT = " \u2047 "  # how SentencePiece writes the unknown piece
 # The whitespace SentencePiece would fold and the symbols tfformer.data.SubwordTokenizer maps it to.
@@ -69,9 +71,7 @@ class Generator:
             self.source_length = int(self._encode.get_input_details()["encoder_token_ids"]["shape"][1])
 
     def _check(self, ids, max_new_tokens, limit, what):
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-            raise ValueError(f"`max_new_tokens` must be a positive integer. "
-                             f"Received: max_new_tokens={max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, numpy=True)
         if not len(ids):
             raise ValueError(f"The {what} is empty.")
         if len(ids) > limit:
@@ -127,11 +127,8 @@ class Generator:
         `beam_size`, by beam search with the GNMT `length_penalty`: the choices of the SavedModel's
         `serving_default` exported with the same `beam_size` (`tfformer.generation.BeamSampler`)."""
         self._check(source_ids, max_new_tokens, self.source_length, "source")
-        if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer))
-                                      or beam_size < 1):
-            raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
-            raise ValueError(f"`length_penalty` must be a number. Received: length_penalty={length_penalty!r}")
+        check_int("beam_size", beam_size, allow_none=True, numpy=True)
+        check_number("length_penalty", length_penalty)
         src = np.zeros((1, self.source_length), np.int32)
         src[0, : len(source_ids)] = source_ids
         encoded = self._encode(encoder_token_ids=src)
@@ -193,7 +190,7 @@ class Generator:
             last = token
         penalty = np.power((np.float32(5.0) + lengths.astype(np.float32)) / np.float32(6.0), np.float32(length_penalty))
         row = tokens[int(np.argmax(scores / penalty))].tolist()
-        return row[: row.index(END_ID) + 1] if END_ID in row else row
+        return cut_at_end(row, END_ID, keep_end=True)
 
     def tokenize(self, text):
         """Ids of `text`, as the SavedModel's tokenizer gives them: tab, newline and carriage return are mapped to
@@ -239,7 +236,7 @@ class Generator:
         source = self.tokenize(masked.text)[: self.source_length]  # the SavedModel truncates sources alike
         new = self.translate(source, max_new_tokens=max_new_tokens, beam_size=beam_size,
                              length_penalty=length_penalty) if source else []
-        new = new[: new.index(END_ID)] if END_ID in new else new
+        new = cut_at_end(new, END_ID)
         return placeholders.restore(masked, self.detokenize(new))
 
 

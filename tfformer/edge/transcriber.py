@@ -7,6 +7,9 @@ detokenizes with the byte-level BPE (`tfformer.data.BytePairTokenizer`, whose op
 
 import numpy as np
 
+from tfformer.checks import check_int
+from tfformer.tokens import cut_at_end
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
@@ -141,11 +144,9 @@ class Transcriber:
         room = self.max_length - len(self.prompt)
         if max_new_tokens is None:
             max_new_tokens = room
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or not (
-                0 < max_new_tokens <= room):
-            raise ValueError(f"`max_new_tokens` must be an integer in [1, {room}] (the file's cache of "
-                             f"{self.max_length} positions after the prompt). "
-                             f"Received: max_new_tokens={max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, maximum=room, numpy=True,
+                  expected=f"an integer in [1, {room}] (the file's cache of {self.max_length} positions after the "
+                           "prompt)")
         interpreter = self.interpreter
         cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
         for layer, pair in enumerate(self._cross):
@@ -180,7 +181,7 @@ class Transcriber:
             raise ValueError("Text needs the host tokenizer: pass `tokenizer=` (the Whisper BytePairTokenizer) to "
                              "Transcriber.")
         ids = list(ids)
-        ids = ids[: ids.index(self.end_id)] if self.end_id in ids else ids
+        ids = cut_at_end(ids, self.end_id)
         ids = [i for i in ids if i < self.end_id]
         if not ids:
             return ""

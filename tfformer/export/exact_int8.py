@@ -41,6 +41,8 @@ import os
 
 import numpy as np
 
+from tfformer.files import write_atomic
+
 BLOCK = 32  # weights per Q8_0 / Q4_1 block (llama.cpp's QK8_0, QK4_1)
 Q8_0_MAX = 127
 Q4_1_MAX = 15
@@ -374,10 +376,7 @@ def requantize_blocks(tflite_path, out_path, q4_1_bits=8, input_scales=(), block
             buffer.data = None  # a float32 weight now stored as integers
     builder = flatbuffers.Builder(1 << 20)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    tmp = f"{out_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(builder.Output())
-    os.replace(tmp, out_path)
+    write_atomic(out_path, builder.Output())
     summary["bytes"] = os.path.getsize(out_path)
     return summary
 

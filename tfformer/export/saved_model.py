@@ -15,15 +15,16 @@ import shutil
 import keras
 import tensorflow as tf
 
+from tfformer.checks import check_int
 from tfformer.data import audio, placeholders
 from tfformer.export import signatures as sig
 from tfformer.generation.decode import decode_fn
 from tfformer.generation.speech import speech_decode_fn
-from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 from tfformer.models.presets import from_preset
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.task import Task
 from tfformer.models.whisper import WhisperModel
+from tfformer.tokens import END_ID, PAD_ID, START_ID
 
 _TMP = re.compile(r"^\.tmp-(\d+)-(\d+)$")
 
@@ -340,15 +341,13 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
         tokenizer = getattr(model, "preprocessor", None)
     if max_new_tokens is None:
         max_new_tokens = speech_max_new_tokens(model) if isinstance(model, WhisperModel) else 64
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     os.makedirs(base_path, exist_ok=True)
     _remove_stale_temporaries(base_path)
     existing = _versions(base_path)
     if version is None:
         version = (existing[-1] if existing else 0) + 1
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"`version` must be a non-negative integer. Received: version={version!r}")
+    check_int("version", version, minimum=0)
     final = os.path.join(base_path, str(version))
     if os.path.exists(final):
         raise ValueError(f"Version {version} already exists at {final}; versions are never overwritten. Existing: "

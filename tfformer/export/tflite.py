@@ -33,8 +33,10 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tfformer.checks import check_int
 from tfformer.export import exact_int8
 from tfformer.export import signatures as sig
+from tfformer.files import write_atomic
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.whisper import WhisperModel
 
@@ -68,11 +70,7 @@ def _write(converter, path):
         warnings.filterwarnings("ignore", message=r"\s*Warning: tf\.lite\.Interpreter is deprecated",
                                 category=UserWarning)
         content = converter.convert()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(content)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, content)
 
 
 def _input_specs(model, sequence_length, batch_size=None):
@@ -99,9 +97,8 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
     """
     if quantize not in QUANTIZE + ("gguf",):
         raise ValueError(f"`quantize` must be one of {QUANTIZE + ('gguf',)}. Received: quantize={quantize!r}")
-    for name, value in (("sequence_length", sequence_length), ("batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"`{name}` must be a positive integer or None. Received: {name}={value!r}")
+    check_int("sequence_length", sequence_length, allow_none=True)
+    check_int("batch_size", batch_size, allow_none=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
         # Not `track(model)`: that would also save a task's `preprocessor` (hash tables, not TFLite ops); the
@@ -219,9 +216,8 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
                          f"model={type(model).__name__}")
     limit = config.max_sequence_length
     for name, value in (("max_length", max_length), ("source_length", source_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
-            raise ValueError(f"`{name}` must be an integer in [1, max_sequence_length={limit}] or None. "
-                             f"Received: {name}={value!r}")
+        check_int(name, value, maximum=limit, allow_none=True,
+                  expected=f"an integer in [1, max_sequence_length={limit}]")
     if quantize not in (None, "dynamic", "float16", "gguf"):
         raise ValueError(f"`quantize` must be None, 'dynamic', 'float16' or 'gguf' for a decoder file (full int8 "
                          f"needs calibration data for the cache). Received: quantize={quantize!r}")

@@ -20,8 +20,9 @@ import math
 
 import tensorflow as tf
 
+from tfformer.checks import check_int, check_number
 from tfformer.generation.samplers import Sampler
-from tfformer.generation.tokens import PAD_ID
+from tfformer.tokens import PAD_ID
 
 NEG = -1e9
 NORMALIZATIONS = ("gnmt", "length")
@@ -86,16 +87,12 @@ class BeamSampler(Sampler):
     kind = "beam"
 
     def __init__(self, beam_size, length_penalty=0.6, normalization="gnmt", patience=None):
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise ValueError(f"`beam_size` must be a positive integer. Received: beam_size={beam_size!r}")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
-            raise ValueError(f"`length_penalty` must be a number. Received: length_penalty={length_penalty!r}")
+        check_int("beam_size", beam_size)
+        check_number("length_penalty", length_penalty)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}. Received: "
                              f"normalization={normalization!r}")
-        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, (int, float))
-                                     or not patience > 0):
-            raise ValueError(f"`patience` must be a number > 0 or None. Received: patience={patience!r}")
+        check_number("patience", patience, above=0, allow_none=True)
         self.beams, self.length_penalty = beam_size, length_penalty
         self.normalization, self.patience = normalization, patience
 

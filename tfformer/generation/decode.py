@@ -13,16 +13,12 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tfformer.checks import check_int
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown, native_bfloat16_on_this_cpu
 from tfformer.generation.samplers import as_sampler
-from tfformer.generation.tokens import END_ID, PAD_ID, START_ID
 from tfformer.layers.layer_utils import split_cache
-
-
-def _check_max_new_tokens(max_new_tokens):
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+from tfformer.tokens import END_ID, PAD_ID, START_ID, cut_at_end
 
 
 def cached_function(model, key, make):
@@ -242,9 +238,8 @@ def generate_ids(model, token_ids, max_new_tokens=32, sampler=None, beam_size=No
     model's long prompts are read faster so (`CausalLM.generate` chooses it by its dtype policy). The same
     tokens either way, up to the order of the prompt pass's float sums. None (default): as `jit_compile`.
     """
-    _check_max_new_tokens(max_new_tokens)
-    if beam_size is not None and (isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1):
-        raise ValueError(f"`beam_size` must be a positive integer or None. Received: beam_size={beam_size!r}")
+    check_int("max_new_tokens", max_new_tokens)
+    check_int("beam_size", beam_size, allow_none=True)
     prefill_jit_compile = _check_prefill_jit_compile(prefill_jit_compile, jit_compile, model.config.architecture)
     sampler = _method(sampler, beam_size, length_penalty)
     beam = isinstance(sampler, BeamSampler)
@@ -312,5 +307,7 @@ def strip_after_end(ids):
     """Python lists of ids with the end token and everything after it removed."""
     rows = []
     for row in tf.convert_to_tensor(ids).numpy().tolist():
-        rows.append(row[: row.index(END_ID)] if END_ID in row else [t for t in row if t != PAD_ID])
+        if END_ID not in row:
+            row = [t for t in row if t != PAD_ID]  # a row that never ended: its padding goes
+        rows.append(cut_at_end(row, END_ID))
     return rows

@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer import compat
+from tfformer.checks import check_int
 from tfformer.layers.layer_utils import split_cache
 
 KERNEL_LAYOUTS = ("rows", "halves")
@@ -166,9 +167,7 @@ class DecodePlan:
     def __init__(self, kernel_layout=None, in_place_cache_writes=False, cache_segments=CACHE_SEGMENTS, kernels=None,
                  native_bfloat16=False):
         check_kernel_layout(kernel_layout)
-        if isinstance(cache_segments, bool) or not isinstance(cache_segments, int) or cache_segments < 1:
-            raise ValueError("`cache_segments` must be a positive integer. Received: "
-                             f"cache_segments={cache_segments!r}")
+        check_int("cache_segments", cache_segments)
         if kernels is not None and kernel_layout is None:
             raise ValueError("`kernels` need a `kernel_layout`. Received: kernel_layout=None")
         if native_bfloat16 and (kernel_layout is not None or in_place_cache_writes):

@@ -9,14 +9,14 @@ in eager, graph and XLA alike. `BeamSampler` (`generation.beam`) overrides the l
 
 import tensorflow as tf
 
-from tfformer.generation.tokens import PAD_ID
+from tfformer.checks import check_int, check_number
+from tfformer.tokens import PAD_ID
 
 KINDS = ("greedy", "temperature", "top_k", "top_p")
 
 
 def _check_temperature(temperature):
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0:
-        raise ValueError(f"`temperature` must be a number > 0. Received: temperature={temperature!r}")
+    check_number("temperature", temperature, above=0)
     return float(temperature)
 
 
@@ -174,8 +174,7 @@ class TopKSampler(TemperatureSampler):
     kind = "top_k"
 
     def __init__(self, k, temperature=1.0, seed=0):
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"`k` must be an integer >= 1 for kind='top_k'. Received: k={k!r}")
+        check_int("k", k, expected="an integer >= 1 for kind='top_k'")
         super().__init__(temperature, seed)
         self.k = k
 
@@ -192,8 +191,7 @@ class TopPSampler(TemperatureSampler):
     kind = "top_p"
 
     def __init__(self, p, temperature=1.0, seed=0):
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
-            raise ValueError(f"`p` must be in (0, 1] for kind='top_p'. Received: p={p!r}")
+        check_number("p", p, above=0, at_most=1, expected="in (0, 1] for kind='top_p'")
         super().__init__(temperature, seed)
         self.p = p
 

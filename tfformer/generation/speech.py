@@ -12,6 +12,7 @@ suppression to each step's logits. `whisper_sampler` picks faster-whisper's sear
 import numpy as np
 import tensorflow as tf
 
+from tfformer.checks import check_int
 from tfformer.generation.decode import cached_function
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.samplers import GreedySampler, as_sampler
@@ -25,8 +26,7 @@ def whisper_sampler(beam_size=1, length_penalty=1.0, patience=1.0):
     """faster-whisper's search for `beam_size` (its `transcribe(beam_size=5, length_penalty=1, patience=1)`):
     `GreedySampler()` for 1 (CTranslate2 decodes greedily then), else `BeamSampler(beam_size, length_penalty,
     normalization="length", patience=patience)`."""
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"`beam_size` must be a positive integer. Received: beam_size={beam_size!r}")
+    check_int("beam_size", beam_size)
     if beam_size == 1:
         return GreedySampler()
     return BeamSampler(beam_size, length_penalty, normalization="length", patience=patience)
@@ -71,14 +71,12 @@ def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=
     config = model.config
     vocabulary_size = config.vocabulary_size
     prompt = _check_ids("prompt", prompt, vocabulary_size, allow_empty=False)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     if len(prompt) + max_new_tokens > config.max_sequence_length:
         raise ValueError(f"The prompt ({len(prompt)} ids) plus `max_new_tokens` must be at most "
                          f"max_sequence_length={config.max_sequence_length}. Received: max_new_tokens={max_new_tokens}")
-    if isinstance(end_id, bool) or not isinstance(end_id, (int, np.integer)) or not 0 <= end_id < vocabulary_size:
-        raise ValueError(f"`end_id` must be an id in [0, vocabulary_size={vocabulary_size}). "
-                         f"Received: end_id={end_id!r}")
+    check_int("end_id", end_id, minimum=0, maximum=vocabulary_size - 1, numpy=True,
+              expected=f"an id in [0, vocabulary_size={vocabulary_size})")
     end_id = int(end_id)
     every_step = _suppression(_check_ids("suppress_ids", suppress_ids, vocabulary_size), vocabulary_size)
     first_step = every_step + _suppression(

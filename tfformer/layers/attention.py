@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer.checks import check_int, check_number
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
@@ -12,7 +13,6 @@ from tfformer.layers.layer_utils import (
     SplitCache,
     check_dropout,
     check_lora_alpha,
-    check_positive_int,
     dense,
     write_cache,
 )
@@ -147,27 +147,22 @@ class MultiHeadAttention(keras.layers.Layer):
         lora_alpha=None,
         **kwargs,
     ):
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("key_dim", key_dim)
-        check_positive_int("value_dim", value_dim, allow_none=True)
-        check_positive_int("output_dim", output_dim, allow_none=True)
-        check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+        check_int("num_heads", num_heads)
+        check_int("key_dim", key_dim)
+        check_int("value_dim", value_dim, allow_none=True)
+        check_int("output_dim", output_dim, allow_none=True)
+        check_int("num_key_value_heads", num_key_value_heads, allow_none=True)
         if num_key_value_heads is not None and num_heads % num_key_value_heads:
             raise ValueError(
                 "`num_key_value_heads` must divide `num_heads`. "
                 f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
             )
         check_dropout(dropout)
-        rope = rope_max_wavelength
-        if rope is not None and (isinstance(rope, bool) or not isinstance(rope, (int, float)) or rope <= 1):
-            raise ValueError(
-                f"`rope_max_wavelength` must be a number > 1 or None. Received: rope_max_wavelength={rope!r}"
-            )
+        check_number("rope_max_wavelength", rope_max_wavelength, above=1, allow_none=True)
         if score not in SCORES:
             raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-            raise ValueError(f"`window` must be a non-negative integer or None. Received: window={window!r}")
-        check_positive_int("lora_rank", lora_rank, allow_none=True)
+        check_int("window", window, minimum=0, allow_none=True)
+        check_int("lora_rank", lora_rank, allow_none=True)
         check_lora_alpha(lora_alpha)
         super().__init__(**kwargs)
         self.num_heads = num_heads
@@ -266,7 +261,7 @@ class MultiHeadAttention(keras.layers.Layer):
         Once per layer, as in Keras: a layer whose adapters were merged takes no new ones (reload the model
         instead). Under a `tf.distribute` strategy, call it in the strategy's scope.
         """
-        check_positive_int("rank", rank)
+        check_int("rank", rank)
         check_lora_alpha(lora_alpha)
         if self.lora_rank or self.lora.built:
             state = "has adapters" if self.lora_rank else "had adapters, merged into its kernels"

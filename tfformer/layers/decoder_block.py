@@ -1,5 +1,6 @@
 import keras
 
+from tfformer.checks import check_number
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.encoder_block import EncoderBlock
 from tfformer.layers.gated_feedforward import GatedFeedForward
@@ -85,11 +86,7 @@ class DecoderBlock(EncoderBlock):
         if not use_bias and kwargs.get("activation", "relu") != "swiglu":
             raise ValueError("`use_bias=False` needs activation='swiglu' (a GatedFeedForward). "
                              f"Received: activation={kwargs.get('activation', 'relu')!r}")
-        if rope_max_wavelength is not None and (isinstance(rope_max_wavelength, bool)
-                                                  or not isinstance(rope_max_wavelength, (int, float))
-                                                  or rope_max_wavelength <= 1):
-            raise ValueError("`rope_max_wavelength` must be a number > 1 or None. "
-                             f"Received: rope_max_wavelength={rope_max_wavelength!r}")
+        check_number("rope_max_wavelength", rope_max_wavelength, above=1, allow_none=True)
         super().__init__(num_heads, intermediate_dim, **kwargs)
         self.cross_attention = cross_attention
         self.normalization = normalization

@@ -1,11 +1,12 @@
 import keras
 
+from tfformer.checks import check_int
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.attention import MultiHeadAttention
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.feedforward import FeedForward
 from tfformer.layers.layer_norm import LayerNorm
-from tfformer.layers.layer_utils import check_dropout, check_positive_int
+from tfformer.layers.layer_utils import check_dropout
 
 
 def check_heads(hidden_dim, num_heads):
@@ -74,10 +75,10 @@ class EncoderBlock(keras.layers.Layer):
         num_key_value_heads=None,
         **kwargs,
     ):
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("intermediate_dim", intermediate_dim)
+        check_int("num_heads", num_heads)
+        check_int("intermediate_dim", intermediate_dim)
         check_dropout(dropout)
-        check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+        check_int("num_key_value_heads", num_key_value_heads, allow_none=True)
         if num_key_value_heads is not None and num_heads % num_key_value_heads:
             raise ValueError(
                 "`num_key_value_heads` must divide `num_heads`. "

@@ -4,9 +4,10 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import check_dropout, check_positive_int, dense, matmul_bias, quantized
+from tfformer.layers.layer_utils import check_dropout, dense, matmul_bias, quantized
 
 ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
@@ -110,8 +111,8 @@ class FeedForward(keras.layers.Layer):
 
     def __init__(self, hidden_dim, intermediate_dim, activation="relu", dropout=0.0,
                  kernel_initializer="glorot_uniform", **kwargs):
-        check_positive_int("hidden_dim", hidden_dim)
-        check_positive_int("intermediate_dim", intermediate_dim)
+        check_int("hidden_dim", hidden_dim)
+        check_int("intermediate_dim", intermediate_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={activation!r}")
         check_dropout(dropout)

@@ -3,8 +3,9 @@
 import keras
 from keras import ops
 
+from tfformer.checks import check_int
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import check_dropout, check_positive_int, dense
+from tfformer.layers.layer_utils import check_dropout, dense
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -45,8 +46,8 @@ class GatedFeedForward(keras.layers.Layer):
 
     def __init__(self, hidden_dim, intermediate_dim, use_bias=False, dropout=0.0, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", **kwargs):
-        check_positive_int("hidden_dim", hidden_dim)
-        check_positive_int("intermediate_dim", intermediate_dim)
+        check_int("hidden_dim", hidden_dim)
+        check_int("intermediate_dim", intermediate_dim)
         check_dropout(dropout)
         super().__init__(**kwargs)
         self.hidden_dim = hidden_dim

@@ -23,24 +23,13 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer.checks import check_int, check_number
 from tfformer.compat import collection_paused, gradient_recording
-
-
-def check_positive_int(name, value, allow_none=False):
-    """Raise a ValueError naming `name` unless `value` is a positive int (or None with `allow_none`)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"`{name}` must be a positive integer"
-            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
-        )
 
 
 def check_dropout(value, name="dropout"):
     """Raise a ValueError naming `name` unless `value` is a float in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
+    check_number(name, value, at_least=0, below=1, expected="a float in [0, 1)")
 
 
 def dense(x, kernel, bias=None, start=0, stop=None, plan=None):
@@ -207,7 +196,7 @@ class LowRankAdapters(keras.layers.Layer):
     """
 
     def __init__(self, rank=None, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros", **kwargs):
-        check_positive_int("rank", rank, allow_none=True)
+        check_int("rank", rank, allow_none=True)
         check_lora_alpha(lora_alpha)
         super().__init__(**kwargs)
         self.rank = rank
@@ -220,7 +209,7 @@ class LowRankAdapters(keras.layers.Layer):
         """Create an adapter of `rank` for each kernel of `kernel_shapes`, `{name: (input_dim, units)}`."""
         if self.built:
             raise ValueError(f"Layer {self.name!r} already made its adapters; a layer builds its weights once.")
-        check_positive_int("rank", rank)
+        check_int("rank", rank)
         check_lora_alpha(lora_alpha)
         self.rank, self.lora_alpha = rank, lora_alpha
         if a_initializer is not None:
@@ -230,7 +219,7 @@ class LowRankAdapters(keras.layers.Layer):
         self.build(kernel_shapes)
 
     def build(self, kernel_shapes):
-        check_positive_int("rank", self.rank)
+        check_int("rank", self.rank)
         for name, (input_dim, units) in kernel_shapes.items():
             for part, shape, initializer in (("a", (input_dim, self.rank), self.a_initializer),
                                              ("b", (self.rank, units), self.b_initializer)):
@@ -273,5 +262,4 @@ class LowRankAdapters(keras.layers.Layer):
 
 def check_lora_alpha(value, name="lora_alpha"):
     """Raise a ValueError naming `name` unless `value` is a positive number or None."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise ValueError(f"`{name}` must be a positive number or None. Received: {name}={value!r}")
+    check_number(name, value, above=0, allow_none=True, expected="a positive number")

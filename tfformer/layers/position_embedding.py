@@ -1,7 +1,7 @@
 import keras
 from keras import ops
 
-from tfformer.layers.layer_utils import check_positive_int
+from tfformer.checks import check_int
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -31,7 +31,7 @@ class PositionEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, max_sequence_length, initializer="glorot_uniform", **kwargs):
-        check_positive_int("max_sequence_length", max_sequence_length)
+        check_int("max_sequence_length", max_sequence_length)
         super().__init__(**kwargs)
         self.max_sequence_length = max_sequence_length
         self.initializer = keras.initializers.get(initializer)

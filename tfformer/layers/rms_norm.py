@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from tfformer.checks import check_number
+
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class RMSNorm(keras.layers.Layer):
@@ -33,8 +35,7 @@ class RMSNorm(keras.layers.Layer):
     """
 
     def __init__(self, epsilon=1e-6, **kwargs):
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon < 0:
-            raise ValueError(f"`epsilon` must be a non-negative float. Received: epsilon={epsilon!r}")
+        check_number("epsilon", epsilon, at_least=0, expected="a non-negative float")
         super().__init__(**kwargs)
         self.epsilon = epsilon
         self.supports_masking = True

@@ -1,6 +1,8 @@
 import keras
 from keras import ops
 
+from tfformer.checks import check_number
+
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class RotaryEmbedding(keras.layers.Layer):
@@ -31,8 +33,7 @@ class RotaryEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, max_wavelength=10000.0, sequence_axis=1, feature_axis=-1, **kwargs):
-        if not isinstance(max_wavelength, (int, float)) or isinstance(max_wavelength, bool) or max_wavelength <= 1:
-            raise ValueError(f"`max_wavelength` must be a number > 1. Received: max_wavelength={max_wavelength!r}")
+        check_number("max_wavelength", max_wavelength, above=1)
         super().__init__(**kwargs)
         self.max_wavelength = max_wavelength
         self.sequence_axis = sequence_axis

@@ -1,6 +1,8 @@
 import keras
 from keras import ops
 
+from tfformer.checks import check_number
+
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class SinusoidalPositionEncoding(keras.layers.Layer):
@@ -32,8 +34,7 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
     """
 
     def __init__(self, max_wavelength=10000.0, **kwargs):
-        if not isinstance(max_wavelength, (int, float)) or isinstance(max_wavelength, bool) or max_wavelength <= 1:
-            raise ValueError(f"`max_wavelength` must be a number > 1. Received: max_wavelength={max_wavelength!r}")
+        check_number("max_wavelength", max_wavelength, above=1)
         super().__init__(**kwargs)
         self.max_wavelength = max_wavelength
         self.supports_masking = True

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.layer_utils import check_positive_int
+from tfformer.checks import check_int
 
 
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
@@ -61,8 +61,8 @@ class TokenEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, vocabulary_size, hidden_dim, scale=True, mask_zero=False, initializer=None, **kwargs):
-        check_positive_int("vocabulary_size", vocabulary_size)
-        check_positive_int("hidden_dim", hidden_dim)
+        check_int("vocabulary_size", vocabulary_size)
+        check_int("hidden_dim", hidden_dim)
         super().__init__(**kwargs)
         self.autocast = False  # variables are read in float32; call() and attend() cast what they use
         self.vocabulary_size = vocabulary_size

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer import compat, generation, layers
+from tfformer.checks import check_int
 from tfformer.layers import masks
 from tfformer.models import task
 from tfformer.models.config import TransformerConfig
@@ -85,6 +86,14 @@ def embed_tokens(embedding, position, token_ids, start_index=0):
     """Token embedding (scaled by sqrt(d) if configured) plus positions, `(B, T, D)`."""
     x = embedding(token_ids)  # (B, T, D)
     return x + position(x, start_index=start_index)
+
+
+def empty_cache(self, batch_size, max_length, dtype="float32"):
+    """A zero self-attention key/value cache `(L, B, 2, K, max_length, H)` of a decoder task (`self`), `K` its
+    key/value heads: the decoding tasks' `empty_cache` method."""
+    c = self.config
+    return keras.ops.zeros((c.num_decoder_layers, batch_size, 2, c.key_value_heads, max_length, c.head_dim),
+                           dtype=dtype)
 
 
 def _split_batch(structure, parts):
@@ -294,7 +303,7 @@ class TransformerModel(task.Task, keras.Model):
         lm.save_to_preset("smollm2-tuned")
         ```
         """
-        layers.layer_utils.check_positive_int("rank", rank)
+        check_int("rank", rank)
         layers.layer_utils.check_lora_alpha(lora_alpha)
         if self._adapters is not None:
             raise ValueError(f"{type(self).__name__} {self.name!r} already has adapters of rank {self.lora_rank}; "
@@ -352,8 +361,7 @@ class TransformerModel(task.Task, keras.Model):
                 batch's forward pass in the same parts (so it keeps both cores busy after
                 `training.configure_cpu_threads`). Default 1 (no cut).
         """
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"`micro_batches` must be an int >= 1. Received: micro_batches={micro_batches!r}")
+        check_int("micro_batches", micro_batches, expected="an int >= 1")
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                         weighted_metrics=weighted_metrics, **kwargs)
         self._compile_arguments = _CompileArguments(loss_weights, metrics, weighted_metrics, micro_batches)

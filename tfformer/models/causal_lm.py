@@ -4,6 +4,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer import generation, layers
+from tfformer.checks import check_int
 from tfformer.generation.decode import cached_function
 from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base, task
@@ -128,9 +129,7 @@ class CausalLM(base.TransformerModel):
         sampler = generation.samplers.as_sampler(sampler)
         ids = self.tokenize([prompt])  # (1, L)
         length = ids.shape[1]
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError("`max_new_tokens` must be a positive integer. Received: "
-                             f"max_new_tokens={max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens)
         if length + max_new_tokens > self.config.max_sequence_length:
             raise ValueError(f"Prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_sequence_length={self.config.max_sequence_length}; shorten the prompt or ask for "
@@ -158,10 +157,7 @@ class CausalLM(base.TransformerModel):
             lambda ids, cache, index: self.decode_step(ids, cache, index), reduce_retracing=True))
 
     # === Incremental decoding ===
-    def empty_cache(self, batch_size, max_length, dtype="float32"):
-        """A zero key/value cache `(L, B, 2, K, max_length, H)`, `K` the key/value heads."""
-        c = self.config
-        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.key_value_heads, max_length, c.head_dim), dtype=dtype)
+    empty_cache = base.empty_cache  # (batch_size, max_length, dtype="float32") -> zeros (L, B, 2, K, T, H)
 
     def decode_step(self, token_ids, cache, cache_index, last_only=False, logits_index=None, plan=None):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.

@@ -4,7 +4,9 @@ import dataclasses
 import json
 from typing import Optional
 
+from tfformer.checks import check_int, check_number
 from tfformer.layers.feedforward import ACTIVATIONS
+from tfformer.layers.layer_utils import check_dropout
 
 ARCHITECTURES = ("seq2seq", "encoder", "causal_lm", "regressor", "speech_seq2seq")
 POSITIONS = ("sinusoidal", "learned", "rotary")
@@ -59,12 +61,7 @@ class TransformerConfig:
                 raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
 
         def positive(name, allow_zero=False, allow_none=False):
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-                kind = "a non-negative" if allow_zero else "a positive"
-                raise ValueError(f"`{name}` must be {kind} integer. Received: {name}={value!r}")
+            check_int(name, getattr(self, name), minimum=0 if allow_zero else 1, allow_none=allow_none)
 
         choice("architecture", ARCHITECTURES)
         choice("position", POSITIONS)
@@ -91,8 +88,7 @@ class TransformerConfig:
                 f"`hidden_dim` must be divisible by `num_heads`. "
                 f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
             )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={self.dropout!r}")
+        check_dropout(self.dropout)
         if self.architecture == "regressor" and self.input_dim is None:
             raise ValueError("`input_dim` is required when architecture='regressor'. Received: input_dim=None")
         if self.architecture == "speech_seq2seq":
@@ -108,9 +104,7 @@ class TransformerConfig:
             raise ValueError(f"`use_bias` must be a bool. Received: use_bias={self.use_bias!r}")
         if not self.use_bias and self.activation != "swiglu":
             raise ValueError(f"`use_bias=False` needs activation='swiglu'. Received: activation={self.activation!r}")
-        rope = self.rope_max_wavelength
-        if isinstance(rope, bool) or not isinstance(rope, (int, float)) or rope <= 1:
-            raise ValueError(f"`rope_max_wavelength` must be a number > 1. Received: rope_max_wavelength={rope!r}")
+        check_number("rope_max_wavelength", self.rope_max_wavelength, above=1)
         if self.position == "rotary" and self.head_dim % 2:
             raise ValueError(f"position='rotary' needs an even head_dim (hidden_dim / num_heads). "
                              f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}")

@@ -3,6 +3,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfformer.checks import check_int
 from tfformer.models import task
 
 
@@ -110,8 +111,7 @@ class SentenceEncoder(task.Task, keras.Model):
         much faster than eager calls. The graph's kernels can round differently from the first
         traced shape's, in the last bits of float32.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        check_int("batch_size", batch_size)
         texts = list(texts)
         if not texts:
             return np.zeros((0, self.output.shape[-1]), "float32")

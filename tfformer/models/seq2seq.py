@@ -2,6 +2,7 @@ import keras
 from keras import ops
 
 from tfformer import generation, layers
+from tfformer.checks import check_int
 from tfformer.data import placeholders
 from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base, task
@@ -102,8 +103,7 @@ class Seq2SeqTransformer(base.TransformerModel):
                                            jit_compile=jit_compile, end_id=self.end_ids[0])
         # Protected, a blank text is its own translation (its whitespace is kept, nothing goes to the model).
         texts, single = task.as_texts(inputs, "inputs", allow_blank=protect_placeholders)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        check_int("batch_size", batch_size)
         masked = [placeholders.mask(text) if protect_placeholders else None for text in texts]
         todo = [i for i, m in enumerate(masked) if m is None or m.translatable]
         sources = [texts[i] if masked[i] is None else masked[i].text for i in todo]
@@ -135,10 +135,7 @@ class Seq2SeqTransformer(base.TransformerModel):
         """Per-layer cross-attention keys/values of the encoder output, `(L, B, 2, K, S, H)`."""
         return ops.stack([block.compute_cross_attention_cache(encoder_outputs) for block in self.decoder_blocks])
 
-    def empty_cache(self, batch_size, max_length, dtype="float32"):
-        """A zero self-attention cache `(L, B, 2, K, max_length, H)`, `K` the key/value heads."""
-        c = self.config
-        return ops.zeros((c.num_decoder_layers, batch_size, 2, c.key_value_heads, max_length, c.head_dim), dtype=dtype)
+    empty_cache = base.empty_cache  # (batch_size, max_length, dtype="float32") -> zeros (L, B, 2, K, T, H)
 
     def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask, plan=None):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.

@@ -19,7 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.data import assets
-from tfformer.data.tokenizers import END_ID
+from tfformer.files import write_json
+from tfformer.tokens import END_ID
 from tfformer.version import __version__
 
 PRESET_FILE, CONFIG_FILE, MODEL_FILE = "preset.json", "config.json", "model.keras"
@@ -125,8 +126,8 @@ class Task:
         if self.preprocessor is not None and not self.saves_preprocessor_in_config:
             spec = assets.save_tokenizer(self.preprocessor, directory)
         self.save(os.path.join(directory, MODEL_FILE))
-        _write_json(os.path.join(directory, CONFIG_FILE), self.transformer_config.to_dict())
-        _write_json(os.path.join(directory, PRESET_FILE), {
+        write_json(os.path.join(directory, CONFIG_FILE), self.transformer_config.to_dict())
+        write_json(os.path.join(directory, PRESET_FILE), {
             "format": PRESET_FORMAT, "version": 1, "task": type(self).__name__, "model_file": MODEL_FILE,
             "tokenizer": spec, "tfformer_version": __version__,
         })
@@ -165,10 +166,3 @@ def load_preset(directory):
     if preset.get("tokenizer"):
         model.preprocessor = assets.load_tokenizer(directory, preset["tokenizer"])
     return model
-
-
-def _write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True, ensure_ascii=False)
-    os.replace(tmp, path)

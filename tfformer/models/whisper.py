@@ -9,11 +9,12 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer import layers
+from tfformer.checks import check_int, is_int
 from tfformer.data import audio as audio_io
 from tfformer.generation import speech
-from tfformer.layers.layer_utils import check_positive_int
 from tfformer.models import base
 from tfformer.models.seq2seq import Seq2SeqTransformer
+from tfformer.tokens import cut_at_end
 
 
 def whisper_sinusoids(length, channels):
@@ -47,7 +48,7 @@ class WhisperPositionTable(keras.layers.Layer):
     """
 
     def __init__(self, max_sequence_length, **kwargs):
-        check_positive_int("max_sequence_length", max_sequence_length)
+        check_int("max_sequence_length", max_sequence_length)
         super().__init__(**kwargs)
         self.max_sequence_length = max_sequence_length
 
@@ -128,8 +129,7 @@ class WhisperModel(Seq2SeqTransformer):
         self.prompt = _int_list("prompt", prompt)
         self.suppress_ids = _int_list("suppress_ids", suppress_ids)
         self.suppress_ids_begin = _int_list("suppress_ids_begin", suppress_ids_begin)
-        if isinstance(end_id, bool) or not isinstance(end_id, (int, np.integer)):
-            raise ValueError(f"`end_id` must be an int. Received: end_id={end_id!r}")
+        check_int("end_id", end_id, minimum=None, numpy=True, expected="an int")
         self.end_id = int(end_id)
 
     def get_config(self):
@@ -251,8 +251,7 @@ class WhisperModel(Seq2SeqTransformer):
             raise ValueError("`transcribe` turns ids into text with the tokenizer, and this WhisperModel has no "
                              "preprocessor. Set `model.preprocessor = tokenizer` or load it with "
                              "`tfformer.models.from_preset`.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        check_int("batch_size", batch_size)
         sampler = speech.whisper_sampler(beam_size, length_penalty, patience)
         waveforms, single = _as_waveforms(audio, sample_rate)
         windows = [(index, waveform[start:end]) for index, waveform in enumerate(waveforms)
@@ -282,8 +281,7 @@ class WhisperModel(Seq2SeqTransformer):
         (ids at or above `end_id`, as Whisper's tokenizer decodes), stripped of surrounding spaces."""
         rows = []
         for row in np.asarray(ids).tolist():
-            row = row[:row.index(self.end_id)] if self.end_id in row else row
-            rows.append([i for i in row if i < self.end_id])
+            rows.append([i for i in cut_at_end(row, self.end_id) if i < self.end_id])
         ragged = tf.ragged.constant(rows, dtype=tf.int32, ragged_rank=1)  # (B, None)
         return [text.decode("utf-8").strip() for text in self.preprocessor.detokenize(ragged).numpy()]
 
@@ -304,8 +302,7 @@ class WhisperModel(Seq2SeqTransformer):
 
 
 def _int_list(name, ids):
-    if isinstance(ids, (str, bytes)) or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+    if isinstance(ids, (str, bytes)) or not all(is_int(i, numpy=True) for i in ids):
         raise ValueError(f"`{name}` must be a list of int ids. Received: {name}={ids!r}")
     return tuple(int(i) for i in ids)
 

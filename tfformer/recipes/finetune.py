@@ -3,7 +3,7 @@
 import keras
 
 from tfformer import data, models, training
-from tfformer.layers.layer_utils import check_positive_int
+from tfformer.checks import check_int
 from tfformer.models.task import check_preset_target
 
 
@@ -22,10 +22,8 @@ def finetune_lm(out, preset="smollm2-135m-instruct", chat=None, text=None, lora_
     if (chat is None) == (text is None):
         raise ValueError(f"Pass exactly one of `chat` (prompt<TAB>answer lines) and `text` (a text file). "
                          f"Received: chat={chat!r}, text={text!r}")
-    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
-        raise ValueError(f"`lora_rank` must be an integer >= 0 (0: every weight trains). Received: "
-                         f"lora_rank={lora_rank!r}")
-    check_positive_int("steps", steps)
+    check_int("lora_rank", lora_rank, minimum=0, expected="an integer >= 0 (0: every weight trains)")
+    check_int("steps", steps)
     check_preset_target(out, overwrite)  # before the training, not after it
     strategy = training.get_strategy(replicas)
     with strategy.scope():

@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 
+from tfformer.files import write_json  # noqa: F401 (the recipes' rundir.write_json)
+
 FINISHED_MARKER = "metrics.json"
 
 
@@ -64,13 +66,6 @@ def restores_dtype_policy(recipe):
             keras.config.set_dtype_policy(policy)
 
     return wrapper
-
-
-def write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True, ensure_ascii=False)
-    os.replace(tmp, path)
 
 
 def read_json(path):

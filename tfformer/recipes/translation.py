@@ -15,6 +15,7 @@ import warnings
 import keras
 
 from tfformer import data, models, training
+from tfformer.checks import check_int
 from tfformer.data import placeholders
 from tfformer.recipes import rundir
 
@@ -171,10 +172,8 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     steps, and the end), and the final weights go to `last.weights.h5` beside it (compare them with
     `tools/edge_parity.py --decodings ... --weights RUN/last.weights.h5`); 0 or 1 keeps the final weights.
     """
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-        raise ValueError(f"`max_steps` must be a positive integer or None. Received: max_steps={max_steps!r}")
-    if isinstance(average_last, bool) or not isinstance(average_last, int) or average_last < 0:
-        raise ValueError(f"`average_last` must be a non-negative integer. Received: average_last={average_last!r}")
+    check_int("max_steps", max_steps, allow_none=True)
+    check_int("average_last", average_last, minimum=0)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
@@ -381,8 +380,7 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
     out = os.fspath(out)
     if os.path.exists(out) and not overwrite:
         raise ValueError(f"{out}: the output file exists; pass --overwrite (overwrite=True) to replace it.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    check_int("batch_size", batch_size)
     catalog = read_catalog(po)
     todo = catalog.untranslated_entries()
     if not todo:

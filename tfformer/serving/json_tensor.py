@@ -14,6 +14,7 @@ import numpy as np
 from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow.core.framework import types_pb2
 
+from tfformer.checks import is_int, is_number
 from tfformer.serving import rapidjson
 from tfformer.serving.rapidjson import JsonObject, PrettyWriter, format_decimal, value_to_string
 from tfformer.serving.status import Code, ServingError, invalid_argument
@@ -60,7 +61,7 @@ def _type_error(value, dtype):
 
 
 def _is_int_in(value, bounds):
-    return isinstance(value, int) and not isinstance(value, bool) and bounds[0] <= value <= bounds[1]
+    return is_int(value) and bounds[0] <= value <= bounds[1]
 
 
 def _lossless(value, dtype):
@@ -74,7 +75,7 @@ def _lossless(value, dtype):
 def _convert_value(value, dtype):
     """`AddValueToTensor`: one JSON scalar to a Python value of `dtype`."""
     if dtype in (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE):
-        if not rapidjson.is_number(value):
+        if not is_number(value):
             raise _type_error(value, dtype)
         if not _lossless(value, dtype):
             target = "float" if dtype == types_pb2.DT_FLOAT else "double"

@@ -48,10 +48,6 @@ def to_bytes(text):
     return text.encode("utf-8")
 
 
-def is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def type_string(value):
     """RapidJSON type names used in TF Serving messages."""
     if value is None:

@@ -5,12 +5,15 @@ import time
 
 import keras
 
+from tfformer.checks import is_number
+from tfformer.files import atomic_path, write_atomic
+
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
 def parse_duration(text):
     """'90s', '15m', '1.5h' or a plain number of seconds -> seconds (float)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if is_number(text):
         seconds = float(text)
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
@@ -127,9 +130,6 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         os.makedirs(self.backup_dir, exist_ok=True)
         weights = os.path.join(self.backup_dir, self.WEIGHTS_FILE)
         metadata = os.path.join(self.backup_dir, self.METADATA_FILE)
-        tmp_weights = os.path.join(self.backup_dir, "tmp-" + self.WEIGHTS_FILE)
-        self.model.save_weights(filepath=tmp_weights, overwrite=True)
-        os.replace(tmp_weights, weights)
-        with open(metadata + ".tmp", "w") as handle:
-            handle.write(json.dumps({"epoch": self._epoch, "batch": self._batch}))
-        os.replace(metadata + ".tmp", metadata)
+        with atomic_path(weights) as tmp:
+            self.model.save_weights(filepath=tmp, overwrite=True)
+        write_atomic(metadata, json.dumps({"epoch": self._epoch, "batch": self._batch}))

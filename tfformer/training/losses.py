@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfformer.checks import check_number
 from tfformer.training.metrics import TokenStatistics
 
 
@@ -41,10 +42,7 @@ class MaskedSparseCrossEntropy(keras.losses.Loss):
 
     def __init__(self, label_smoothing=0.1, padding_id=0, name="masked_sparse_cross_entropy",
                  reduction="sum_over_batch_size", dtype=None, fuse_projection=True):
-        smoothing_ok = isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
-        if not smoothing_ok or not 0 <= label_smoothing < 1:
-            raise ValueError("`label_smoothing` must be a float in [0, 1). "
-                             f"Received: label_smoothing={label_smoothing!r}")
+        check_number("label_smoothing", label_smoothing, at_least=0, below=1, expected="a float in [0, 1)")
         if not isinstance(fuse_projection, bool):
             raise ValueError(f"`fuse_projection` must be True or False. Received: fuse_projection={fuse_projection!r}")
         super().__init__(name=name, reduction=reduction, dtype=dtype)

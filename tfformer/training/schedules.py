@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from tfformer.checks import check_int
 from tfformer.training.optimizers import FusedAdamW
 
 
@@ -17,10 +18,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0):
-        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1:
-            raise ValueError(f"`hidden_dim` must be a positive integer. Received: hidden_dim={hidden_dim!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"`warmup_steps` must be a positive integer. Received: warmup_steps={warmup_steps!r}")
+        check_int("hidden_dim", hidden_dim)
+        check_int("warmup_steps", warmup_steps)
         self.hidden_dim = hidden_dim
         self.warmup_steps = warmup_steps
         self.scale = scale
@@ -38,9 +37,8 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warm-up to `peak_learning_rate` over `warmup_steps`, then cosine decay to `end_learning_rate`."""
 
     def __init__(self, peak_learning_rate, warmup_steps, decay_steps, end_learning_rate=0.0):
-        for name, value in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value!r}")
+        check_int("warmup_steps", warmup_steps, minimum=0)
+        check_int("decay_steps", decay_steps, minimum=0)
         self.peak_learning_rate = peak_learning_rate
         self.warmup_steps = warmup_steps
         self.decay_steps = decay_steps

@@ -5,6 +5,8 @@ import os
 
 import tensorflow as tf
 
+from tfformer.checks import check_int
+
 
 def get_strategy(replicas=None):
     """The strategy `model.fit` should run under.
@@ -16,8 +18,7 @@ def get_strategy(replicas=None):
       TensorFlow initialises its devices, i.e. before any tensor is created.
     - otherwise the default (no-op) strategy.
     """
-    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-        raise ValueError(f"`replicas` must be a positive integer or None. Received: replicas={replicas!r}")
+    check_int("replicas", replicas, allow_none=True)
     tf_config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
     workers = tf_config.get("cluster", {}).get("worker", [])
     if len(workers) > 1:
@@ -70,9 +71,8 @@ def configure_cpu_threads(micro_batches, replicas=1):
         ValueError: `micro_batches` or `replicas` is not an int >= 1.
         RuntimeError: TensorFlow's runtime has already started with another intra-op thread count.
     """
-    for name, value in (("micro_batches", micro_batches), ("replicas", replicas)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    check_int("micro_batches", micro_batches, expected="an int >= 1")
+    check_int("replicas", replicas, expected="an int >= 1")
     if tf.config.list_physical_devices("GPU"):  # lists devices without starting the runtime
         return None
     cores = cpu_cores()
