@@ -117,3 +117,25 @@ def test_collection_paused_is_needed_and_spares_old_objects(monkeypatch):
         assert ref() is not None  # frozen: not collected inside the block
     gc.collect()
     assert ref() is None
+
+
+def test_untracked_fields_are_not_the_layers_weights_metrics_or_saved_functions(tmp_path):
+    other = keras.layers.Dense(4)
+    other.build((None, 2))
+    function = tf.function(lambda x: other(x), input_signature=[tf.TensorSpec((1, 2))])
+    host, tracking = keras.layers.Layer(), keras.layers.Layer()
+    host.holder = compat.Untracked(layer=other, metric=keras.metrics.Mean(), weights=[other.kernel], function=function)
+    tracking.layers, tracking.function = [other], function  # set on a layer itself, they are its own: can fail
+    assert host.weights == [] and host.metrics == [] and len(tracking.weights) == 2
+    tf.saved_model.save(host, str(tmp_path / "host"))
+    tf.saved_model.save(tracking, str(tmp_path / "tracking"))
+    assert not hasattr(tf.saved_model.load(str(tmp_path / "host")), "holder")
+    assert hasattr(tf.saved_model.load(str(tmp_path / "tracking")), "function")
+    assert host.holder.function(tf.ones((1, 2))).shape == (1, 4)
+
+
+def test_untracked_holder_is_made_once_and_not_tracked():
+    host = keras.layers.Dense(2)
+    holder = compat.untracked_holder(host, "functions")
+    holder.kernel = keras.Variable(np.zeros(3, "float32"))
+    assert compat.untracked_holder(host, "functions") is holder and host.weights == []

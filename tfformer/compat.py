@@ -8,6 +8,7 @@ not as a wrong number elsewhere. Nothing else in `tfformer/` imports `keras.src`
 
 import contextlib
 import gc
+import types
 
 
 def gradient_recording():
@@ -86,3 +87,25 @@ def collection_paused():
         yield
     finally:
         gc.unfreeze()
+
+
+class Untracked(types.SimpleNamespace):
+    """Named fields kept on a layer or model out of sight of Keras' and TensorFlow's attribute tracking.
+
+    Keras tracks what is set on a layer when it is a layer, a variable, a metric, a list, a dict or a tuple, and
+    TensorFlow's SavedModel saves a layer's `tf.function` attributes; a plain object holding them is neither, so
+    `model.holder = Untracked(function=f, metrics=[...])` is not saved with the model, and its weights, metrics
+    and functions are not counted as the model's own. The tracking rules are Keras' and TensorFlow's, not a
+    public contract: `tests/test_compat.py` checks them.
+    """
+
+
+def untracked_holder(owner, name):
+    """The `Untracked` that `owner` (a layer or model) holds under `name`, made empty the first time: state that a
+    module outside the layer's class keeps on it (e.g. the generate functions of a model), out of Keras' sight."""
+    attribute = f"_tfformer_{name}"
+    holder = getattr(owner, attribute, None)
+    if holder is None:
+        holder = Untracked()
+        setattr(owner, attribute, holder)
+    return holder

@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 
 import keras
 import numpy as np
@@ -211,9 +212,10 @@ def test_from_preset_dtype_builds_under_that_policy_and_leaves_the_global_one(mo
     assert {w.dtype for w in model.weights if keras.backend.is_float_dtype(w.dtype)} == {"bfloat16"}
     seen = []
     monkeypatch.setitem(presets.PRETRAINED, "stand-in", presets.PRETRAINED["smollm2-135m-instruct"])
-    monkeypatch.setattr(presets, "load_pretrained", lambda name: seen.append(keras.config.dtype_policy().name))
+    monkeypatch.setattr(presets, "load_pretrained",
+                        lambda name, dtype: seen.append((dtype.name, keras.config.dtype_policy().name)))
     models.from_preset("stand-in", dtype="bfloat16")
-    assert seen == ["bfloat16"] and keras.config.dtype_policy().name == "float32"
+    assert seen == [("bfloat16", "float32")] and keras.config.dtype_policy().name == "float32"
     for bad in ("float64x", "int8", 3):
         with pytest.raises(ValueError, match=r"`dtype` must be a float Keras dtype policy name.*Received: dtype="):
             models.from_preset("transformer-tiny", dtype=bad)
@@ -222,6 +224,37 @@ def test_from_preset_dtype_builds_under_that_policy_and_leaves_the_global_one(mo
     with pytest.raises(ValueError, match=r"leave `dtype` out\. Received: dtype='bfloat16'"):
         models.from_preset(str(tmp_path), dtype="bfloat16")
     assert keras.config.dtype_policy().name == "float32"
+
+
+def test_from_preset_dtype_reaches_every_layer_and_never_sets_the_global_policy(monkeypatch, tmp_path):
+    """The policy is passed down to every layer (keras-hub's `Backbone(dtype=...)`), not set globally: the global
+    policy never changes, not in this thread, nor in one that runs alongside; and a saved model loads with it."""
+    calls, seen, stop = [], set(), threading.Event()
+    monkeypatch.setattr(keras.config, "set_dtype_policy", calls.append)
+
+    def watch():
+        while not stop.is_set():
+            seen.add(keras.config.dtype_policy().name)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        model = models.from_preset("gpt-mini", dtype="bfloat16", vocabulary_size=50, num_decoder_layers=1)
+        lm = models.from_preset("transformer-tiny", dtype="mixed_bfloat16", vocabulary_size=50)
+    finally:
+        stop.set()
+        thread.join()
+    assert calls == [] and seen == {"float32"} and keras.config.dtype_policy().name == "float32"
+    for task, name in ((model, "bfloat16"), (lm, "mixed_bfloat16")):
+        policies = {layer.path: layer.dtype_policy.name for layer in compat.flatten_layers(task)}
+        float32 = {path for path, policy in policies.items() if policy == "float32"}
+        assert float32 <= {f"{task.name}/output_projection"}  # logits in float32 under any policy
+        assert set(policies.values()) - {"float32"} == {name}
+    path = str(tmp_path / "bf16.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, safe_mode=True)
+    assert loaded.dtype_policy.name == "bfloat16"
+    assert {w.dtype for w in loaded.weights if keras.backend.is_float_dtype(w.dtype)} == {"bfloat16"}
 
 
 def test_token_ids_out_of_range_raise_eagerly(rng):

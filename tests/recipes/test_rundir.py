@@ -4,16 +4,17 @@ import pytest
 from tfformer.recipes import language_model, rundir, translation
 
 
-def test_begin_sets_the_policy_of_this_run_whatever_the_last_one_set(tmp_path):
-    rundir.begin(str(tmp_path / "mixed"), mixed_precision=True)
-    assert keras.config.dtype_policy().name == "mixed_bfloat16"
-    rundir.begin(str(tmp_path / "plain"), mixed_precision=False)
-    assert keras.config.dtype_policy().name == "float32"
+def test_begin_gives_the_runs_policy_and_leaves_the_global_one(tmp_path):
+    keras.config.set_dtype_policy("bfloat16")  # a caller's (the autouse fixture puts float32 back)
+    _, _, dtype = rundir.begin(str(tmp_path / "mixed"), mixed_precision=True)
+    assert dtype.name == "mixed_bfloat16" and keras.config.dtype_policy().name == "bfloat16"
+    _, _, dtype = rundir.begin(str(tmp_path / "plain"), mixed_precision=False)
+    assert dtype.name == "float32" and keras.config.dtype_policy().name == "bfloat16"
 
 
 @pytest.mark.parametrize("caller, mixed_precision", [("float32", True), ("mixed_bfloat16", False)])
 def test_recipes_give_the_caller_its_dtype_policy_back(tmp_path, caller, mixed_precision):
-    """A recipe sets its run's policy (`begin`), then fails reading its data: the caller's policy is back."""
+    """A recipe that fails reading its data leaves the caller's global policy as it was."""
     keras.config.set_dtype_policy(caller)
     try:
         with pytest.raises(ValueError, match="does not exist"):

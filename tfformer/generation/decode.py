@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.checks import check_int
+from tfformer.compat import untracked_holder
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown, native_bfloat16_on_this_cpu
 from tfformer.generation.samplers import as_sampler
@@ -22,17 +23,17 @@ from tfformer.tokens import END_ID, PAD_ID, START_ID, cut_at_end
 
 
 def cached_function(model, key, make):
-    """`make()`'s function, kept on `model` under `key` (in its `__dict__`: Keras would track an attribute)."""
-    cache = model.__dict__.setdefault("_tfformer_generate_fns", {})
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    """`make()`'s function, kept on `model` under `key`, out of Keras' sight (`compat.untracked_holder`)."""
+    functions = vars(untracked_holder(model, "generate_functions"))
+    if key not in functions:
+        functions[key] = make()
+    return functions[key]
 
 
 def reset_compiled(model):
     """Drops the decode functions kept on `model`; its `compile` calls this, as keras-hub's tasks drop their
     generate function there: a function traced before a change of the model (e.g. quantization) would keep it."""
-    model.__dict__.pop("_tfformer_generate_fns", None)
+    vars(untracked_holder(model, "generate_functions")).clear()
 
 
 def _check_prefill_jit_compile(prefill_jit_compile, jit_compile, architecture):

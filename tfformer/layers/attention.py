@@ -180,7 +180,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha
         self.supports_masking = True
-        self._dropout_layer = Dropout(dropout)
+        self._dropout_layer = Dropout(dropout, dtype=self.dtype_policy)
         self.rotary = None
         if rope_max_wavelength is not None:  # no weights; rotates q and k laid out (B, N|K, T, H)
             self.rotary = RotaryEmbedding(rope_max_wavelength, sequence_axis=2, dtype=self.dtype_policy)

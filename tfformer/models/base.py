@@ -1,6 +1,7 @@
 """What every tfformer model shares: config handling, the embedding stack, and training with the output
 projection fused with the loss."""
 
+import collections
 import inspect
 import warnings
 
@@ -9,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer import compat, generation, layers
+from tfformer.compat import Untracked
 from tfformer.checks import check_int
 from tfformer.layers import masks
 from tfformer.models import task
@@ -29,6 +31,23 @@ def kernel_initializer(config):
     return keras.initializers.TruncatedNormal(stddev=config.initializer_range)
 
 
+def dtype_policy(dtype):
+    """`dtype` (a Keras dtype policy name, `keras.DTypePolicy` or its config) as a float `keras.DTypePolicy`; None:
+    the global policy now (`keras.config.dtype_policy()`), as Keras' layers take it. Raises a ValueError naming
+    `dtype` otherwise."""
+    if dtype is None:
+        return keras.config.dtype_policy()
+    try:
+        policy = keras.dtype_policies.get(dtype)
+    except (TypeError, ValueError):
+        policy = None
+    if policy is None or not all(keras.backend.is_float_dtype(d) for d in (policy.compute_dtype,
+                                                                          policy.variable_dtype)):
+        raise ValueError("`dtype` must be a float Keras dtype policy name (e.g. 'float32', 'bfloat16', "
+                         f"'mixed_bfloat16') or a keras.DTypePolicy. Received: dtype={dtype!r}")
+    return policy
+
+
 def token_ids_input(name):
     return keras.Input(shape=(None,), dtype="int32", name=name)
 
@@ -38,12 +57,12 @@ def padding_mask_of(token_ids):
     return masks.padding_mask(token_ids, 0)
 
 
-def position_layer(config, name):
+def position_layer(config, name, dtype):
     if config.position == "learned":
         return layers.PositionEmbedding(
-            config.max_sequence_length, initializer=kernel_initializer(config), name=name
+            config.max_sequence_length, initializer=kernel_initializer(config), dtype=dtype, name=name
         )
-    return layers.SinusoidalPositionEncoding(name=name)
+    return layers.SinusoidalPositionEncoding(dtype=dtype, name=name)
 
 
 def block_kwargs(config):
@@ -60,26 +79,26 @@ def block_kwargs(config):
     )
 
 
-def encoder_blocks(config):
+def encoder_blocks(config, dtype):
     """`config.num_encoder_layers` `EncoderBlock`s named `encoder_block_{i}`."""
-    return [layers.EncoderBlock(**block_kwargs(config), name=f"encoder_block_{i}")
+    return [layers.EncoderBlock(**block_kwargs(config), dtype=dtype, name=f"encoder_block_{i}")
             for i in range(config.num_encoder_layers)]
 
 
-def decoder_blocks(config, **variants):
+def decoder_blocks(config, dtype, **variants):
     """`config.num_decoder_layers` `DecoderBlock`s named `decoder_block_{i}`; `variants` are DecoderBlock-only
     arguments (`cross_attention`, `normalization`, ...)."""
-    return [layers.DecoderBlock(**block_kwargs(config), **variants, name=f"decoder_block_{i}")
+    return [layers.DecoderBlock(**block_kwargs(config), **variants, dtype=dtype, name=f"decoder_block_{i}")
             for i in range(config.num_decoder_layers)]
 
 
-def final_norm(config, name):
+def final_norm(config, name, dtype):
     """Pre-LN stacks end with a LayerNorm (GPT-2) or an RMSNorm (Llama); post-LN ones are already normalised."""
     if not config.norm_first:
         return None
     if config.normalization == "rms":
-        return layers.RMSNorm(epsilon=config.layer_norm_epsilon, name=name)
-    return layers.LayerNorm(epsilon=config.layer_norm_epsilon, name=name)
+        return layers.RMSNorm(epsilon=config.layer_norm_epsilon, dtype=dtype, name=name)
+    return layers.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=dtype, name=name)
 
 
 def embed_tokens(embedding, position, token_ids, start_index=0):
@@ -144,47 +163,25 @@ class _MicroBatches(keras.layers.Layer):
         return [self.forward(part, training=training) for part in _split_batch(inputs, parts)]
 
 
-class _StepGraphs:
-    """The forward passes the training and evaluation steps run, built once per model.
-
-    A plain object, so that Keras neither tracks nor saves what it holds.
-    """
-
-    def __init__(self, model, inputs, hidden_states, projection_inputs):
-        # The graph up to the hidden states (the backbone) and up to the projection's inputs: functional models on
-        # the same layers.
-        self.backbone = None if hidden_states is None else keras.Model(
-            inputs, hidden_states, name=f"{model.name}_backbone", dtype=model.dtype_policy)
-        self.hidden = None
-        if projection_inputs is not None:
-            hidden = self.backbone if projection_inputs is hidden_states else keras.Model(
-                inputs, projection_inputs, name=f"{model.name}_hidden_states", dtype=model.dtype_policy)
-            self.hidden = _MicroBatches(hidden, name=f"{model.name}_hidden_state_parts")
-        self.outputs = _MicroBatches(model, name=f"{model.name}_parts")
+# How one training step with the fused projection runs: the loss, and what it hands the metrics.
+_FusedStep = collections.namedtuple("_FusedStep", "loss return_logits return_statistics")
 
 
-class _CompileArguments:
-    """What `TransformerModel.compile` got that the steps read; a plain object, so that Keras does not track the
-    metrics in it as the model's own."""
+def _step_graphs(model, inputs, hidden_states, projection_inputs):
+    """The forward passes the training and evaluation steps run, built once per model: the graph up to the hidden
+    states (the backbone) and up to the projection's inputs, functional models on the same layers."""
+    def functional(outputs, name):
+        graph = keras.Model(inputs, outputs, name=f"{model.name}_{name}")
+        graph.dtype_policy = model.dtype_policy
+        return graph
 
-    def __init__(self, loss_weights, metrics, weighted_metrics, micro_batches):
-        self.loss_weights, self.metrics, self.weighted_metrics = loss_weights, metrics, weighted_metrics
-        self.micro_batches = micro_batches
-
-
-class _Adapters:
-    """What `TransformerModel.enable_lora` set: the rank, the scale and the weights it stopped training (a plain
-    object, so that Keras does not track the weights in it as the model's own)."""
-
-    def __init__(self, rank, lora_alpha, frozen):
-        self.rank, self.lora_alpha, self.frozen = rank, lora_alpha, frozen
-
-
-class _FusedStep:
-    """How one training step with the fused projection runs: the loss, and what it hands the metrics."""
-
-    def __init__(self, loss, return_logits, return_statistics):
-        self.loss, self.return_logits, self.return_statistics = loss, return_logits, return_statistics
+    backbone = None if hidden_states is None else functional(hidden_states, "backbone")
+    hidden = None
+    if projection_inputs is not None:
+        hidden = backbone if projection_inputs is hidden_states else functional(projection_inputs, "hidden_states")
+        hidden = _MicroBatches(hidden, dtype=model.dtype_policy, name=f"{model.name}_hidden_state_parts")
+    outputs = _MicroBatches(model, dtype=model.dtype_policy, name=f"{model.name}_parts")
+    return Untracked(backbone=backbone, hidden=hidden, outputs=outputs)
 
 
 class TransformerModel(task.Task, keras.Model):
@@ -220,20 +217,25 @@ class TransformerModel(task.Task, keras.Model):
         config: a `TransformerConfig` or its dict.
         lora_rank: int. If set, `enable_lora(lora_rank, lora_alpha)` once built. Defaults to `None`.
         lora_alpha: float. The adapters' scale numerator. Defaults to `None` (`lora_rank`).
+        dtype: a float Keras dtype policy name (`"float32"`, `"bfloat16"`, `"mixed_bfloat16"`) or
+            `keras.DTypePolicy`, given to every layer (keras-hub's `Backbone(dtype=...)`); saved with the model.
+            Defaults to `None`: the global policy (`keras.config.dtype_policy()`) when the model is built.
     """
 
-    def __init__(self, config, lora_rank=None, lora_alpha=None, **kwargs):
+    def __init__(self, config, lora_rank=None, lora_alpha=None, dtype=None, **kwargs):
         config = as_config(config)
-        inputs, outputs, sublayers = self._build(config)
+        dtype = dtype_policy(dtype)
+        inputs, outputs, sublayers = self._build(config, dtype)
         projection_inputs = sublayers.pop("projection_inputs", None)
         hidden_states = sublayers.pop("hidden_states", None)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.dtype_policy = dtype  # Keras' functional models take no `dtype`: the policy the steps and plans read
         self.config = config
         # Named handles on the layers for incremental decoding and conversion.
         for name, layer in sublayers.items():
             setattr(self, name, layer)
         self._projection_inputs = projection_inputs  # (B, T, D) symbolic, or None
-        self._step_graphs = _StepGraphs(self, inputs, hidden_states, projection_inputs)
+        self._step_graphs = _step_graphs(self, inputs, hidden_states, projection_inputs)
         self._compile_arguments = None
         self._adapters = None
         if lora_rank is not None:
@@ -318,7 +320,8 @@ class TransformerModel(task.Task, keras.Model):
         frozen = [weight for weight in trainable if id(weight) not in adapters]
         for weight in frozen:
             weight.trainable = False
-        self._adapters = _Adapters(rank, lora_alpha, frozen)
+        # Out of Keras' sight: the weights it stopped training are not the model's own twice.
+        self._adapters = Untracked(rank=rank, lora_alpha=lora_alpha, frozen=frozen)
         self._trainable_weights_changed()
 
     def merge_lora(self):
@@ -364,7 +367,9 @@ class TransformerModel(task.Task, keras.Model):
         check_int("micro_batches", micro_batches, expected="an int >= 1")
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                         weighted_metrics=weighted_metrics, **kwargs)
-        self._compile_arguments = _CompileArguments(loss_weights, metrics, weighted_metrics, micro_batches)
+        # What the steps read; out of Keras' sight, so that it does not track the metrics as the model's own.
+        self._compile_arguments = Untracked(loss_weights=loss_weights, metrics=metrics,
+                                            weighted_metrics=weighted_metrics, micro_batches=micro_batches)
         generation.reset_compiled(self)  # the task's compiled generate functions are rebuilt on next use
 
     @property
@@ -482,7 +487,8 @@ class TransformerModel(task.Task, keras.Model):
 
     def get_config(self):
         return {"config": self.config.to_dict(), "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
-                "name": self.name, "trainable": self.trainable}
+                "dtype": keras.dtype_policies.serialize(self.dtype_policy), "name": self.name,
+                "trainable": self.trainable}
 
     @classmethod
     def from_config(cls, config):

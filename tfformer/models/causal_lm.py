@@ -24,9 +24,10 @@ class CausalLM(base.TransformerModel):
     and `use_bias=False` (gated feed-forward, no projection biases).
     """
 
-    def _build(self, config):
+    def _build(self, config, dtype):
         token_embedding = layers.TokenEmbedding(
-            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, name="token_embedding"
+            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, dtype=dtype,
+            name="token_embedding",
         )
         output_projection = None
         if not config.tie_embeddings:
@@ -38,15 +39,15 @@ class CausalLM(base.TransformerModel):
                 name="output_projection",
             )
         # Rotary positions live in the attention layers: no position added to the embeddings.
-        position = None if config.position == "rotary" else base.position_layer(config, "position")
-        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
+        position = None if config.position == "rotary" else base.position_layer(config, "position", dtype)
+        dropout = layers.Dropout(config.dropout, dtype=dtype, name="embedding_dropout")
         variants = dict(
             normalization=config.normalization,
             use_bias=config.use_bias,
             rope_max_wavelength=config.rope_max_wavelength if config.position == "rotary" else None,
         )
-        blocks = base.decoder_blocks(config, **variants, cross_attention=False)
-        norm = base.final_norm(config, "final_norm")
+        blocks = base.decoder_blocks(config, dtype, **variants, cross_attention=False)
+        norm = base.final_norm(config, "final_norm", dtype)
 
         # === Functional model ===
         token_ids = base.token_ids_input("token_ids")
@@ -213,9 +214,10 @@ def check_messages(messages):
                              f"{message!r:.120}")
 
 
-def build_causal_lm(config):
-    """Build a GPT-style decoder-only LM from a `TransformerConfig` (or dict)."""
+def build_causal_lm(config, dtype=None):
+    """Build a GPT-style decoder-only LM from a `TransformerConfig` (or dict). `dtype`: the
+    dtype policy of every layer (`TransformerModel`'s `dtype`; None: the global one)."""
     config = base.as_config(config)
     if config.architecture != "causal_lm":
         config = config.replace(architecture="causal_lm")
-    return CausalLM(config)
+    return CausalLM(config, dtype=dtype)

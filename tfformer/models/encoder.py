@@ -16,26 +16,28 @@ class TransformerEncoder(base.TransformerModel):
     `num_classes` is set. Outputs at real positions never depend on padding.
     """
 
-    def _build(self, config):
+    def _build(self, config, dtype):
         init = base.kernel_initializer(config)
         token_embedding = layers.TokenEmbedding(
             config.vocabulary_size,
             config.hidden_dim,
             scale=config.scale_embeddings,
             initializer=init if config.initializer_range else None,
-            name="token_embedding",
+            dtype=dtype, name="token_embedding",
         )
-        position = base.position_layer(config, "position")
+        position = base.position_layer(config, "position", dtype)
         segment_embedding = None
         if config.num_segments:
             segment_embedding = keras.layers.Embedding(
-                config.num_segments, config.hidden_dim, embeddings_initializer=init, name="segment_embedding"
+                config.num_segments, config.hidden_dim, embeddings_initializer=init, dtype=dtype,
+                name="segment_embedding",
             )
-        embedding_norm = layers.LayerNorm(epsilon=config.layer_norm_epsilon, name="embedding_norm")
-        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
-        blocks = base.encoder_blocks(config)
-        norm = base.final_norm(config, "final_norm")
-        pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init, name="pooler")
+        embedding_norm = layers.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=dtype, name="embedding_norm")
+        dropout = layers.Dropout(config.dropout, dtype=dtype, name="embedding_dropout")
+        blocks = base.encoder_blocks(config, dtype)
+        norm = base.final_norm(config, "final_norm", dtype)
+        pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init, dtype=dtype,
+                                    name="pooler")
         classifier = None
         if config.num_classes:
             classifier = keras.layers.Dense(config.num_classes, kernel_initializer=init, dtype="float32",
@@ -72,9 +74,10 @@ class TransformerEncoder(base.TransformerModel):
         return inputs, outputs, sublayers
 
 
-def build_encoder(config):
-    """Build a BERT-style encoder from a `TransformerConfig` (or dict)."""
+def build_encoder(config, dtype=None):
+    """Build a BERT-style encoder from a `TransformerConfig` (or dict). `dtype`: the
+    dtype policy of every layer (`TransformerModel`'s `dtype`; None: the global one)."""
     config = base.as_config(config)
     if config.architecture != "encoder":
         config = config.replace(architecture="encoder")
-    return TransformerEncoder(config)
+    return TransformerEncoder(config, dtype=dtype)

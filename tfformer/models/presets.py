@@ -4,6 +4,7 @@ import dataclasses
 import importlib
 import os
 
+from tfformer.models.base import dtype_policy
 from tfformer.models.causal_lm import build_causal_lm
 from tfformer.models.config import TransformerConfig
 from tfformer.models.encoder import build_encoder
@@ -179,15 +180,15 @@ def get_preset(name, **overrides):
     return PRESETS[name].replace(**overrides)
 
 
-def build_model(config):
-    """Build the model of `config.architecture`."""
-    return BUILDERS[config.architecture](config)
+def build_model(config, dtype=None):
+    """Build the model of `config.architecture`, its layers in dtype policy `dtype` (None: the global one)."""
+    return BUILDERS[config.architecture](config, dtype=dtype)
 
 
-def load_pretrained(name):
-    """Load pretrained preset `name` through its loader (see `PRETRAINED`)."""
+def load_pretrained(name, dtype=None):
+    """Load pretrained preset `name` through its loader (see `PRETRAINED`), in dtype policy `dtype`."""
     module, function = PRETRAINED[name].loader.split(":")
-    return getattr(importlib.import_module(module), function)()
+    return getattr(importlib.import_module(module), function)(dtype=dtype)
 
 
 def from_preset(name, dtype=None, **overrides):
@@ -199,30 +200,15 @@ def from_preset(name, dtype=None, **overrides):
     saved, with `safe_mode=True`.
 
     `dtype`: a Keras dtype policy name or `keras.DTypePolicy` (`"float32"`, `"bfloat16"`: weights and compute in
-    bfloat16, `"mixed_bfloat16"`: float32 weights), for the model built here, whatever the global policy
-    (`keras.config.dtype_policy()`, which is used when None and left as it was). Not for a preset directory,
+    bfloat16, `"mixed_bfloat16"`: float32 weights), given to every layer of the model built here; the global policy
+    (`keras.config.dtype_policy()`) is used when None, and never changed. Not for a preset directory,
     whose layers keep the policies they were saved with.
 
     Example: `tfformer.models.from_preset("transformer-tiny", dropout=0.0)`, `from_preset("runs/de")`,
     `from_preset("smollm2-135m-instruct", dtype="bfloat16")`.
     """
     if dtype is not None:
-        import keras
-
-        try:
-            policy = dtype if isinstance(dtype, keras.DTypePolicy) else keras.DTypePolicy(dtype)
-        except (TypeError, ValueError):
-            policy = None
-        if policy is None or not all(keras.backend.is_float_dtype(d) for d in (policy.compute_dtype,
-                                                                              policy.variable_dtype)):
-            raise ValueError("`dtype` must be a float Keras dtype policy name (e.g. 'float32', 'bfloat16', "
-                             f"'mixed_bfloat16') or a keras.DTypePolicy. Received: dtype={dtype!r}")
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy(policy)
-        try:
-            return _from_preset(name, overrides, dtype)
-        finally:
-            keras.config.set_dtype_policy(previous)
+        dtype = dtype_policy(dtype)  # checked before anything is built
     return _from_preset(name, overrides, dtype)
 
 
@@ -233,7 +219,7 @@ def _from_preset(name, overrides, dtype):
             raise ValueError(f"A preset directory loads as saved and takes no overrides. Received: {sorted(overrides)}")
         if dtype is not None:
             raise ValueError("A preset directory loads as saved, its layers with the dtype policies they were saved "
-                             f"with: leave `dtype` out. Received: dtype={dtype!r}")
+                             f"with: leave `dtype` out. Received: dtype={dtype.name!r}")
         if not os.path.isdir(name):
             raise ValueError(f"`name` {os.fspath(name)!r} is not a preset directory (it does not exist), nor one of "
                              f"{list_presets()}.")
@@ -243,5 +229,5 @@ def _from_preset(name, overrides, dtype):
             raise ValueError(
                 f"Pretrained preset {name!r} loads fixed weights and takes no overrides. Received: {sorted(overrides)}"
             )
-        return load_pretrained(name)
-    return build_model(get_preset(name, **overrides))
+        return load_pretrained(name, dtype)
+    return build_model(get_preset(name, **overrides), dtype)

@@ -15,13 +15,14 @@ class SequenceRegressor(base.TransformerModel):
     of the final hidden states.
     """
 
-    def _build(self, config):
+    def _build(self, config, dtype):
         init = base.kernel_initializer(config)
-        input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init, name="input_projection")
-        position = base.position_layer(config, "position")
-        dropout = layers.Dropout(config.dropout, name="embedding_dropout")
-        blocks = base.encoder_blocks(config)
-        norm = base.final_norm(config, "final_norm")
+        input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init, dtype=dtype,
+                                              name="input_projection")
+        position = base.position_layer(config, "position", dtype)
+        dropout = layers.Dropout(config.dropout, dtype=dtype, name="embedding_dropout")
+        blocks = base.encoder_blocks(config, dtype)
+        norm = base.final_norm(config, "final_norm", dtype)
         head = keras.layers.Dense(config.output_dim, kernel_initializer=init, dtype="float32", name="regression_head")
 
         # === Functional model ===
@@ -39,9 +40,10 @@ class SequenceRegressor(base.TransformerModel):
         return {"inputs": features}, {"predictions": predictions}, sublayers
 
 
-def build_regressor(config):
-    """Build an encoder over continuous `input_dim` vectors with a regression head."""
+def build_regressor(config, dtype=None):
+    """Build an encoder over continuous `input_dim` vectors with a regression head. `dtype`: the
+    dtype policy of every layer (`TransformerModel`'s `dtype`; None: the global one)."""
     config = base.as_config(config)
     if config.architecture != "regressor":
         config = config.replace(architecture="regressor")
-    return SequenceRegressor(config)
+    return SequenceRegressor(config, dtype=dtype)

@@ -4,6 +4,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer.checks import check_int
+from tfformer.compat import Untracked
 from tfformer.models import task
 
 
@@ -67,6 +68,7 @@ class SentenceEncoder(task.Task, keras.Model):
             # torch.nn.functional.normalize: x / max(||x||, 1e-12).
             pooled = pooled / ops.maximum(ops.norm(pooled, axis=-1, keepdims=True), 1e-12)
         super().__init__(inputs={"token_ids": token_ids, "padding_mask": padding_mask}, outputs=pooled, **kwargs)
+        self.dtype_policy = encoder.dtype_policy  # its own ops compute as the encoder does
 
         # === Config ===
         self.encoder = encoder
@@ -131,8 +133,8 @@ class SentenceEncoder(task.Task, keras.Model):
         Keras nor a SavedModel export (which saves a layer's `tf.function` attributes) tracks it."""
         holder = getattr(self, "_inference", None)
         if holder is None:
-            holder = self._inference = task.Untracked(
-                tf.function(lambda batch: self(batch, training=False), reduce_retracing=True, jit_compile=False))
+            holder = self._inference = Untracked(function=tf.function(
+                lambda batch: self(batch, training=False), reduce_retracing=True, jit_compile=False))
         return holder.function
 
     def get_config(self):

@@ -20,28 +20,30 @@ class Seq2SeqTransformer(base.TransformerModel):
     pre-softmax projection (the paper's three-way sharing).
     """
 
-    def _build(self, config):
+    def _build(self, config, dtype):
         init = base.kernel_initializer(config)
         token_embedding = layers.TokenEmbedding(
-            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, name="token_embedding"
+            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, dtype=dtype,
+            name="token_embedding",
         )
         if config.tie_embeddings:
             decoder_embedding, output_projection = token_embedding, None
         else:
             decoder_embedding = layers.TokenEmbedding(
-                config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, name="decoder_token_embedding"
+                config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, dtype=dtype,
+                name="decoder_token_embedding",
             )
             output_projection = keras.layers.Dense(
                 config.vocabulary_size, kernel_initializer=init, dtype="float32", name="output_projection"
             )
-        encoder_position = base.position_layer(config, "encoder_position")
-        decoder_position = base.position_layer(config, "decoder_position")
-        encoder_dropout = layers.Dropout(config.dropout, name="encoder_embedding_dropout")
-        decoder_dropout = layers.Dropout(config.dropout, name="decoder_embedding_dropout")
-        encoder_blocks = base.encoder_blocks(config)
-        decoder_blocks = base.decoder_blocks(config)
-        encoder_norm = base.final_norm(config, "encoder_norm")
-        decoder_norm = base.final_norm(config, "decoder_norm")
+        encoder_position = base.position_layer(config, "encoder_position", dtype)
+        decoder_position = base.position_layer(config, "decoder_position", dtype)
+        encoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="encoder_embedding_dropout")
+        decoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="decoder_embedding_dropout")
+        encoder_blocks = base.encoder_blocks(config, dtype)
+        decoder_blocks = base.decoder_blocks(config, dtype)
+        encoder_norm = base.final_norm(config, "encoder_norm", dtype)
+        decoder_norm = base.final_norm(config, "decoder_norm", dtype)
 
         # === Functional model ===
         encoder_ids = base.token_ids_input("encoder_token_ids")
@@ -167,9 +169,10 @@ class Seq2SeqTransformer(base.TransformerModel):
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 
-def build_seq2seq(config):
-    """Build the paper's encoder-decoder Transformer from a `TransformerConfig` (or dict)."""
+def build_seq2seq(config, dtype=None):
+    """Build the paper's encoder-decoder Transformer from a `TransformerConfig` (or dict). `dtype`: the
+    dtype policy of every layer (`TransformerModel`'s `dtype`; None: the global one)."""
     config = base.as_config(config)
     if config.architecture != "seq2seq":
         config = config.replace(architecture="seq2seq")
-    return Seq2SeqTransformer(config)
+    return Seq2SeqTransformer(config, dtype=dtype)

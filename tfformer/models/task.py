@@ -60,14 +60,6 @@ def is_token_ids(inputs):
     return np.asarray(inputs).dtype.kind in "iu"
 
 
-class Untracked:
-    """Holds a `tf.function` (or any object) out of sight of Keras' and TensorFlow's attribute tracking, so that
-    neither saves it with the model."""
-
-    def __init__(self, function):
-        self.function = function
-
-
 class Task:
     """Mixed into every tfformer model: its preprocessor, the texts it takes and its preset directory.
 

@@ -138,7 +138,7 @@ class WhisperModel(Seq2SeqTransformer):
                       suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id)
         return config
 
-    def _build(self, config):
+    def _build(self, config, dtype):
         if config.num_mel_bins is None or config.max_source_positions is None:
             raise ValueError(
                 "A Whisper model needs `num_mel_bins` and `max_source_positions`. Received: "
@@ -147,29 +147,30 @@ class WhisperModel(Seq2SeqTransformer):
         init = base.kernel_initializer(config)
         conv = lambda strides, name: keras.layers.Conv1D(  # noqa: E731
             config.hidden_dim, 3, strides=strides, padding="valid", activation="gelu", kernel_initializer=init,
-            name=name,
+            dtype=dtype, name=name,
         )
         # Padding 1 on both sides: "same" would pad the stride-2 convolution on the right only.
-        conv1_padding = keras.layers.ZeroPadding1D(1, name="conv1_padding")
+        conv1_padding = keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv1_padding")
         conv1 = conv(1, "conv1")
-        conv2_padding = keras.layers.ZeroPadding1D(1, name="conv2_padding")
+        conv2_padding = keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv2_padding")
         conv2 = conv(2, "conv2")
-        encoder_position = WhisperPositionTable(config.max_source_positions, name="encoder_position")
+        encoder_position = WhisperPositionTable(config.max_source_positions, dtype=dtype, name="encoder_position")
         token_embedding = layers.TokenEmbedding(
-            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, name="token_embedding"
+            config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, dtype=dtype,
+            name="token_embedding",
         )
         output_projection = None
         if not config.tie_embeddings:
             output_projection = keras.layers.Dense(
                 config.vocabulary_size, kernel_initializer=init, dtype="float32", name="output_projection"
             )
-        decoder_position = base.position_layer(config, "decoder_position")
-        encoder_dropout = layers.Dropout(config.dropout, name="encoder_embedding_dropout")
-        decoder_dropout = layers.Dropout(config.dropout, name="decoder_embedding_dropout")
-        encoder_blocks = base.encoder_blocks(config)
-        decoder_blocks = base.decoder_blocks(config)
-        encoder_norm = base.final_norm(config, "encoder_norm")
-        decoder_norm = base.final_norm(config, "decoder_norm")
+        decoder_position = base.position_layer(config, "decoder_position", dtype)
+        encoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="encoder_embedding_dropout")
+        decoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="decoder_embedding_dropout")
+        encoder_blocks = base.encoder_blocks(config, dtype)
+        decoder_blocks = base.decoder_blocks(config, dtype)
+        encoder_norm = base.final_norm(config, "encoder_norm", dtype)
+        decoder_norm = base.final_norm(config, "decoder_norm", dtype)
 
         # === Functional model ===
         features = keras.Input(shape=(None, config.num_mel_bins), dtype="float32", name="input_features")
@@ -348,10 +349,11 @@ def _as_waveforms(audio, sample_rate):
     return waveforms, single
 
 
-def build_whisper(config):
+def build_whisper(config, dtype=None):
     """Build a Whisper encoder-decoder from a `TransformerConfig` (or dict) with `num_mel_bins` and
-    `max_source_positions`."""
+    `max_source_positions`. `dtype`: the
+    dtype policy of every layer (`TransformerModel`'s `dtype`; None: the global one)."""
     config = base.as_config(config)
     if config.architecture != "speech_seq2seq":
         config = config.replace(architecture="speech_seq2seq")
-    return WhisperModel(config)
+    return WhisperModel(config, dtype=dtype)

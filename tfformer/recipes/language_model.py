@@ -17,7 +17,6 @@ def default_micro_batches(tokens_per_replica, on_gpu):
     return 2 if not on_gpu and tokens_per_replica >= 4096 else 1
 
 
-@rundir.restores_dtype_policy
 def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
              vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
              eval_every=200, seed=0, printer=print, micro_batches=None, cpu_threads=False, **overrides):
@@ -31,8 +30,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     passes it). The returned metrics hold the validation and test perplexities (`test_perplexity`
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
     (the optimizer's, a resumed run's earlier ones included), `train_seconds` (this call's `fit`) and
-    `dtype_policy` (the model's). The caller's global dtype policy is back when it returns (the run's is set by
-    `mixed_precision`).
+    `dtype_policy` (the model's: mixed with `mixed_precision`, else float32; the global dtype policy is left
+    alone).
     """
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
@@ -45,7 +44,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
         if micro_batches is None:  # chosen here, once, so that the model compiles with what the threads are set for
             micro_batches = default_for(replicas or 1)  # CPU replicas
         training.configure_cpu_threads(micro_batches, replicas=replicas or 1)
-    state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
+    state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     lines = data.text_corpus(text_files)
     splits = {"train": [], "validation": [], "test": []}
     for line in lines:
@@ -69,7 +68,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     if micro_batches is None:
         micro_batches = default_for(strategy.num_replicas_in_sync)
     with strategy.scope():
-        model = models.build_model(config)
+        model = models.build_model(config, dtype)
         model.compile(
             optimizer=training.transformer_optimizer(config.hidden_dim, warmup_steps=warmup_steps, clipnorm=1.0),
             loss=training.MaskedSparseCrossEntropy(0.0),

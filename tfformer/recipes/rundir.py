@@ -1,6 +1,5 @@
 """The run directory: what a training run writes, and the rule that nothing is overwritten silently."""
 
-import functools
 import json
 import os
 import shutil
@@ -32,10 +31,9 @@ def prepare(path, overwrite=False):
 
 
 def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
-    """Start (or resume) a run in `out`: returns `(state, strategy)` with the dtype policy and seeds set.
-
-    The global dtype policy becomes the mixed one or "float32", whatever an earlier run in the process set; a
-    recipe wrapped in `restores_dtype_policy` puts its caller's back when it returns.
+    """Start (or resume) a run in `out`: returns `(state, strategy, dtype)` with the seeds set; `dtype` is the
+    run's dtype policy, the mixed one (`training.mixed_precision_policy()`) or "float32", for the recipe to give
+    its model. The global dtype policy is left alone.
     """
     import keras
 
@@ -43,29 +41,9 @@ def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
 
     state = prepare(out, overwrite=overwrite)
     strategy = training.get_strategy(replicas)
-    keras.config.set_dtype_policy(training.mixed_precision_policy() if mixed_precision else "float32")
     keras.utils.set_random_seed(seed)
-    return state, strategy
-
-
-def restores_dtype_policy(recipe):
-    """Wrap `recipe` so that the caller's global dtype policy is back when it returns or raises.
-
-    A recipe sets the policy of its run (`begin`); without this, a model built after a `mixed_precision=True`
-    run in the same process (a notebook, a benchmark) would silently compute in bfloat16.
-    """
-
-    @functools.wraps(recipe)
-    def wrapper(*args, **kwargs):
-        import keras
-
-        policy = keras.config.dtype_policy()
-        try:
-            return recipe(*args, **kwargs)
-        finally:
-            keras.config.set_dtype_policy(policy)
-
-    return wrapper
+    dtype = keras.DTypePolicy(training.mixed_precision_policy() if mixed_precision else "float32")
+    return state, strategy, dtype
 
 
 def read_json(path):

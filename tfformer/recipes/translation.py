@@ -152,7 +152,6 @@ def plot_curves(rows, path, target_language="de"):
     plt.close(fig)
 
 
-@rundir.restores_dtype_policy
 def train_translation(out, preset="transformer-tiny", target_language="de", data_file=None, time_budget="15m",
                       batch_size=64, max_length=64, vocabulary_size=8192, warmup_steps=1000, overwrite=False,
                       replicas=None, mixed_precision=False, eval_every=200, seed=0, printer=print, max_steps=None,
@@ -165,7 +164,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     `BEAM_SIZE`, `LENGTH_PENALTY`), `test_pairs`, `steps` (this call's), `epochs_started`,
     `seconds` (the whole call), `train_seconds` (this call's `fit`), `curve`, `parameters`, `dtype_policy`
     (the model's) and `averaged_checkpoints`. The run trains under mixed_bfloat16 (mixed_float16 on GPUs) with
-    `mixed_precision`, else float32; the caller's global dtype policy is back when it returns.
+    `mixed_precision`, else float32, given to the model (the global dtype policy is left alone).
 
     `max_steps`: end training after this many steps (None: the time budget alone). `average_last`: with 2 or more,
     the saved model holds the mean of the weights at the last `average_last` evaluations (every `eval_every`
@@ -176,7 +175,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     check_int("average_last", average_last, minimum=0)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
-    state, strategy = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
+    state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     splits = load_pairs(target_language, data_file)
     # The model learns on masked text (placeholders as reserved pieces it copies); BLEU is measured on the
     # restored translations of the raw test sources.
@@ -205,10 +204,10 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     train_ds = data.make_translation_dataset(splits["train"], tokenizer, batch_size, max_length, seed=seed)
     val_ds = data.make_translation_dataset(splits["validation"], tokenizer, batch_size, max_length, shuffle=False)
     with strategy.scope():
-        model = models.build_model(config)
+        model = models.build_model(config, dtype)
         compile_model(model, config, warmup_steps)
     printer(f"model: {preset}, {model.count_params():,} parameters, {strategy.num_replicas_in_sync} replica(s), "
-            f"policy {keras.config.dtype_policy().name}")
+            f"policy {model.dtype_policy.name}")
 
     remaining = budget - (time.monotonic() - start)
     train_seconds = max(remaining - 0.1 * budget, 1.0)
