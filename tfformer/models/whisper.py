@@ -80,6 +80,18 @@ class WhisperPositionTable(keras.layers.Layer):
         return config
 
 
+def _stem(config, dtype):
+    """Whisper's convolution stem over the log-mel frames: two GELU convolutions of width 3, the second with
+    stride 2, each after a padding of 1 on both sides ("same" would pad the stride-2 convolution on the right
+    only). Returns `[conv1_padding, conv1, conv2_padding, conv2]`."""
+    def conv(strides, name):
+        return keras.layers.Conv1D(config.hidden_dim, 3, strides=strides, padding="valid", activation="gelu",
+                                   kernel_initializer=base.kernel_initializer(config), dtype=dtype, name=name)
+
+    return [keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv1_padding"), conv(1, "conv1"),
+            keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv2_padding"), conv(2, "conv2")]
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class WhisperModel(Seq2SeqTransformer):
     """Whisper's encoder-decoder: a convolutional stem on log-mel frames, pre-LN blocks, a tied output.
@@ -145,15 +157,7 @@ class WhisperModel(Seq2SeqTransformer):
                 f"num_mel_bins={config.num_mel_bins}, max_source_positions={config.max_source_positions}"
             )
         init = base.kernel_initializer(config)
-        conv = lambda strides, name: keras.layers.Conv1D(  # noqa: E731
-            config.hidden_dim, 3, strides=strides, padding="valid", activation="gelu", kernel_initializer=init,
-            dtype=dtype, name=name,
-        )
-        # Padding 1 on both sides: "same" would pad the stride-2 convolution on the right only.
-        conv1_padding = keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv1_padding")
-        conv1 = conv(1, "conv1")
-        conv2_padding = keras.layers.ZeroPadding1D(1, dtype=dtype, name="conv2_padding")
-        conv2 = conv(2, "conv2")
+        stem = _stem(config, dtype)  # [pad, conv1, pad, conv2]
         encoder_position = WhisperPositionTable(config.max_source_positions, dtype=dtype, name="encoder_position")
         token_embedding = layers.TokenEmbedding(
             config.vocabulary_size, config.hidden_dim, scale=config.scale_embeddings, dtype=dtype,
@@ -176,7 +180,9 @@ class WhisperModel(Seq2SeqTransformer):
         features = keras.Input(shape=(None, config.num_mel_bins), dtype="float32", name="input_features")
         decoder_ids = base.token_ids_input("decoder_token_ids")
 
-        x = conv2(conv2_padding(conv1(conv1_padding(features))))  # (B, F / 2, D)
+        x = features
+        for layer in stem:
+            x = layer(x)  # (B, F + 2, n_mels), (B, F, D), (B, F + 2, D), (B, F / 2, D)
         x = encoder_dropout(x + encoder_position(x))
         for block in encoder_blocks:
             x = block(x)
@@ -191,7 +197,7 @@ class WhisperModel(Seq2SeqTransformer):
 
         inputs = {"input_features": features, "decoder_token_ids": decoder_ids}
         sublayers = dict(
-            stem=[conv1_padding, conv1, conv2_padding, conv2],
+            stem=stem,
             token_embedding=token_embedding,
             decoder_token_embedding=token_embedding,
             output_projection=output_projection,

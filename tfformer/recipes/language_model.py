@@ -17,6 +17,34 @@ def default_micro_batches(tokens_per_replica, on_gpu):
     return 2 if not on_gpu and tokens_per_replica >= 4096 else 1
 
 
+def _compiled_model(config, dtype, strategy, warmup_steps, micro_batches):
+    """The run's model in dtype policy `dtype`, built in `strategy`'s scope and compiled for training."""
+    with strategy.scope():
+        model = models.build_model(config, dtype)
+        model.compile(
+            optimizer=training.transformer_optimizer(config.hidden_dim, warmup_steps=warmup_steps, clipnorm=1.0),
+            loss=training.MaskedSparseCrossEntropy(0.0),
+            metrics=[training.MaskedAccuracy(), training.Perplexity()],
+            jit_compile=False,
+            micro_batches=micro_batches,
+        )
+    return model
+
+
+def _test_perplexity(model, lines, tokenizer, sequence_length, batch_size, printer):
+    """The model's perplexity on the test `lines`; None (and said why) when they are none or shorter than one
+    window of `sequence_length + 1` tokens."""
+    if not lines:
+        printer("no test perplexity: the test split is empty")
+        return None
+    try:
+        test_ds = data.make_lm_dataset(lines, tokenizer, sequence_length, batch_size, shuffle=False)
+    except ValueError as error:  # shorter than one window
+        printer(f"no test perplexity: {len(lines)} test lines; {error}")
+        return None
+    return float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
+
+
 def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
              vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
              eval_every=200, seed=0, printer=print, micro_batches=None, cpu_threads=False, **overrides):
@@ -45,9 +73,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
             micro_batches = default_for(replicas or 1)  # CPU replicas
         training.configure_cpu_threads(micro_batches, replicas=replicas or 1)
     state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
-    lines = data.text_corpus(text_files)
     splits = {"train": [], "validation": [], "test": []}
-    for line in lines:
+    for line in data.text_corpus(text_files):
         splits[data.split_of(line)].append(line)
     tokenizer_path = os.path.join(out, TOKENIZER_FILE)
     if state == "resume" and os.path.exists(tokenizer_path):
@@ -67,15 +94,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
                                   batch_size, shuffle=False)
     if micro_batches is None:
         micro_batches = default_for(strategy.num_replicas_in_sync)
-    with strategy.scope():
-        model = models.build_model(config, dtype)
-        model.compile(
-            optimizer=training.transformer_optimizer(config.hidden_dim, warmup_steps=warmup_steps, clipnorm=1.0),
-            loss=training.MaskedSparseCrossEntropy(0.0),
-            metrics=[training.MaskedAccuracy(), training.Perplexity()],
-            jit_compile=False,
-            micro_batches=micro_batches,
-        )
+    model = _compiled_model(config, dtype, strategy, warmup_steps, micro_batches)
     evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
     remaining = budget - (time.monotonic() - start)
     fit_start = time.monotonic()
@@ -85,16 +104,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     model.preprocessor = tokenizer
     model.save_to_preset(out, overwrite=True)  # the run directory is a preset: model, config, tokenizer
     val = model.evaluate(val_ds, verbose=0, return_dict=True)
-    test_perplexity = None
-    if not splits["test"]:
-        printer("no test perplexity: the test split is empty")
-    else:
-        try:
-            test_ds = data.make_lm_dataset(splits["test"], tokenizer, sequence_length, batch_size, shuffle=False)
-        except ValueError as error:  # shorter than one window
-            printer(f"no test perplexity: {len(splits['test'])} test lines; {error}")
-        else:
-            test_perplexity = float(model.evaluate(test_ds, verbose=0, return_dict=True)["perplexity"])
+    test_perplexity = _test_perplexity(model, splits["test"], tokenizer, sequence_length, batch_size, printer)
     sample = model.generate("def ", max_new_tokens=min(48, sequence_length - 8))
     metrics = {"val_perplexity": float(val["perplexity"]), "val_loss": float(val["loss"]),
                "test_perplexity": test_perplexity, "steps": int(model.optimizer.iterations.numpy()),

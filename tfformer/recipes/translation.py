@@ -152,6 +152,36 @@ def plot_curves(rows, path, target_language="de"):
     plt.close(fig)
 
 
+def _run_tokenizer(out, state, texts, vocabulary_size, printer):
+    """The run's tokenizer: the saved one when the run resumes, else learned from `texts` and saved."""
+    path = os.path.join(out, TOKENIZER_FILE)
+    if state == "resume" and os.path.exists(path):
+        printer(f"resuming the run in {out}")
+        return data.SubwordTokenizer.load(path)
+    start = time.monotonic()
+    tokenizer = data.SubwordTokenizer.train(texts, vocabulary_size)
+    tokenizer.save(path)
+    printer(f"vocabulary: {tokenizer.vocabulary_size} pieces learned in {time.monotonic() - start:.1f}s")
+    return tokenizer
+
+
+def _evaluate_and_report(model, test, max_length, out, printer):
+    """BLEU and chrF on the `test` pairs (restored translations of the raw sources), the first 10 translations in
+    `samples.txt` and printed; returns the metrics of the model and its decoding."""
+    bleu, hypotheses = evaluate_bleu(model, test, max_new_tokens=max_length)
+    metrics = {"bleu_test": bleu, "chrf_test": corpus_chrf(hypotheses, [t for _, t in test]), "beam_size": BEAM_SIZE,
+               "length_penalty": LENGTH_PENALTY, "test_pairs": len(test), "parameters": model.count_params(),
+               "dtype_policy": model.dtype_policy.name}
+    samples = list(zip(test, hypotheses))[:10]
+    with open(os.path.join(out, "samples.txt"), "w") as handle:
+        for (source, reference), hypothesis in samples:
+            handle.write(f"EN  {source!r}\nREF {reference!r}\nOUT {hypothesis!r}\n\n")
+    printer(f"BLEU on the test split ({len(test)} pairs): {bleu:.2f}, chrF {metrics['chrf_test']:.2f}")
+    for (source, reference), hypothesis in samples:
+        printer(f"  EN  {source!r}\n  REF {reference!r}\n  OUT {hypothesis!r}")
+    return metrics
+
+
 def train_translation(out, preset="transformer-tiny", target_language="de", data_file=None, time_budget="15m",
                       batch_size=64, max_length=64, vocabulary_size=8192, warmup_steps=1000, overwrite=False,
                       replicas=None, mixed_precision=False, eval_every=200, seed=0, printer=print, max_steps=None,
@@ -182,15 +212,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     splits = {name: pairs if name == "test" else mask_pairs(pairs) for name, pairs in splits.items()}
     printer(f"pairs: train {len(splits['train'])}, validation {len(splits['validation'])}, test {len(splits['test'])}")
 
-    tokenizer_path = os.path.join(out, TOKENIZER_FILE)
-    if state == "resume" and os.path.exists(tokenizer_path):
-        tokenizer = data.SubwordTokenizer.load(tokenizer_path)
-        printer(f"resuming the run in {out}")
-    else:
-        t = time.monotonic()
-        tokenizer = data.SubwordTokenizer.train([s for pair in splits["train"] for s in pair], vocabulary_size)
-        tokenizer.save(tokenizer_path)
-        printer(f"vocabulary: {tokenizer.vocabulary_size} pieces learned in {time.monotonic() - t:.1f}s")
+    tokenizer = _run_tokenizer(out, state, [s for pair in splits["train"] for s in pair], vocabulary_size, printer)
     splits = {name: filter_by_length(pairs, tokenizer, max_length) for name, pairs in splits.items()}
     printer(f"pairs that fit in {max_length} tokens: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
 
@@ -229,32 +251,13 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     model.preprocessor = tokenizer
     model.save_to_preset(out, overwrite=True)  # the run directory is a preset: model, config, tokenizer
 
-    test = splits["test"]
-    bleu, hypotheses = evaluate_bleu(model, test, max_new_tokens=max_length)
-    metrics = {
-        "bleu_test": bleu,
-        "chrf_test": corpus_chrf(hypotheses, [t for _, t in test]),
-        "averaged_checkpoints": averaged,
-        "beam_size": BEAM_SIZE,
-        "length_penalty": LENGTH_PENALTY,
-        "test_pairs": len(test),
-        "steps": evaluator.rows[-1]["step"] if evaluator.rows else 0,
-        "epochs_started": len(history.get("loss", [])),
-        "seconds": round(time.monotonic() - start, 1),
-        "train_seconds": round(fit_seconds, 1),
-        "curve": evaluator.rows,
-        "parameters": model.count_params(),
-        "dtype_policy": model.dtype_policy.name,
-    }
+    metrics = _evaluate_and_report(model, splits["test"], max_length, out, printer)
+    metrics.update(averaged_checkpoints=averaged, steps=evaluator.rows[-1]["step"] if evaluator.rows else 0,
+                   epochs_started=len(history.get("loss", [])), seconds=round(time.monotonic() - start, 1),
+                   train_seconds=round(fit_seconds, 1), curve=evaluator.rows)
     if evaluator.rows:
         plot_curves(evaluator.rows, os.path.join(out, "loss.png"), target_language)
-    with open(os.path.join(out, "samples.txt"), "w") as handle:
-        for (source, reference), hypothesis in list(zip(test, hypotheses))[:10]:
-            handle.write(f"EN  {source!r}\nREF {reference!r}\nOUT {hypothesis!r}\n\n")
     rundir.write_json(os.path.join(out, rundir.FINISHED_MARKER), metrics)
-    printer(f"BLEU on the test split ({len(test)} pairs): {bleu:.2f}, chrF {metrics['chrf_test']:.2f}")
-    for (source, reference), hypothesis in list(zip(test, hypotheses))[:10]:
-        printer(f"  EN  {source!r}\n  REF {reference!r}\n  OUT {hypothesis!r}")
     return metrics
 
 
