@@ -55,7 +55,9 @@ positions, untied output projection), both with dropout 0.1, `F.cross_entropy` o
 `torch.optim.Adam(fused=True)`, float32 and under `torch.autocast` bfloat16, on the same token ids, with as many
 intra-op threads as TensorFlow's default (the cores this process may use), timed in their worker process and
 interleaved with the rest. Their `peak_rss_mb` is the worker's, their FLOPs tfformer's model's of the same shape;
-`train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype.
+`train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype. The PyTorch bfloat16 row runs only on CPUs
+with bfloat16 instructions (`avx512_bf16`/`amx_bf16`): elsewhere PyTorch emulates them (82 s a step of the
+seq2seq workload on an AMD Zen 2, 190 times its float32 step) and the run says so.
 
     python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON]
 """
@@ -69,6 +71,7 @@ import tensorflow as tf
 
 from benchmarks import common, keras_worker, torch_worker
 from tfformer import models, training
+from tfformer.generation.plan import native_bfloat16_on_this_cpu
 
 
 def _seq2seq_shape(smoke):
@@ -227,6 +230,15 @@ def matmul_floor(shapes, dtype):
     return run
 
 
+def torch_dtypes():
+    """The dtypes of the PyTorch rows: bfloat16 only where the CPU has bfloat16 instructions (said otherwise)."""
+    if native_bfloat16_on_this_cpu():
+        return ("float32", "bfloat16")
+    print("PyTorch bfloat16 rows skipped: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16), so "
+          "PyTorch would emulate them", flush=True)
+    return ("float32",)
+
+
 def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     rng = np.random.default_rng(0)
     if workload == "seq2seq":
@@ -294,7 +306,7 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             callables[f"tfformer {dtype} +cpu_threads"] = lambda dtype=dtype: threaded_worker.run(dtype)
         worker = pending.ready()
         if worker is not None:
-            for dtype in ("float32", "bfloat16"):
+            for dtype in torch_dtypes():
                 callables[f"pytorch {dtype}"] = lambda dtype=dtype: worker.run(dtype)
         limit_size = common.limit_size(smoke)
         callables.update(common.matmul_limit_calls(limit_size))
