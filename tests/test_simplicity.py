@@ -140,3 +140,46 @@ def test_ids_are_cut_at_the_end_id_in_one_place():
     found = {path: lines for path, tree in _modules() if (lines := ids_cut_at_an_index(tree))}
     assert list(found) == ["tfformer/tokens.py"], f"use tfformer.tokens.cut_at_end: {found}"
     assert ids_cut_at_an_index(ast.parse("row = row[: row.index(END_ID) + 1] if END_ID in row else row")) == [1]
+
+
+# --- Short functions -------------------------------------------------------------------------------------------------
+
+MAX_BODY_LINES = 60
+# Functions allowed over MAX_BODY_LINES for now, as "path:name" (train_translation, train_lm and WhisperModel._build
+# were, until the dtype work split them). The test fails if one of them is no longer long, so that the set cannot go
+# stale.
+STILL_LONG = set()
+
+
+def body_lines(function):
+    """Lines of `function`'s body, docstring excluded: from its first statement after the docstring to the end of its
+    last (a nested function's lines count here too, and the nested function is measured on its own as well)."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+            body[0].value.value, str):
+        body = body[1:]
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
+def long_functions(limit=MAX_BODY_LINES):
+    """`{"path:name": body lines}` of the functions and methods of tfformer/ over `limit`."""
+    return {f"{path}:{node.name}": body_lines(node) for path, tree in _modules() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > limit}
+
+
+def test_functions_are_short():
+    long = long_functions()
+    assert not set(long) - STILL_LONG, f"bodies over {MAX_BODY_LINES} lines: split them: " + str(
+        {name: lines for name, lines in long.items() if name not in STILL_LONG})
+    assert not STILL_LONG - set(long), f"no longer long, remove from STILL_LONG: {sorted(STILL_LONG - set(long))}"
+
+
+@pytest.mark.parametrize("source, lines", [
+    ('def f():\n    """Doc\n    string."""\n    a = 1\n\n    return a\n', 3),
+    ("def f():\n    return 1\n", 1),
+    ('def f():\n    """Only a docstring."""\n', 0),
+    ("def f():\n    def g():\n        return 1\n\n    return g\n", 4),
+    ("def f(x):\n    return (x +\n            1)\n", 2),
+])
+def test_body_lines_skip_the_docstring_and_count_nested_functions(source, lines):
+    assert body_lines(ast.parse(source).body[0]) == lines

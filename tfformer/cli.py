@@ -1,6 +1,7 @@
 """The `tfformer` command. Glue only: every piece of logic lives in the library."""
 
 import argparse
+import collections
 import os
 import sys
 
@@ -311,158 +312,178 @@ def _transcribe(args):
     return 0
 
 
+_OneOf = collections.namedtuple("_OneOf", "arguments required")
+
+
+def _argument(*flags, **options):
+    """One `add_argument(*flags, **options)` of a subcommand."""
+    return flags, options
+
+
+def _one_of(*arguments, required=False):
+    """Mutually exclusive `arguments` of a subcommand (an argparse group)."""
+    return _OneOf(arguments, required)
+
+
+# The subcommands, in `tfformer --help` order: name -> (function, help, arguments); `_one_of` groups mutually
+# exclusive arguments.
+COMMANDS = {
+    "demo": (_demo, "the main job: train English→German within DEMO_MINUTES (default 15)", [
+        _argument("--out", help="run directory (default: a new runs/demo-en-de-<time>)"),
+    ]),
+    "train": (_train, "train a model", [
+        _argument("task", choices=["translation", "lm"]),
+        _argument("--preset"),
+        _argument("--target-language", default="de"),
+        _argument("--data", help="a TSV of source<TAB>target pairs instead of the gettext catalogs"),
+        _argument("--text", nargs="+", help="text files for `lm` (default: the Python standard library)"),
+        _argument("--time-budget", default="15m", help="e.g. 90s, 15m, 1h (vocabulary + training + evaluation)"),
+        _argument("--out", required=True),
+        _argument("--overwrite", action="store_true", help="replace an existing run directory"),
+        _argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices"),
+        _argument("--mixed-precision", action="store_true", help="mixed_bfloat16 on CPU, mixed_float16 on GPU"),
+        _argument("--batch-size", type=int, default=64),
+        _argument("--eval-every", type=int, default=200, help="validate (and back up) every N steps"),
+        _argument("--set", action="append", metavar="NAME=VALUE", help="override a config field"),
+    ]),
+    "translate": (_translate, "translate TEXT... or a gettext catalog with a trained run", [
+        _argument("--run", required=True),
+        _argument("--max-new-tokens", type=int, help="default: 64 for TEXT, the model's limit for --po"),
+        _argument("--beam-size", type=int, help="beams (default: 4, as a run is evaluated; 1: greedy)"),
+        _argument("--po", help="a .pot or partly translated .po: fill its untranslated entries (fuzzy)"),
+        _argument("--out", help="the .po file to write (with --po)"),
+        _argument("--overwrite", action="store_true", help="replace an existing --out file"),
+        _argument("--batch-size", type=int, default=32, help="messages per model call (with --po)"),
+        _argument("texts", nargs="*", metavar="TEXT"),
+    ]),
+    "generate": (_generate, "continue PROMPT... with a trained run or a pretrained LM", [
+        _one_of(
+            _argument("--run", help="a run directory (or any preset directory)"),
+            _argument("--preset", help="a pretrained preset, e.g. smollm2-135m-instruct"),
+            required=True),
+        _argument("--max-new-tokens", type=int, default=64),
+        _argument("prompts", nargs="+"),
+    ]),
+    "chat": (_chat, "chat with a pretrained LM, streaming its replies (one turn per line of standard input, or "
+                    "--message)", [
+        _one_of(
+            _argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s"),
+            _argument("--run", help="a preset directory of a chat model"),
+        ),
+        _argument("--message", action="append", help="a user turn; repeat for several (default: read stdin)"),
+        _argument("--system", help="a system message before the first turn"),
+        _argument("--max-new-tokens", type=int, default=256),
+    ]),
+    "finetune": (_finetune, "fine-tune a causal LM on a chat TSV or a text file and save it as a preset", [
+        _one_of(
+            _argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s"),
+            _argument("--run", help="a preset directory of a causal LM"),
+        ),
+        _one_of(
+            _argument("--chat", help="prompt<TAB>answer lines; the loss is on the answers"),
+            _argument("--text", help="a UTF-8 text file, one example per non-blank line"),
+            required=True),
+        _argument("--out", required=True, help="the preset directory to write"),
+        _argument("--overwrite", action="store_true", help="replace a preset already in --out"),
+        _argument("--lora-rank", type=int, default=4, help="low-rank adapters on the attention "
+                  "projections, merged before saving; 0 trains every weight (default: %(default)s)"),
+        _argument("--steps", type=int, default=100),
+        _argument("--batch-size", type=int, default=8),
+        _argument("--sequence-length", type=int, default=256),
+        _argument("--learning-rate", type=float, default=2e-4),
+        _argument("--system", help="a system message before each chat prompt"),
+        _argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices"),
+    ]),
+    "export": (_export, "write a trained run or a pretrained preset as a TF Serving SavedModel and/or TFLite", [
+        _argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2, "
+                  "smollm2-135m-instruct, whisper-tiny-en)"),
+        _argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model"),
+        _argument("--out", required=True, help="the model's base path, e.g. export/models/en-de"),
+        _argument("--version", type=int, help="default: one more than the highest existing version"),
+        _argument("--max-new-tokens", type=int, help="the SavedModel's generation length (default: 64; "
+                  "for Whisper every position after the prompt, 446)"),
+        _argument("--beam-size", type=int, help="beams in the SavedModel (default: 4 for a translator, "
+                  "greedy for a language model)"),
+        _argument("--quantize", choices=["dynamic", "float16", "gguf"], help="TFLite quantization (gguf: "
+                  "a model converted from a GGUF, e.g. smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks "
+                  "exactly as int8)"),
+        _argument("--sequence-length", type=int, help="fix model.tflite's sequence length"),
+        _argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
+                  "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "
+                  "small LLM on a device)"),
+        _argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
+                  "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)"),
+    ]),
+    "evaluate": (_evaluate, "BLEU of a translation run on a split", [
+        _argument("--run", required=True),
+        _argument("--split", default="test", choices=["train", "validation", "test"]),
+    ]),
+    "presets": (_presets, "list the preset zoo", [
+        _argument("--build", action="store_true", help="build each preset and run one forward pass"),
+    ]),
+    "embed": (_embed, "sentence embeddings of TEXT... (one vector per line)", [
+        _argument("texts", nargs="+", metavar="TEXT"),
+        _argument("--similarity", action="store_true", help="print the cosine similarity matrix instead"),
+        _argument("--preset", default="all-minilm-l6-v2",
+                  help="a sentence-embedding preset (default: %(default)s)"),
+        _argument("--batch-size", type=int, default=32),
+    ]),
+    "serve": (_serve, "serve SavedModels over TF Serving's REST and gRPC APIs", [
+        _argument("--model_name", default="default", help="model name (default: %(default)s)"),
+        _argument("--model_base_path", help="directory of numeric version directories"),
+        _argument("--model_config_file", help="a models.config (ModelServerConfig text proto)"),
+        _argument("--model_config_file_poll_wait_seconds", type=float, default=0.0),
+        _argument("--file_system_poll_wait_seconds", type=float, default=1.0),
+        _argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)"),
+        _argument("--port", type=int, default=8500, help="gRPC port (0: any free port)"),
+        _argument("--rest_api_port", type=int, default=8501, help="REST port (0: REST disabled)"),
+        _argument("--rest_api_timeout_in_ms", type=int, default=30000),
+        _argument("--rest_api_num_threads", type=int, default=4, help="worker threads (REST and gRPC)"),
+        _argument("--max_request_bytes", type=int, default=16 * 1024 * 1024),
+        _argument("--access_log", default="-", help="JSON-lines access log: '-' (stdout), a path, or ''"),
+        _argument("--grace_period_seconds", type=float, default=30.0),
+        _argument("--max_num_load_retries", type=int, default=5),
+        _argument("--load_retry_interval_micros", type=int, default=60_000_000),
+        _argument("--allow_version_labels_for_unavailable_models", action="store_true"),
+    ]),
+    "predict": (_serving_predict, "send TEXT... to a model server's serving_default signature", [
+        _argument("texts", nargs="+", metavar="TEXT"),
+        _argument("--server", default="http://127.0.0.1:8501", help="http://host:port or grpc://host:port"),
+        _argument("--model", required=True),
+        _argument("--signature_name"),
+        _argument("--version", type=int),
+        _argument("--label"),
+        _argument("--timeout", type=float, default=30.0),
+    ]),
+    "transcribe": (_transcribe, "speech to text: print PATH<TAB>TEXT for each WAV file", [
+        _argument("files", nargs="+", metavar="WAV", help="WAV files (any sample rate; stereo is mixed "
+                  "down with a warning); audio over 30 s is transcribed in windows cut at pauses"),
+        _argument("--preset", default="whisper-tiny-en", help="a speech-to-text preset or preset "
+                  "directory (default: %(default)s)"),
+        _argument("--max-new-tokens", type=int, help="tokens per 30-second window (default: all that fit)"),
+        _argument("--batch-size", type=int, default=8, help="30-second windows per model call"),
+        _argument("--beam-size", type=int, default=1, help="beam search over N hypotheses, as "
+                  "faster-whisper's (its default is 5); 1 is greedy (default: %(default)s)"),
+    ]),
+}
+
+
+def _add_arguments(parser, arguments):
+    for argument in arguments:
+        if isinstance(argument, _OneOf):
+            _add_arguments(parser.add_mutually_exclusive_group(required=argument.required), argument.arguments)
+        else:
+            flags, options = argument
+            parser.add_argument(*flags, **options)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-
-    demo = commands.add_parser("demo", help="the main job: train English→German within DEMO_MINUTES (default 15)")
-    demo.add_argument("--out", help="run directory (default: a new runs/demo-en-de-<time>)")
-    demo.set_defaults(fn=_demo)
-
-    train = commands.add_parser("train", help="train a model")
-    train.add_argument("task", choices=["translation", "lm"])
-    train.add_argument("--preset")
-    train.add_argument("--target-language", default="de")
-    train.add_argument("--data", help="a TSV of source<TAB>target pairs instead of the gettext catalogs")
-    train.add_argument("--text", nargs="+", help="text files for `lm` (default: the Python standard library)")
-    train.add_argument("--time-budget", default="15m", help="e.g. 90s, 15m, 1h (vocabulary + training + evaluation)")
-    train.add_argument("--out", required=True)
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    train.add_argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices")
-    train.add_argument("--mixed-precision", action="store_true", help="mixed_bfloat16 on CPU, mixed_float16 on GPU")
-    train.add_argument("--batch-size", type=int, default=64)
-    train.add_argument("--eval-every", type=int, default=200, help="validate (and back up) every N steps")
-    train.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a config field")
-    train.set_defaults(fn=_train)
-
-    translate = commands.add_parser("translate", help="translate TEXT... or a gettext catalog with a trained run")
-    translate.add_argument("--run", required=True)
-    translate.add_argument("--max-new-tokens", type=int, help="default: 64 for TEXT, the model's limit for --po")
-    translate.add_argument("--beam-size", type=int, help="beams (default: 4, as a run is evaluated; 1: greedy)")
-    translate.add_argument("--po", help="a .pot or partly translated .po: fill its untranslated entries (fuzzy)")
-    translate.add_argument("--out", help="the .po file to write (with --po)")
-    translate.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    translate.add_argument("--batch-size", type=int, default=32, help="messages per model call (with --po)")
-    translate.add_argument("texts", nargs="*", metavar="TEXT")
-    translate.set_defaults(fn=_translate)
-
-    generate = commands.add_parser("generate", help="continue PROMPT... with a trained run or a pretrained LM")
-    source = generate.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="a run directory (or any preset directory)")
-    source.add_argument("--preset", help="a pretrained preset, e.g. smollm2-135m-instruct")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("prompts", nargs="+")
-    generate.set_defaults(fn=_generate)
-
-    chat = commands.add_parser("chat", help="chat with a pretrained LM, streaming its replies (one turn per line "
-                               "of standard input, or --message)")
-    source = chat.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s")
-    source.add_argument("--run", help="a preset directory of a chat model")
-    chat.add_argument("--message", action="append", help="a user turn; repeat for several (default: read stdin)")
-    chat.add_argument("--system", help="a system message before the first turn")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.set_defaults(fn=_chat)
-
-    finetune = commands.add_parser("finetune", help="fine-tune a causal LM on a chat TSV or a text file and save "
-                                   "it as a preset")
-    source = finetune.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s")
-    source.add_argument("--run", help="a preset directory of a causal LM")
-    examples = finetune.add_mutually_exclusive_group(required=True)
-    examples.add_argument("--chat", help="prompt<TAB>answer lines; the loss is on the answers")
-    examples.add_argument("--text", help="a UTF-8 text file, one example per non-blank line")
-    finetune.add_argument("--out", required=True, help="the preset directory to write")
-    finetune.add_argument("--overwrite", action="store_true", help="replace a preset already in --out")
-    finetune.add_argument("--lora-rank", type=int, default=4, help="low-rank adapters on the attention "
-                          "projections, merged before saving; 0 trains every weight (default: %(default)s)")
-    finetune.add_argument("--steps", type=int, default=100)
-    finetune.add_argument("--batch-size", type=int, default=8)
-    finetune.add_argument("--sequence-length", type=int, default=256)
-    finetune.add_argument("--learning-rate", type=float, default=2e-4)
-    finetune.add_argument("--system", help="a system message before each chat prompt")
-    finetune.add_argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices")
-    finetune.set_defaults(fn=_finetune)
-
-    exporter = commands.add_parser("export", help="write a trained run or a pretrained preset as a TF Serving "
-                                   "SavedModel and/or TFLite")
-    exporter.add_argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2, "
-                          "smollm2-135m-instruct, whisper-tiny-en)")
-    exporter.add_argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model")
-    exporter.add_argument("--out", required=True, help="the model's base path, e.g. export/models/en-de")
-    exporter.add_argument("--version", type=int, help="default: one more than the highest existing version")
-    exporter.add_argument("--max-new-tokens", type=int, help="the SavedModel's generation length (default: 64; "
-                          "for Whisper every position after the prompt, 446)")
-    exporter.add_argument("--beam-size", type=int, help="beams in the SavedModel (default: 4 for a translator, "
-                                                         "greedy for a language model)")
-    exporter.add_argument("--quantize", choices=["dynamic", "float16", "gguf"], help="TFLite quantization (gguf: "
-                          "a model converted from a GGUF, e.g. smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks "
-                          "exactly as int8)")
-    exporter.add_argument("--sequence-length", type=int, help="fix model.tflite's sequence length")
-    exporter.add_argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
-                          "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "
-                          "small LLM on a device)")
-    exporter.add_argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
-                          "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)")
-    exporter.set_defaults(fn=_export)
-
-    evaluate = commands.add_parser("evaluate", help="BLEU of a translation run on a split")
-    evaluate.add_argument("--run", required=True)
-    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
-    evaluate.set_defaults(fn=_evaluate)
-
-    presets = commands.add_parser("presets", help="list the preset zoo")
-    presets.add_argument("--build", action="store_true", help="build each preset and run one forward pass")
-    presets.set_defaults(fn=_presets)
-
-    embed = commands.add_parser("embed", help="sentence embeddings of TEXT... (one vector per line)")
-    embed.add_argument("texts", nargs="+", metavar="TEXT")
-    embed.add_argument("--similarity", action="store_true", help="print the cosine similarity matrix instead")
-    embed.add_argument("--preset", default="all-minilm-l6-v2",
-                       help="a sentence-embedding preset (default: %(default)s)")
-    embed.add_argument("--batch-size", type=int, default=32)
-    embed.set_defaults(fn=_embed)
-
-    serve = commands.add_parser("serve", help="serve SavedModels over TF Serving's REST and gRPC APIs")
-    serve.add_argument("--model_name", default="default", help="model name (default: %(default)s)")
-    serve.add_argument("--model_base_path", help="directory of numeric version directories")
-    serve.add_argument("--model_config_file", help="a models.config (ModelServerConfig text proto)")
-    serve.add_argument("--model_config_file_poll_wait_seconds", type=float, default=0.0)
-    serve.add_argument("--file_system_poll_wait_seconds", type=float, default=1.0)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8500, help="gRPC port (0: any free port)")
-    serve.add_argument("--rest_api_port", type=int, default=8501, help="REST port (0: REST disabled)")
-    serve.add_argument("--rest_api_timeout_in_ms", type=int, default=30000)
-    serve.add_argument("--rest_api_num_threads", type=int, default=4, help="worker threads (REST and gRPC)")
-    serve.add_argument("--max_request_bytes", type=int, default=16 * 1024 * 1024)
-    serve.add_argument("--access_log", default="-", help="JSON-lines access log: '-' (stdout), a path, or ''")
-    serve.add_argument("--grace_period_seconds", type=float, default=30.0)
-    serve.add_argument("--max_num_load_retries", type=int, default=5)
-    serve.add_argument("--load_retry_interval_micros", type=int, default=60_000_000)
-    serve.add_argument("--allow_version_labels_for_unavailable_models", action="store_true")
-    serve.set_defaults(fn=_serve)
-
-    predict = commands.add_parser("predict", help="send TEXT... to a model server's serving_default signature")
-    predict.add_argument("texts", nargs="+", metavar="TEXT")
-    predict.add_argument("--server", default="http://127.0.0.1:8501", help="http://host:port or grpc://host:port")
-    predict.add_argument("--model", required=True)
-    predict.add_argument("--signature_name")
-    predict.add_argument("--version", type=int)
-    predict.add_argument("--label")
-    predict.add_argument("--timeout", type=float, default=30.0)
-    predict.set_defaults(fn=_serving_predict)
-
-    transcribe = commands.add_parser("transcribe", help="speech to text: print PATH<TAB>TEXT for each WAV file")
-    transcribe.add_argument("files", nargs="+", metavar="WAV", help="WAV files (any sample rate; stereo is mixed "
-                            "down with a warning); audio over 30 s is transcribed in windows cut at pauses")
-    transcribe.add_argument("--preset", default="whisper-tiny-en", help="a speech-to-text preset or preset "
-                            "directory (default: %(default)s)")
-    transcribe.add_argument("--max-new-tokens", type=int, help="tokens per 30-second window (default: all that fit)")
-    transcribe.add_argument("--batch-size", type=int, default=8, help="30-second windows per model call")
-    transcribe.add_argument("--beam-size", type=int, default=1, help="beam search over N hypotheses, as "
-                            "faster-whisper's (its default is 5); 1 is greedy (default: %(default)s)")
-    transcribe.set_defaults(fn=_transcribe)
-
+    for name, (fn, help, arguments) in COMMANDS.items():
+        command = commands.add_parser(name, help=help)
+        _add_arguments(command, arguments)
+        command.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

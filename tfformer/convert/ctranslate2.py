@@ -142,6 +142,53 @@ def load_whisper(path):
     """
     model = read_model_bin(path)
     path = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    scalars = _check_whisper_spec(model, path)
+    weights = {name: value.astype(np.float32) for name, value in model["variables"].items() if value.ndim > 0}
+    num_layers = {side: len([name for name in weights if name.startswith(f"{side}/layer_")
+                             and name.endswith("/self_attention/layer_norm/gamma")]) for side in ("encoder", "decoder")}
+    try:
+        embeddings = weights["decoder/embeddings/weight"]  # (vocabulary_size, hidden_dim)
+        conv1 = weights["encoder/conv1/weight"]  # (hidden_dim, num_mel_bins, 3)
+        _split_attention_layers(weights, num_layers, embeddings.shape[1], path)
+        intermediate_dim = weights["encoder/layer_0/ffn/linear_0/weight"].shape[0]
+        max_source_positions = weights["encoder/position_encodings/encodings"].shape[0]
+        max_sequence_length = weights["decoder/position_encodings/encodings"].shape[0]
+        num_heads = scalars["encoder/num_heads"]
+    except KeyError as error:
+        raise ValueError(f"{path}: the Whisper variable {error} is missing from model.bin.") from None
+
+    config_path = os.path.join(path, "config.json")
+    generation = {}
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            generation = json.load(f)
+    config = {
+        "num_mel_bins": conv1.shape[1],
+        "hidden_dim": embeddings.shape[1],
+        "num_heads": num_heads,
+        "intermediate_dim": intermediate_dim,
+        "num_encoder_layers": num_layers["encoder"],
+        "num_decoder_layers": num_layers["decoder"],
+        "max_source_positions": max_source_positions,
+        "max_sequence_length": max_sequence_length,
+        "vocabulary_size": embeddings.shape[0],
+        "activation": _ACTIVATIONS[scalars["decoder/activation"]],
+        "layer_norm_epsilon": LAYER_NORM_EPSILON,
+        "spec_revision": model["spec_revision"],
+        "suppress_ids": list(generation.get("suppress_ids", [])),
+        "suppress_ids_begin": list(generation.get("suppress_ids_begin", [])),
+        "lang_ids": list(generation.get("lang_ids", [])),
+        "alignment_heads": [tuple(pair) for pair in generation.get("alignment_heads", [])],
+    }
+    if scalars.get("decoder/num_heads") != num_heads:
+        raise ValueError(f"{path}: encoder and decoder head counts differ "
+                         f"({num_heads} vs {scalars.get('decoder/num_heads')}); not supported.")
+    return weights, config
+
+
+def _check_whisper_spec(model, path):
+    """Raise a ValueError unless `model` (`read_model_bin`'s) is an unquantized Whisper with a tied output
+    projection; returns its scalar variables, name -> Python number."""
     if model["spec_name"] != "WhisperSpec":
         raise ValueError(f"{path}: spec {model['spec_name']!r} is not a Whisper model (expected 'WhisperSpec').")
     variables = model["variables"]
@@ -161,58 +208,22 @@ def load_whisper(path):
         raise ValueError(f"{path}: the output projection is not tied to the decoder embedding.")
     if "decoder/projection/weight" in variables or "decoder/projection/bias" in variables:
         raise ValueError(f"{path}: an untied output projection is not supported.")
+    return scalars
 
-    weights = {name: value.astype(np.float32) for name, value in variables.items() if value.ndim > 0}
-    num_layers = {side: len([name for name in weights if name.startswith(f"{side}/layer_")
-                             and name.endswith("/self_attention/layer_norm/gamma")]) for side in ("encoder", "decoder")}
-    try:
-        embeddings = weights["decoder/embeddings/weight"]  # (vocabulary_size, hidden_dim)
-        conv1 = weights["encoder/conv1/weight"]  # (hidden_dim, num_mel_bins, 3)
-        hidden_dim = embeddings.shape[1]
-        for side in ("encoder", "decoder"):
-            for i in range(num_layers[side]):
-                scope = f"{side}/layer_{i}/self_attention"
-                _split_attention(weights, scope, "linear_0", ("query", "key", "value"), hidden_dim, path)
-                weights[f"{scope}/output/weight"] = weights.pop(f"{scope}/linear_1/weight")
-                weights[f"{scope}/output/bias"] = weights.pop(f"{scope}/linear_1/bias")
-        for i in range(num_layers["decoder"]):
-            scope = f"decoder/layer_{i}/attention"
-            weights[f"{scope}/query/weight"] = weights.pop(f"{scope}/linear_0/weight")
-            weights[f"{scope}/query/bias"] = weights.pop(f"{scope}/linear_0/bias")
-            _split_attention(weights, scope, "linear_1", ("key", "value"), hidden_dim, path)
-            weights[f"{scope}/output/weight"] = weights.pop(f"{scope}/linear_2/weight")
-            weights[f"{scope}/output/bias"] = weights.pop(f"{scope}/linear_2/bias")
-        intermediate_dim = weights["encoder/layer_0/ffn/linear_0/weight"].shape[0]
-        max_source_positions = weights["encoder/position_encodings/encodings"].shape[0]
-        max_sequence_length = weights["decoder/position_encodings/encodings"].shape[0]
-        num_heads = scalars["encoder/num_heads"]
-    except KeyError as error:
-        raise ValueError(f"{path}: the Whisper variable {error} is missing from model.bin.") from None
 
-    config_path = os.path.join(path, "config.json")
-    generation = {}
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            generation = json.load(f)
-    config = {
-        "num_mel_bins": conv1.shape[1],
-        "hidden_dim": hidden_dim,
-        "num_heads": num_heads,
-        "intermediate_dim": intermediate_dim,
-        "num_encoder_layers": num_layers["encoder"],
-        "num_decoder_layers": num_layers["decoder"],
-        "max_source_positions": max_source_positions,
-        "max_sequence_length": max_sequence_length,
-        "vocabulary_size": embeddings.shape[0],
-        "activation": _ACTIVATIONS[activation],
-        "layer_norm_epsilon": LAYER_NORM_EPSILON,
-        "spec_revision": model["spec_revision"],
-        "suppress_ids": list(generation.get("suppress_ids", [])),
-        "suppress_ids_begin": list(generation.get("suppress_ids_begin", [])),
-        "lang_ids": list(generation.get("lang_ids", [])),
-        "alignment_heads": [tuple(pair) for pair in generation.get("alignment_heads", [])],
-    }
-    if scalars.get("decoder/num_heads") != num_heads:
-        raise ValueError(f"{path}: encoder and decoder head counts differ "
-                         f"({num_heads} vs {scalars.get('decoder/num_heads')}); not supported.")
-    return weights, config
+def _split_attention_layers(weights, num_layers, hidden_dim, path):
+    """Rename (and split the fused projections of) every self- and cross-attention layer of `weights`, in place:
+    `{scope}/{query,key,value,output}/...`."""
+    for side in ("encoder", "decoder"):
+        for i in range(num_layers[side]):
+            scope = f"{side}/layer_{i}/self_attention"
+            _split_attention(weights, scope, "linear_0", ("query", "key", "value"), hidden_dim, path)
+            weights[f"{scope}/output/weight"] = weights.pop(f"{scope}/linear_1/weight")
+            weights[f"{scope}/output/bias"] = weights.pop(f"{scope}/linear_1/bias")
+    for i in range(num_layers["decoder"]):
+        scope = f"decoder/layer_{i}/attention"
+        weights[f"{scope}/query/weight"] = weights.pop(f"{scope}/linear_0/weight")
+        weights[f"{scope}/query/bias"] = weights.pop(f"{scope}/linear_0/bias")
+        _split_attention(weights, scope, "linear_1", ("key", "value"), hidden_dim, path)
+        weights[f"{scope}/output/weight"] = weights.pop(f"{scope}/linear_2/weight")
+        weights[f"{scope}/output/bias"] = weights.pop(f"{scope}/linear_2/bias")

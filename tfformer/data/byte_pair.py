@@ -85,6 +85,58 @@ def _gpt2_pieces(strings):
     return _split(pieces, lambda flat: _keep_split(flat, WORDS))
 
 
+def _first_ids(vocabulary):
+    """Token -> the first id that has it (empty tokens have none)."""
+    ids = {}
+    for i, token in enumerate(vocabulary):
+        if token:
+            ids.setdefault(token, i)
+    return ids
+
+
+def _check_in_vocabulary(name, tokens, ids):
+    for token in tokens:
+        if token not in ids:
+            raise ValueError(f"`{name}` entry {token!r} is not in `vocabulary`.")
+
+
+def _merge_keys(merges, ids, vocabulary_size):
+    """`(keys, results)`: `left_id * vocabulary_size + right_id` `(M,)` int64 of each merge `"left right"`, by rank,
+    and the id of each merged token."""
+    lefts, rights, results = [], [], []
+    for rank, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2 or merge.startswith("#version"):
+            raise ValueError(f"`merges[{rank}]` must be 'left right'; received {merge!r}.")
+        left, right = parts
+        for token in (left, right, left + right):
+            if token not in ids:
+                raise ValueError(f"`merges[{rank}]` ({merge!r}) uses {token!r}, which is not in `vocabulary`.")
+        lefts.append(ids[left])
+        rights.append(ids[right])
+        results.append(ids[left + right])
+    size = np.int64(vocabulary_size)
+    keys = np.asarray(lefts, np.int64) * size + np.asarray(rights, np.int64)
+    unique, first = np.unique(keys, return_index=True)
+    if unique.size != keys.size:
+        repeated = sorted(set(range(keys.size)) - set(first.tolist()))[0]
+        raise ValueError(f"`merges[{repeated}]` ({merges[repeated]!r}) repeats an earlier merge.")
+    return keys, results
+
+
+def _token_bytes(vocabulary, byte_chars):
+    """The bytes of each token: its symbols mapped back through `byte_chars` (`bytes_to_unicode`), or its UTF-8
+    when it is not made of them (a special token)."""
+    char_bytes = {c: b for b, c in byte_chars.items()}
+    decoded = []
+    for token in vocabulary:
+        if token and all(c in char_bytes for c in token):
+            decoded.append(bytes(char_bytes[c] for c in token))
+        else:
+            decoded.append(token.encode("utf-8"))
+    return decoded
+
+
 class BytePairTokenizer(tf.Module):
     """Byte-level BPE tokenizer (GPT-2, SmolLM2, Whisper) whose `tokenize`/`detokenize` are TensorFlow ops.
 
@@ -122,42 +174,15 @@ class BytePairTokenizer(tf.Module):
         self.pre_tokenizer = pre_tokenizer
         self.chat_template = chat_template
         self.vocabulary_size = len(vocabulary)
-
-        ids = {}
-        for i, token in enumerate(vocabulary):
-            if token:
-                ids.setdefault(token, i)
-        self.token_to_id = ids
-        byte_chars = bytes_to_unicode()
-        for token in self.special_tokens:
-            if token not in ids:
-                raise ValueError(f"`special_tokens` entry {token!r} is not in `vocabulary`.")
+        self.token_to_id = ids = _first_ids(vocabulary)
+        _check_in_vocabulary("special_tokens", self.special_tokens, ids)
         if isinstance(end_tokens, str):
             raise ValueError(f"`end_tokens` must be a list of str. Received: end_tokens={end_tokens!r}")
         self.end_tokens = [str(token) for token in end_tokens]
-        for token in self.end_tokens:
-            if token not in ids:
-                raise ValueError(f"`end_tokens` entry {token!r} is not in `vocabulary`.")
+        _check_in_vocabulary("end_tokens", self.end_tokens, ids)
         self.end_ids = [ids[token] for token in self.end_tokens]
 
-        lefts, rights, results = [], [], []
-        for rank, merge in enumerate(self.merges):
-            parts = merge.split(" ")
-            if len(parts) != 2 or merge.startswith("#version"):
-                raise ValueError(f"`merges[{rank}]` must be 'left right'; received {merge!r}.")
-            left, right = parts
-            for token in (left, right, left + right):
-                if token not in ids:
-                    raise ValueError(f"`merges[{rank}]` ({merge!r}) uses {token!r}, which is not in `vocabulary`.")
-            lefts.append(ids[left])
-            rights.append(ids[right])
-            results.append(ids[left + right])
-        size = np.int64(len(vocabulary))
-        keys = np.asarray(lefts, np.int64) * size + np.asarray(rights, np.int64)
-        unique, first = np.unique(keys, return_index=True)
-        if unique.size != keys.size:
-            repeated = sorted(set(range(keys.size)) - set(first.tolist()))[0]
-            raise ValueError(f"`merges[{repeated}]` ({self.merges[repeated]!r}) repeats an earlier merge.")
+        keys, results = _merge_keys(self.merges, ids, len(vocabulary))
         self.no_merge = np.int64(len(self.merges))
         self.merge_rank = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(tf.constant(keys, tf.int64), tf.constant(np.arange(keys.size))),
@@ -166,6 +191,7 @@ class BytePairTokenizer(tf.Module):
         self.merge_result = tf.constant(np.asarray(results + [0], np.int64))  # by rank; the extra entry: no merge
         # A byte without a symbol (SmolLM2 lacks a few control characters and the bytes UTF-8 never uses) is
         # dropped, as HF's BPE without an unknown token drops it.
+        byte_chars = bytes_to_unicode()
         self.byte_ids = tf.constant([ids.get(byte_chars[b], -1) for b in range(256)], tf.int64)
 
         specials = sorted(set(self.special_tokens), key=len, reverse=True)  # longest first = longest match wins
@@ -177,14 +203,7 @@ class BytePairTokenizer(tf.Module):
             ),
             default_value=-1,
         )
-        char_bytes = {c: b for b, c in byte_chars.items()}
-        decoded = []
-        for token in vocabulary:
-            if token and all(c in char_bytes for c in token):
-                decoded.append(bytes(char_bytes[c] for c in token))
-            else:
-                decoded.append(token.encode("utf-8"))
-        self.token_bytes = tf.constant(decoded, tf.string)
+        self.token_bytes = tf.constant(_token_bytes(vocabulary, byte_chars), tf.string)
 
     # --- construction -----------------------------------------------------------------------------------
 

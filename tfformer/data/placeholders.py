@@ -205,6 +205,19 @@ def restore_tf(masked, outputs):
     counts = placeholders.row_lengths()  # (B,) int64
     outputs = tf.strings.regex_replace(tf.strings.regex_replace(outputs, _RAW, ""), _ACCEL, r"\1\3")
     outputs = tf.strings.regex_replace(outputs, _STRIP_RE2, "")
+    core = _each_reserved_once_tf(outputs, counts)
+    core = tf.strings.regex_replace(core, _STRIP_RE2, "")
+    core = tf.where(tf.equal(core, ""), masked["text"], core)  # nothing left: the source text
+    core = _accelerator_back_tf(core, masked["accelerator"])
+    core = _placeholders_back_tf(core, placeholders, counts)
+    restored = tf.strings.join([masked["prefix"], core, masked["suffix"]])
+    return tf.where(masked["translatable"], restored, masked["source"])
+
+
+def _each_reserved_once_tf(outputs, counts):
+    """`outputs` `(B,)` with the first occurrence of each of a row's `counts` reserved characters kept, the others
+    dropped, and the missing ones appended, each after a space."""
+    import tensorflow as tf
 
     # Keep the first occurrence of each known reserved character.
     codes = tf.strings.unicode_decode(outputs, "UTF-8", errors="replace")  # (B, C) int32
@@ -228,20 +241,29 @@ def restore_tf(masked, outputs):
     pairs = tf.stack([tf.fill(tf.shape(missing.flat_values), tf.constant(32, tf.int64)), missing.flat_values + BASE],
                      axis=1)  # (M, 2): a space, then the character
     appendix = tf.RaggedTensor.from_row_splits(tf.cast(tf.reshape(pairs, [-1]), tf.int32), missing.row_splits * 2)
-    core = tf.strings.unicode_encode(tf.concat([kept, appendix], axis=1), "UTF-8")  # (B,)
-    core = tf.strings.regex_replace(core, _STRIP_RE2, "")
-    core = tf.where(tf.equal(core, ""), masked["text"], core)  # nothing left: the source text
+    return tf.strings.unicode_encode(tf.concat([kept, appendix], axis=1), "UTF-8")  # (B,)
 
-    # The accelerator mark before the first letter, or at the start.
+
+def _accelerator_back_tf(core, accelerator):
+    """`core` `(B,)` with each row's accelerator mark (`accelerator`: "_", "&" or "") before its first letter, or at
+    the start."""
+    import tensorflow as tf
+
     has_letter = tf.strings.regex_full_match(core, f"(?s).*[{_LETTER}].*")
     for mark in ("_", "&"):
         placed = tf.where(has_letter,
                           tf.strings.regex_replace(core, f"^([^{_LETTER}]*)([{_LETTER}])", "\\1" + mark + "\\2",
                                                    replace_global=False),
                           tf.strings.join([mark, core]))
-        core = tf.where(tf.equal(masked["accelerator"], mark), placed, core)
+        core = tf.where(tf.equal(accelerator, mark), placed, core)
+    return core
 
-    # Reserved characters -> placeholders; unnumbered printf conversions in source order.
+
+def _placeholders_back_tf(core, placeholders, counts):
+    """`core` `(B,)` with reserved characters turned back into the row's `placeholders` (ragged `(B, n)`), and
+    unnumbered printf conversions in source order."""
+    import tensorflow as tf
+
     codes = tf.strings.unicode_decode(core, "UTF-8", errors="replace")  # (B, C)
     flat, rows = codes.flat_values, codes.value_rowids()
     reserved = (flat >= BASE) & (flat < BASE + MAX_PLACEHOLDERS)
@@ -263,9 +285,7 @@ def restore_tf(masked, outputs):
     at = tf.where(is_ordered_char, starts + tf.gather(ordered_flat, slot), at)
     characters = tf.strings.unicode_encode(flat[:, None], "UTF-8")  # (C_total,)
     pieces = tf.where(reserved, tf.gather(flat_placeholders, at), characters)
-    core = tf.strings.reduce_join(codes.with_flat_values(pieces), axis=1)
-    restored = tf.strings.join([masked["prefix"], core, masked["suffix"]])
-    return tf.where(masked["translatable"], restored, masked["source"])
+    return tf.strings.reduce_join(codes.with_flat_values(pieces), axis=1)
 
 
 def mask_pair(source, target):

@@ -272,13 +272,7 @@ def requantize_blocks(tflite_path, out_path, q4_1_bits=8, input_scales=(), block
     if block_scales not in ("float16", "quantization"):
         raise ValueError(f"`block_scales` must be 'float16' or 'quantization'. "
                          f"Received: block_scales={block_scales!r}")
-    scales = []
-    for i, scale in enumerate(input_scales):
-        scale = np.asarray(scale, np.float32)
-        if scale.ndim != 1:
-            raise ValueError(f"`input_scales[{i}]` must be a vector (in,); received shape {scale.shape}.")
-        if not any(np.array_equal(scale, seen) for seen in scales):
-            scales.append(scale)
+    scales = _distinct_scales(input_scales)
     import flatbuffers
 
     s = _schema()
@@ -288,88 +282,9 @@ def requantize_blocks(tflite_path, out_path, q4_1_bits=8, input_scales=(), block
         raise ValueError(f"`tflite_path` is not a TFLite flatbuffer (no 'TFL3' identifier): {tflite_path}")
     model = s.ModelT.InitFromPackedBuf(raw, 0)
     codes = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in model.operatorCodes]
-    FC, GATHER = s.BuiltinOperator.FULLY_CONNECTED, s.BuiltinOperator.GATHER
     summary = {"q8_0": [], "q4_1": [], "unscaled": [], "kept": []}
     for graph in model.subgraphs:
-        edit = _Editor(s, model, graph)
-        readers = {}  # tensor index -> [(op, input position)]
-        for op in graph.operators:
-            for position, index in enumerate(op.inputs):
-                if index >= 0:
-                    readers.setdefault(index, []).append((op, position))
-        weights = []
-        for op in graph.operators:
-            code = codes[op.opcodeIndex]
-            position = 1 if code == FC else 0 if code == GATHER else None
-            if position is None or len(op.inputs) <= position:
-                continue
-            index = op.inputs[position]
-            if index not in weights and graph.tensors[index].type == s.TensorType.FLOAT32:
-                weights.append(index)
-        q4_1_readers = {}  # id(FC op) -> (its filter tensor, the dequantized M tensor)
-        prescaled = {}  # id(FC op) -> the constant tensor of the input scale to multiply its input by
-        stored = {}  # (shape, hash of the block weights) -> (kind, dequantized d*q tensor, M tensor or None)
-        for index in weights:
-            tensor = graph.tensors[index]
-            name = edit.name(index)
-            values = _constant(model, tensor, raw)
-            if values is None:
-                continue  # a computed weight (not a constant)
-            only_fc = all(codes[op.opcodeIndex] == FC and position == 1 for op, position in readers[index])
-            unfused = only_fc and all(getattr(op.builtinOptions, "fusedActivationFunction", 0)
-                                      == s.ActivationFunctionType.NONE for op, _ in readers[index])
-            found, scale = _decompose(values), None
-            if found is None and only_fc and values.ndim == 2:
-                for candidate in scales:
-                    # The first row rules most candidates out cheaply.
-                    if len(candidate) == values.shape[1] and _decompose(values[:1], candidate) is not None:
-                        found = _decompose(values, candidate)
-                        if found is not None:
-                            scale = candidate
-                            break
-            if found is None:
-                summary["kept"].append((name, "not Q8_0 / Q4_1 blocks along the last axis (times an input scale)"))
-                continue
-            if found[0] == "q4_1" and not unfused:
-                summary["kept"].append((name, "Q4_1 blocks read by an op other than an unfused FULLY_CONNECTED"))
-                continue
-            rows, columns = values.shape
-            block_weights = values if scale is None else _rebuild(found, values.shape)
-            key = (values.shape, hashlib.sha1(block_weights.tobytes()).digest())
-            tensor.buffer = 0  # the weight is now computed: RESHAPE writes it
-            summary[found[0]].append(name)
-            if scale is not None:
-                summary["unscaled"].append(name)
-                g = edit.tensor(f"{name}/input_scale", [columns], s.TensorType.FLOAT32, scale)
-                for op, _ in readers[index]:
-                    prescaled[id(op)] = g
-            if key in stored:  # the same block weights under another tensor (a tied table): one integer copy
-                kind, scaled, full = stored[key]
-                edit.reshape(scaled, index, [rows, columns])
-            else:
-                scaled, full = _store(edit, name, found, q4_1_bits, block_scales, values.shape)
-                edit.reshape(scaled, index, [rows, columns])  # (out, in): d*q, block by block
-                stored[key] = (found[0], scaled, full)
-            if found[0] == "q4_1":
-                for op, _ in readers[index]:
-                    q4_1_readers[id(op)] = (index, full)
-        if not stored:
-            continue
-        sums = {}  # input tensor index -> its block sums
-        products = {}  # (input, scale tensor) -> the input times the scale
-        for op in graph.operators:
-            if id(op) in prescaled:
-                key = (op.inputs[0], prescaled[id(op)])
-                if key not in products:
-                    x_shape = graph.tensors[op.inputs[0]].shape
-                    products[key] = edit.tensor(f"{edit.name(op.inputs[0])}/scaled", x_shape, s.TensorType.FLOAT32)
-                    edit.op(s.BuiltinOperator.MUL, list(key), [products[key]], s.BuiltinOptions.MulOptions,
-                            s.MulOptionsT())
-                op.inputs = [products[key]] + list(op.inputs[1:])
-            edit.ops.append(op)
-            if id(op) in q4_1_readers:
-                _add_minimum_term(edit, op, *q4_1_readers[id(op)], sums)
-        graph.operators = edit.ops
+        _requantize_graph(_Editor(s, model, graph), raw, codes, scales, q4_1_bits, block_scales, summary)
     referenced = {t.buffer for g in model.subgraphs for t in g.tensors}
     for i, buffer in enumerate(model.buffers):
         if i and i not in referenced and buffer.data is not None and len(buffer.data) > 0:
@@ -379,6 +294,120 @@ def requantize_blocks(tflite_path, out_path, q4_1_bits=8, input_scales=(), block
     write_atomic(out_path, builder.Output())
     summary["bytes"] = os.path.getsize(out_path)
     return summary
+
+
+def _distinct_scales(input_scales):
+    """`input_scales` as float32 vectors, each once."""
+    scales = []
+    for i, scale in enumerate(input_scales):
+        scale = np.asarray(scale, np.float32)
+        if scale.ndim != 1:
+            raise ValueError(f"`input_scales[{i}]` must be a vector (in,); received shape {scale.shape}.")
+        if not any(np.array_equal(scale, seen) for seen in scales):
+            scales.append(scale)
+    return scales
+
+
+def _requantize_graph(edit, raw, codes, scales, q4_1_bits, block_scales, summary):
+    """Store the block weights of one subgraph (`edit.graph`) as integers, noting them in `summary`; `codes`: the
+    builtin operator of each operator code."""
+    s, model, graph = edit.s, edit.model, edit.graph
+    readers = {}  # tensor index -> [(op, input position)]
+    for op in graph.operators:
+        for position, index in enumerate(op.inputs):
+            if index >= 0:
+                readers.setdefault(index, []).append((op, position))
+    q4_1_readers = {}  # id(FC op) -> (its filter tensor, the dequantized M tensor)
+    prescaled = {}  # id(FC op) -> the constant tensor of the input scale to multiply its input by
+    stored = {}  # (shape, hash of the block weights) -> (dequantized d*q tensor, M tensor or None)
+    for index in _float_weights(s, graph, codes):
+        tensor = graph.tensors[index]
+        name = edit.name(index)
+        values = _constant(model, tensor, raw)
+        if values is None:
+            continue  # a computed weight (not a constant)
+        found, scale, kept = _find_blocks(s, values, readers[index], codes, scales)
+        if found is None:
+            summary["kept"].append((name, kept))
+            continue
+        rows, columns = values.shape
+        block_weights = values if scale is None else _rebuild(found, values.shape)
+        key = (values.shape, hashlib.sha1(block_weights.tobytes()).digest())
+        tensor.buffer = 0  # the weight is now computed: RESHAPE writes it
+        summary[found[0]].append(name)
+        if scale is not None:
+            summary["unscaled"].append(name)
+            g = edit.tensor(f"{name}/input_scale", [columns], s.TensorType.FLOAT32, scale)
+            for op, _ in readers[index]:
+                prescaled[id(op)] = g
+        if key not in stored:  # else the same block weights under another tensor (a tied table): one integer copy
+            stored[key] = _store(edit, name, found, q4_1_bits, block_scales, values.shape)
+        scaled, full = stored[key]
+        edit.reshape(scaled, index, [rows, columns])  # (out, in): d*q, block by block
+        if found[0] == "q4_1":
+            for op, _ in readers[index]:
+                q4_1_readers[id(op)] = (index, full)
+    if stored:
+        _insert_ops(edit, prescaled, q4_1_readers)
+
+
+def _float_weights(s, graph, codes):
+    """The float32 weight tensors of a subgraph: `FULLY_CONNECTED` filters and `GATHER` tables, each once."""
+    FC, GATHER = s.BuiltinOperator.FULLY_CONNECTED, s.BuiltinOperator.GATHER
+    weights = []
+    for op in graph.operators:
+        code = codes[op.opcodeIndex]
+        position = 1 if code == FC else 0 if code == GATHER else None
+        if position is None or len(op.inputs) <= position:
+            continue
+        index = op.inputs[position]
+        if index not in weights and graph.tensors[index].type == s.TensorType.FLOAT32:
+            weights.append(index)
+    return weights
+
+
+def _find_blocks(s, values, readers, codes, scales):
+    """`(found, scale, None)`: the `_decompose` blocks of a constant weight `values` (read by `readers`, `(op,
+    input position)`s), times one of the input `scales` or `scale` None; or `(None, None, why it is kept)`."""
+    FC = s.BuiltinOperator.FULLY_CONNECTED
+    only_fc = all(codes[op.opcodeIndex] == FC and position == 1 for op, position in readers)
+    unfused = only_fc and all(getattr(op.builtinOptions, "fusedActivationFunction", 0)
+                              == s.ActivationFunctionType.NONE for op, _ in readers)
+    found, scale = _decompose(values), None
+    if found is None and only_fc and values.ndim == 2:
+        for candidate in scales:
+            # The first row rules most candidates out cheaply.
+            if len(candidate) == values.shape[1] and _decompose(values[:1], candidate) is not None:
+                found = _decompose(values, candidate)
+                if found is not None:
+                    scale = candidate
+                    break
+    if found is None:
+        return None, None, "not Q8_0 / Q4_1 blocks along the last axis (times an input scale)"
+    if found[0] == "q4_1" and not unfused:
+        return None, None, "Q4_1 blocks read by an op other than an unfused FULLY_CONNECTED"
+    return found, scale, None
+
+
+def _insert_ops(edit, prescaled, q4_1_readers):
+    """The subgraph's ops with `x * g` before each `FULLY_CONNECTED` in `prescaled` and the Q4_1 minimum term after
+    each in `q4_1_readers` (after the ops `edit` already made: the weights' DEQUANTIZE, MUL and RESHAPE)."""
+    s, graph = edit.s, edit.graph
+    sums = {}  # input tensor index -> its block sums
+    products = {}  # (input, scale tensor) -> the input times the scale
+    for op in graph.operators:
+        if id(op) in prescaled:
+            key = (op.inputs[0], prescaled[id(op)])
+            if key not in products:
+                x_shape = graph.tensors[op.inputs[0]].shape
+                products[key] = edit.tensor(f"{edit.name(op.inputs[0])}/scaled", x_shape, s.TensorType.FLOAT32)
+                edit.op(s.BuiltinOperator.MUL, list(key), [products[key]], s.BuiltinOptions.MulOptions,
+                        s.MulOptionsT())
+            op.inputs = [products[key]] + list(op.inputs[1:])
+        edit.ops.append(op)
+        if id(op) in q4_1_readers:
+            _add_minimum_term(edit, op, *q4_1_readers[id(op)], sums)
+    graph.operators = edit.ops
 
 
 def _store(edit, name, found, q4_1_bits, block_scales, shape):

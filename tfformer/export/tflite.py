@@ -210,6 +210,50 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
             signatures). A `BytePairTokenizer`'s ops are not TFLite ops: keep it on the host
             (`tfformer.edge.Generator(path, tokenizer=...)`).
     """
+    config = _check_decoder_arguments(model, max_length, source_length, quantize, tokenizer)
+    max_length = max_length or config.max_sequence_length
+    cache_spec = tf.TensorSpec(
+        [config.num_decoder_layers, 1, 2, config.key_value_heads, max_length, config.head_dim], tf.float32, name="cache"
+    )
+    index_spec = tf.TensorSpec([], tf.int32, name="index")
+    token_spec = tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS)
+    if config.architecture == "causal_lm":
+        endpoints = _causal_lm_endpoints(model, token_spec, cache_spec, index_spec)
+    elif config.architecture == "speech_seq2seq":
+        if not isinstance(model, WhisperModel):
+            raise ValueError(f"A speech_seq2seq decoder file needs a `tfformer.models.WhisperModel` (its prompt, "
+                             f"suppression and end id). Received: model={type(model).__name__}")
+        if source_length is not None or tokenizer is not None:
+            raise ValueError("A Whisper decoder file takes 30-second windows of log-mel frames and keeps its "
+                             "byte-level BPE on the host: pass neither `source_length` nor `tokenizer`. Received: "
+                             f"source_length={source_length!r}, tokenizer={type(tokenizer).__name__}")
+        endpoints = _speech_endpoints(model, token_spec, cache_spec, index_spec)
+    elif config.architecture == "seq2seq":
+        source_length = source_length or config.max_sequence_length
+        endpoints = _seq2seq_endpoints(model, source_length, token_spec, cache_spec, index_spec)
+    else:
+        raise ValueError(f"A decoder file needs a seq2seq, speech_seq2seq or causal_lm model. Received "
+                         f"architecture={config.architecture!r}")
+    if tokenizer is not None:
+        endpoints.update(_tokenizer_endpoints(tokenizer, source_length or max_length))
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = keras.export.ExportArchive()
+        # Not `track(model)`: that would also save a task's `preprocessor` (hash tables, not TFLite ops); the
+        # endpoints track the variables they use.
+        if tokenizer is not None:
+            archive.track(tokenizer)
+        for name, (fn, spec) in endpoints.items():
+            archive.add_endpoint(name, fn, input_signature=spec)
+        archive.write_out(tmp, verbose=False)
+        converter = _converter(tmp, list(endpoints), None if quantize == "gguf" else quantize, None,
+                               custom_ops=tokenizer is not None)
+        if quantize != "gguf":
+            return _write(converter, path)
+        return _requantized(converter, model, tmp, path)
+
+
+def _check_decoder_arguments(model, max_length, source_length, quantize, tokenizer):
+    """`tflite_decoder`'s argument checks; returns `model.config`."""
     config = getattr(model, "config", None)
     if not isinstance(model, keras.Model) or config is None:
         raise ValueError(f"`model` must be a tfformer CausalLM, Seq2SeqTransformer or WhisperModel. Received: "
@@ -226,76 +270,47 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
         raise ValueError(f"`tokenizer` ({type(tokenizer).__name__}) has no TFLite ops (`tokenize_for_tflite`); keep "
                          "it on the host with `tfformer.edge.Generator(path, tokenizer=tokenizer)` and pass "
                          "tokenizer=None here.")
-    max_length = max_length or limit
-    cache_spec = tf.TensorSpec(
-        [config.num_decoder_layers, 1, 2, config.key_value_heads, max_length, config.head_dim], tf.float32, name="cache"
+    return config
+
+
+def _causal_lm_endpoints(model, token_spec, cache_spec, index_spec):
+    def decode_step(token_ids, cache, index):
+        logits, cache = model.decode_step(token_ids, cache, index)
+        return {sig.LOGITS: logits, "cache": cache}
+
+    return {"decode_step": (decode_step, [token_spec, cache_spec, index_spec])}
+
+
+def _seq2seq_endpoints(model, source_length, token_spec, cache_spec, index_spec):
+    config = model.config
+    src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
+    cross_spec = tf.TensorSpec(
+        [config.num_decoder_layers, 1, 2, config.key_value_heads, source_length, config.head_dim], tf.float32,
+        name="cross_cache",
     )
-    index_spec = tf.TensorSpec([], tf.int32, name="index")
-    token_spec = tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS)
-    endpoints = {}
-    if config.architecture == "causal_lm":
+    mask_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_padding_mask")
 
-        def decode_step(token_ids, cache, index):
-            logits, cache = model.decode_step(token_ids, cache, index)
-            return {sig.LOGITS: logits, "cache": cache}
+    def encode(encoder_token_ids):
+        outputs, mask = model.encode(encoder_token_ids)
+        return {"cross_cache": model.cross_attention_caches(outputs),
+                "encoder_padding_mask": tf.cast(mask, tf.int32)}
 
-        endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec])
-    elif config.architecture == "speech_seq2seq":
-        if not isinstance(model, WhisperModel):
-            raise ValueError(f"A speech_seq2seq decoder file needs a `tfformer.models.WhisperModel` (its prompt, "
-                             f"suppression and end id). Received: model={type(model).__name__}")
-        if source_length is not None or tokenizer is not None:
-            raise ValueError("A Whisper decoder file takes 30-second windows of log-mel frames and keeps its "
-                             "byte-level BPE on the host: pass neither `source_length` nor `tokenizer`. Received: "
-                             f"source_length={source_length!r}, tokenizer={type(tokenizer).__name__}")
-        endpoints.update(_speech_endpoints(model, token_spec, cache_spec, index_spec))
-    elif config.architecture == "seq2seq":
-        source_length = source_length or config.max_sequence_length
-        src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
-        cross_spec = tf.TensorSpec(
-            [config.num_decoder_layers, 1, 2, config.key_value_heads, source_length, config.head_dim], tf.float32,
-            name="cross_cache",
-        )
-        mask_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_padding_mask")
+    def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
+        logits, cache = model.decode_step(token_ids, cache, index, cross_cache,
+                                          tf.cast(encoder_padding_mask, tf.bool))
+        return {sig.LOGITS: logits, "cache": cache}
 
-        def encode(encoder_token_ids):
-            outputs, mask = model.encode(encoder_token_ids)
-            return {"cross_cache": model.cross_attention_caches(outputs),
-                    "encoder_padding_mask": tf.cast(mask, tf.int32)}
+    return {"encode": (encode, [src_spec]),
+            "decode_step": (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])}
 
-        def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
-            logits, cache = model.decode_step(token_ids, cache, index, cross_cache,
-                                              tf.cast(encoder_padding_mask, tf.bool))
-            return {sig.LOGITS: logits, "cache": cache}
 
-        endpoints["encode"] = (encode, [src_spec])
-        endpoints["decode_step"] = (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])
-    else:
-        raise ValueError(f"A decoder file needs a seq2seq, speech_seq2seq or causal_lm model. Received "
-                         f"architecture={config.architecture!r}")
-    if tokenizer is not None:
-        text_length = source_length or max_length
+def _tokenizer_endpoints(tokenizer, text_length):
+    def tokenize(text):
+        ids = tokenizer.tokenize_for_tflite(text)  # FastSentencepieceTokenize only
+        return {sig.TOKEN_IDS: ids.to_tensor(shape=[None, text_length])}
 
-        def tokenize(text):
-            ids = tokenizer.tokenize_for_tflite(text)  # FastSentencepieceTokenize only
-            return {sig.TOKEN_IDS: ids.to_tensor(shape=[None, text_length])}
+    def detokenize(token_ids):
+        return {sig.TEXT: tokenizer.detokenize_for_tflite(token_ids)}
 
-        def detokenize(token_ids):
-            return {sig.TEXT: tokenizer.detokenize_for_tflite(token_ids)}
-
-        endpoints["tokenize"] = (tokenize, [tf.TensorSpec([1], tf.string, name=sig.TEXT)])
-        endpoints["detokenize"] = (detokenize, [tf.TensorSpec([1, None], tf.int32, name=sig.TOKEN_IDS)])
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = keras.export.ExportArchive()
-        # Not `track(model)`: that would also save a task's `preprocessor` (hash tables, not TFLite ops); the
-        # endpoints track the variables they use.
-        if tokenizer is not None:
-            archive.track(tokenizer)
-        for name, (fn, spec) in endpoints.items():
-            archive.add_endpoint(name, fn, input_signature=spec)
-        archive.write_out(tmp, verbose=False)
-        converter = _converter(tmp, list(endpoints), None if quantize == "gguf" else quantize, None,
-                               custom_ops=tokenizer is not None)
-        if quantize != "gguf":
-            return _write(converter, path)
-        return _requantized(converter, model, tmp, path)
+    return {"tokenize": (tokenize, [tf.TensorSpec([1], tf.string, name=sig.TEXT)]),
+            "detokenize": (detokenize, [tf.TensorSpec([1, None], tf.int32, name=sig.TOKEN_IDS)])}

@@ -16,6 +16,8 @@ with 1, the mean log-probability per token). Two ways to finish:
 Beam size 1 is exactly greedy decoding. A beam ends at `end_id` (`-1`: never).
 """
 
+import collections
+import functools
 import math
 
 import tensorflow as tf
@@ -57,6 +59,18 @@ def _penalized(scores, lengths, length_penalty, normalization="gnmt"):
     if normalization == "length":
         return scores / tf.pow(lengths, length_penalty)
     return scores / tf.pow((5.0 + lengths) / 6.0, length_penalty)
+
+
+# What a beam step needs of the rows: the batch size, the end and fill ids, the prompt lengths `(B,)` (or None)
+# and the column (exclusive) each row's last token goes in.
+_Rows = collections.namedtuple("_Rows", "batch end_id fill prompt_lengths row_stop")
+
+
+def _in_prompt(rows, column):
+    """`(B, 1)`: whether `column` is still in each row's prompt (never without prompt lengths)."""
+    if rows.prompt_lengths is None:
+        return tf.zeros([rows.batch, 1], tf.bool)
+    return (column < rows.prompt_lengths)[:, None]
 
 
 def _write(tokens, column, token):
@@ -113,134 +127,106 @@ class BeamSampler(Sampler):
         runs all `max_new_tokens` columns and an ended beam continues with `fill` at no cost; with it the loop
         stops when every row has finished. After the chosen sequence's end its columns hold `fill`."""
         self.check_plan(plan)
-        if self.patience is not None:
-            return self._run_with_patience(next, tokens, cache, index, end_id, max_new_tokens, column, ids, logits,
-                                           prompt_lengths, fill, plan, prefix)
         beam = self.beams
         column, written = self._columns(index, column, ids, logits)
         batch = tf.shape(tokens)[0]
-        tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, T)
-        scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
-        finished = tf.zeros([batch, beam], tf.bool)
-        lengths = tf.zeros([batch, beam], tf.int32)
-        row_lengths = None if prompt_lengths is None else tf.tile(prompt_lengths[:, None], [1, beam])  # (B, K)
-
-        def choose(logits, column, tokens, cache, scores, finished, lengths):
-            vocab = logits.shape[-1]
-            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
-            if row_lengths is None:
-                forced = tf.fill([batch, beam], -1)
-            else:
-                in_prompt = column < row_lengths
-                forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
-            scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab, fill)
-            cache = _reorder(cache, _flat(source, beam))
-            tokens = tf.gather(tokens, source, batch_dims=1)
-            finished = tf.gather(finished, source, batch_dims=1)
-            generated = ~finished if row_lengths is None else ~finished & ~in_prompt
-            lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(generated, tf.int32)
-            tokens = _write(tokens, column, token)
-            if row_lengths is None:
-                finished = finished | tf.equal(token, end_id)
-            else:
-                ended = column + 1 >= row_lengths + max_new_tokens
-                finished = finished | (generated & tf.equal(token, end_id)) | ended
-            return tf.reshape(token, (-1, 1)), tokens, cache, scores, finished, lengths  # ids (B*K, 1)
-
-        state = (ids, tokens, cache, scores, finished, lengths)
+        # The column (exclusive) a row's last token goes in: (B,), or a scalar without prompt lengths.
+        row_stop = column + max_new_tokens if prompt_lengths is None else prompt_lengths + max_new_tokens
+        rows = _Rows(batch, end_id, fill, prompt_lengths, row_stop)
+        state = (ids, tf.tile(tokens[:, None, :], [1, beam, 1]), cache,  # tokens (B, K, T)
+                 tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1]),  # only beam 0 is live
+                 tf.zeros([batch, beam], tf.int32))  # scores (B, K), lengths (B, K)
+        if self.patience is None:
+            step = functools.partial(self._gnmt_step, rows)
+            state += (tf.zeros([batch, beam], tf.bool),)  # finished (B, K)
+        else:
+            step = functools.partial(self._patience_step, rows)
+            # The best finished hypothesis (B, T), its normalized score, how many finished, whether a row is done.
+            state += (tokens, tf.fill([batch], -float("inf")), tf.zeros([batch], tf.int32), tf.zeros([batch], tf.bool))
         if logits is not None:
-            state = choose(logits, column, *state[1:])
+            state = step(logits, column, *state[1:])
         stop = (column if prompt_lengths is None else tf.reduce_max(prompt_lengths)) + max_new_tokens
 
-        def cond(i, *_):
-            return written(i) < stop
+        def cond(i, *state):
+            if self.patience is None:
+                return written(i) < stop
+            return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(state[-1])))  # state[-1]: done
 
         def body(plan, i, ids, tokens, cache, *rest):
             logits, _, cache = next(ids, cache, i, plan=plan)
-            return (i + 1, *choose(logits, written(i), tokens, cache, *rest))
+            return (i + 1, *step(logits, written(i), tokens, cache, *rest))
 
-        _, _, tokens, _, scores, _, lengths = self._loop(cond, body, (index, *state), plan, prefix, max_new_tokens)
+        _, _, tokens, _, scores, lengths, *rest = self._loop(cond, body, (index, *state), plan, prefix, max_new_tokens)
+        if self.patience is not None:
+            return rest[0]  # the best finished hypothesis (B, T)
         penalized = _penalized(scores, lengths, self.length_penalty, self.normalization)
         best = tf.argmax(penalized, axis=1, output_type=tf.int32)  # (B,)
         return tf.gather(tokens, best, batch_dims=1)  # (B, T)
 
-    def _run_with_patience(self, next, tokens, cache, index, end_id, max_new_tokens, column, ids, logits,
-                           prompt_lengths, fill, plan, prefix):
-        """`run` with finished hypotheses set aside (see the module docstring): live beams never end, and each
-        row keeps only its best finished hypothesis `(B, T)`, its normalized score and how many finished."""
-        beam, candidates = self.beams, 2 * self.beams
-        # CTranslate2's `round(beam_size * patience)`, halves away from zero; at least one hypothesis.
-        needed = max(1, math.floor(beam * self.patience + 0.5))
-        # Without a length penalty no live beam can overtake the best candidate once it ends.
-        early_exit = self.length_penalty == 0
-        column, written = self._columns(index, column, ids, logits)
-        batch = tf.shape(tokens)[0]
-        best_tokens = tokens
-        tokens = tf.tile(tokens[:, None, :], [1, beam, 1])  # (B, K, T)
-        scores = tf.tile(tf.concat([[0.0], tf.fill([beam - 1], NEG)], 0)[None], [batch, 1])  # only beam 0 is live
-        lengths = tf.zeros([batch, beam], tf.int32)
-        best_score = tf.fill([batch], -float("inf"))
-        count = tf.zeros([batch], tf.int32)
-        done = tf.zeros([batch], tf.bool)
-        live = tf.zeros([batch, beam], tf.bool)  # no live beam has ended: `_select` lets every beam continue
-        if prompt_lengths is None:
-            stop = column + max_new_tokens
-            row_stop = stop
+    def _gnmt_step(self, rows, logits, column, tokens, cache, scores, lengths, finished):
+        """GNMT's step at `column`: every beam continues (an ended one with `fill`, at no cost). Returns the ids
+        `(B*K, 1)` to feed next and the new `(tokens, cache, scores, lengths, finished)`."""
+        beam, vocab = self.beams, logits.shape[-1]
+        log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
+        if rows.prompt_lengths is None:
+            forced = tf.fill([rows.batch, beam], -1)
         else:
-            stop = tf.reduce_max(prompt_lengths) + max_new_tokens
-            row_stop = prompt_lengths + max_new_tokens  # (B,)
-        order = tf.cast(candidates - tf.range(candidates), tf.float32)  # (C,): larger for earlier candidates
-
-        def choose(logits, column, tokens, cache, scores, lengths, best_tokens, best_score, count, done):
-            vocab = logits.shape[-1]
-            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
-            if prompt_lengths is None:
-                in_prompt = tf.zeros([batch, 1], tf.bool)
-            else:
-                in_prompt = (column < prompt_lengths)[:, None]  # (B, 1)
+            in_prompt = _in_prompt(rows, column)  # (B, 1)
             forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
-            cand_scores, source, token = _select(scores, log_probs, forced, live, beam, vocab, fill, candidates)
-            ended = tf.equal(token, end_id) & ~in_prompt  # (B, C)
-            last = tf.broadcast_to(column + 1 >= row_stop, [batch])  # (B,): every live beam finishes
-            cand_lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(~ended & ~in_prompt, tf.int32)
+        scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab, rows.fill)
+        cache = _reorder(cache, _flat(source, beam))
+        tokens = tf.gather(tokens, source, batch_dims=1)
+        finished = tf.gather(finished, source, batch_dims=1)
+        generated = ~finished if rows.prompt_lengths is None else ~finished & ~in_prompt
+        lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(generated, tf.int32)
+        tokens = _write(tokens, column, token)
+        if rows.prompt_lengths is None:
+            finished = finished | tf.equal(token, rows.end_id)
+        else:
+            ended = (column + 1 >= rows.row_stop)[:, None]  # (B, 1)
+            finished = finished | (generated & tf.equal(token, rows.end_id)) | ended
+        return tf.reshape(token, (-1, 1)), tokens, cache, scores, lengths, finished  # ids (B*K, 1)
 
-            # Finished hypotheses: the ended among the best `beam` candidates (every one of them at the last column).
-            register = (tf.range(candidates) < beam) & (ended | last[:, None]) & ~done[:, None]  # (B, C)
-            normalized = tf.where(register, _penalized(cand_scores, cand_lengths, self.length_penalty,
-                                                       self.normalization), -float("inf"))
-            pick = tf.argmax(normalized, axis=1, output_type=tf.int32)  # (B,)
-            picked = tf.gather(normalized, pick, batch_dims=1)
-            hypothesis = _write(tf.gather(tokens, tf.gather(source, pick, batch_dims=1), batch_dims=1), column,
-                                tf.gather(token, pick, batch_dims=1))  # (B, T)
-            # The first hypothesis counts even at -inf (an end at length 0 under `length ** length_penalty`).
-            better = (picked > best_score) | ((count == 0) & tf.reduce_any(register, axis=1))
-            best_tokens = tf.where(better[:, None], hypothesis, best_tokens)
-            best_score = tf.where(better, picked, best_score)
-            count += tf.reduce_sum(tf.cast(register, tf.int32), axis=1)
-            finished = register[:, 0] if early_exit else count >= needed
-            done = done | finished | last
+    def _patience_step(self, rows, logits, column, tokens, cache, scores, lengths, best_tokens, best_score, count,
+                       done):
+        """The step at `column` with finished hypotheses set aside (see the module docstring): live beams never
+        end, and each row keeps only its best finished hypothesis `(B, T)`, its normalized score and how many
+        finished. Returns the ids `(B*K, 1)` to feed next and the new state, as `_gnmt_step`."""
+        beam, candidates, vocab = self.beams, 2 * self.beams, logits.shape[-1]
+        log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
+        in_prompt = _in_prompt(rows, column)  # (B, 1)
+        forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
+        live = tf.zeros([rows.batch, beam], tf.bool)  # no live beam has ended: `_select` lets every beam continue
+        cand_scores, source, token = _select(scores, log_probs, forced, live, beam, vocab, rows.fill, candidates)
+        ended = tf.equal(token, rows.end_id) & ~in_prompt  # (B, C)
+        last = tf.broadcast_to(column + 1 >= rows.row_stop, [rows.batch])  # (B,): every live beam finishes
+        cand_lengths = tf.gather(lengths, source, batch_dims=1) + tf.cast(~ended & ~in_prompt, tf.int32)
 
-            # Live beams: the first `beam` candidates that did not end (a beam ends at most once per step, so at
-            # least `beam` of the `2 * beam` did not).
-            _, keep = tf.math.top_k(tf.where(ended, 0.0, order), k=beam)  # (B, K)
-            source = tf.gather(source, keep, batch_dims=1)
-            token = tf.gather(token, keep, batch_dims=1)
-            scores = tf.gather(cand_scores, keep, batch_dims=1)
-            lengths = tf.gather(cand_lengths, keep, batch_dims=1)
-            cache = _reorder(cache, _flat(source, beam))
-            tokens = _write(tf.gather(tokens, source, batch_dims=1), column, token)
-            return (tf.reshape(token, (-1, 1)), tokens, cache, scores, lengths, best_tokens, best_score, count,
-                    done)  # ids (B*K, 1)
+        # Finished hypotheses: the ended among the best `beam` candidates (every one of them at the last column).
+        register = (tf.range(candidates) < beam) & (ended | last[:, None]) & ~done[:, None]  # (B, C)
+        normalized = tf.where(register, _penalized(cand_scores, cand_lengths, self.length_penalty,
+                                                   self.normalization), -float("inf"))
+        pick = tf.argmax(normalized, axis=1, output_type=tf.int32)  # (B,)
+        picked = tf.gather(normalized, pick, batch_dims=1)
+        hypothesis = _write(tf.gather(tokens, tf.gather(source, pick, batch_dims=1), batch_dims=1), column,
+                            tf.gather(token, pick, batch_dims=1))  # (B, T)
+        # The first hypothesis counts even at -inf (an end at length 0 under `length ** length_penalty`).
+        better = (picked > best_score) | ((count == 0) & tf.reduce_any(register, axis=1))
+        best_tokens = tf.where(better[:, None], hypothesis, best_tokens)
+        best_score = tf.where(better, picked, best_score)
+        count += tf.reduce_sum(tf.cast(register, tf.int32), axis=1)
+        # Without a length penalty no live beam can overtake the best candidate once it ends; else CTranslate2's
+        # `round(beam_size * patience)` hypotheses (halves away from zero; at least one).
+        needed = max(1, math.floor(beam * self.patience + 0.5))
+        done = done | (register[:, 0] if self.length_penalty == 0 else count >= needed) | last
 
-        state = (ids, tokens, cache, scores, lengths, best_tokens, best_score, count, done)
-        if logits is not None:
-            state = choose(logits, column, *state[1:])
-
-        def cond(i, *state):
-            return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(state[-1])))
-
-        def body(plan, i, ids, tokens, cache, *rest):
-            logits, _, cache = next(ids, cache, i, plan=plan)
-            return (i + 1, *choose(logits, written(i), tokens, cache, *rest))
-
-        return self._loop(cond, body, (index, *state), plan, prefix, max_new_tokens)[6]  # best_tokens (B, T)
+        # Live beams: the first `beam` candidates that did not end (a beam ends at most once per step, so at least
+        # `beam` of the `2 * beam` did not).
+        order = tf.cast(candidates - tf.range(candidates), tf.float32)  # (C,): larger for earlier candidates
+        _, keep = tf.math.top_k(tf.where(ended, 0.0, order), k=beam)  # (B, K)
+        source, token = tf.gather(source, keep, batch_dims=1), tf.gather(token, keep, batch_dims=1)
+        scores = tf.gather(cand_scores, keep, batch_dims=1)
+        lengths = tf.gather(cand_lengths, keep, batch_dims=1)
+        cache = _reorder(cache, _flat(source, beam))
+        tokens = _write(tf.gather(tokens, source, batch_dims=1), column, token)
+        return tf.reshape(token, (-1, 1)), tokens, cache, scores, lengths, best_tokens, best_score, count, done

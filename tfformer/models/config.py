@@ -55,29 +55,23 @@ class TransformerConfig:
     rope_max_wavelength: float = 10000.0  # position="rotary": the rotary base (keras-hub's Llama name)
 
     def __post_init__(self):
-        def choice(name, allowed):
+        self._check_values()
+        self._check_architecture()
+
+    def _check_values(self):
+        """Each field's type and range, and the head counts that must divide."""
+        for name, allowed in (("architecture", ARCHITECTURES), ("position", POSITIONS), ("activation", ACTIVATIONS),
+                              ("score", SCORES), ("normalization", NORMALIZATIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
-
-        def positive(name, allow_zero=False, allow_none=False):
-            check_int(name, getattr(self, name), minimum=0 if allow_zero else 1, allow_none=allow_none)
-
-        choice("architecture", ARCHITECTURES)
-        choice("position", POSITIONS)
-        choice("activation", ACTIVATIONS)
-        choice("score", SCORES)
-        choice("normalization", NORMALIZATIONS)
         for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length",
                      "output_dim"):
-            positive(name)
+            check_int(name, getattr(self, name))
         for name in ("num_encoder_layers", "num_decoder_layers", "num_segments"):
-            positive(name, allow_zero=True)
-        positive("num_classes", allow_none=True)
-        positive("input_dim", allow_none=True)
-        positive("num_key_value_heads", allow_none=True)
-        positive("num_mel_bins", allow_none=True)
-        positive("max_source_positions", allow_none=True)
+            check_int(name, getattr(self, name), minimum=0)
+        for name in ("num_classes", "input_dim", "num_key_value_heads", "num_mel_bins", "max_source_positions"):
+            check_int(name, getattr(self, name), allow_none=True)
         if self.num_key_value_heads is not None and self.num_heads % self.num_key_value_heads:
             raise ValueError(
                 "`num_key_value_heads` must divide `num_heads`. "
@@ -89,6 +83,9 @@ class TransformerConfig:
                 f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
             )
         check_dropout(self.dropout)
+
+    def _check_architecture(self):
+        """What `architecture` needs, and the variants only some architectures build."""
         if self.architecture == "regressor" and self.input_dim is None:
             raise ValueError("`input_dim` is required when architecture='regressor'. Received: input_dim=None")
         if self.architecture == "speech_seq2seq":
@@ -112,7 +109,7 @@ class TransformerConfig:
                  "regressor": ("num_encoder_layers",), "causal_lm": ("num_decoder_layers",),
                  "speech_seq2seq": ("num_encoder_layers", "num_decoder_layers")}
         for name in needs[self.architecture]:
-            positive(name)
+            check_int(name, getattr(self, name))
 
     @property
     def head_dim(self):
