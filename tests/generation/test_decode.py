@@ -10,6 +10,7 @@ from tests.harness import matmuls_fed_by
 from tfformer import generation, models
 from tfformer.generation import decode
 from tfformer.generation.decode import END_ID
+from tfformer.generation.decode import compiled_functions
 
 CFG = dict(vocabulary_size=24, hidden_dim=16, num_heads=2, intermediate_dim=32, num_encoder_layers=1,
            num_decoder_layers=2, dropout=0.0, max_sequence_length=32, norm_first=True, tie_embeddings=False)
@@ -97,7 +98,7 @@ def test_grouped_query_attention_cached_greedy_equals_uncached(architecture, jit
     rows = [generation.generate_ids(model, inputs[i : i + 1], 6, jit_compile=jit_compile) for i in range(len(inputs))]
     assert [_trim(r)[0] for r in rows] == expected
     if jit_compile:
-        assert sorted(key[-1] for key in model._tfformer_generate_fns) == ["halves", "rows"]
+        assert sorted(key[-1] for key in compiled_functions(model)) == ["halves", "rows"]
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
@@ -177,7 +178,7 @@ GREEDY = ("greedy", 1.0, None, None, 0)  # Sampler().key()
 
 
 def _fn_key(model, max_new_tokens, layout, method=GREEDY):
-    """The key of the XLA function `generate_ids` caches in `model._tfformer_generate_fns` (its default plan)."""
+    """The key of the XLA function `generate_ids` caches in `compiled_functions(model)` (its default plan)."""
     from tfformer.generation.plan import DecodePlan
 
     return (model.config.architecture, max_new_tokens, method, True, END_ID,
@@ -188,7 +189,7 @@ def _fn_key(model, max_new_tokens, layout, method=GREEDY):
 def test_generate_does_not_retrace(seq2seq, batch):
     generation.generate_ids(seq2seq, SOURCE[:batch], 5)
     layout = "rows" if batch == 1 else "halves"
-    fn = seq2seq._tfformer_generate_fns[_fn_key(seq2seq, 5, layout)]
+    fn = compiled_functions(seq2seq)[_fn_key(seq2seq, 5, layout)]
     before = fn.experimental_get_tracing_count()
     for length in (3, 7, 9):
         generation.generate_ids(seq2seq, np.ones((batch, length), "int32") * 5, 5)
@@ -207,7 +208,7 @@ def test_xla_compiles_once_per_shape_not_per_prompt(request, fixture, batch, bea
     generation.generate_ids(model, first, 6, beam_size=beam_size)
     method = ("beam", beam_size, 0.6) if beam_size else GREEDY
     layout = None if beam_size else "rows" if batch == 1 else "halves"
-    fn = model._tfformer_generate_fns[_fn_key(model, 6, layout, method)]
+    fn = compiled_functions(model)[_fn_key(model, 6, layout, method)]
     padded = [tf.pad(ids, [[0, 0], [0, 16 - ids.shape[1]]]) for ids in (first, other)]  # generate_ids' bucket
     hlo = [fn.experimental_get_compiler_ir(ids)(stage="hlo") for ids in padded]
     assert hlo[0] == hlo[1]
@@ -227,12 +228,12 @@ def test_xla_batch_sizes_share_a_compilation(request, fixture):
     ids = np.array([[5, 6, 7, 0], [9, 10, 11, 12], [4, 9, 0, 0], [7, 7, 8, 5]], "int32")
     four = generation.generate_ids(model, ids, 6).numpy()
     key = _fn_key(model, 6, "halves")
-    fn, shapes = model._tfformer_generate_fns[key], []
-    model._tfformer_generate_fns[key] = lambda x: shapes.append(tuple(x.shape)) or fn(x)
+    fn, shapes = compiled_functions(model)[key], []
+    compiled_functions(model)[key] = lambda x: shapes.append(tuple(x.shape)) or fn(x)
     try:
         three = generation.generate_ids(model, ids[:3], 6).numpy()
     finally:
-        model._tfformer_generate_fns[key] = fn
+        compiled_functions(model)[key] = fn
     assert shapes == [(4, 16)]
     np.testing.assert_array_equal(three, four[:3])
 
@@ -504,7 +505,7 @@ def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
     matmuls run in bfloat16 too."""
     model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
     rows = np.asarray(generation.generate_ids(model, PROMPTS[1:2], max_new_tokens=6))
-    (fn,) = model._tfformer_generate_fns.values()
+    (fn,) = compiled_functions(model).values()
     hlo = fn.experimental_get_compiler_ir(tf.constant(PROMPTS[1:2]))(stage="optimized_hlo")
     d, f = CFG["hidden_dim"], CFG["intermediate_dim"]
     # qkv, attention output, swiglu's doubled intermediate, output; each [units, input_dim + 1] with its bias column
@@ -532,7 +533,7 @@ def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(name):
     rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
             for i in range(len(inputs))]
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6))
-    assert sorted(key[-1] for key in model._tfformer_generate_fns) == ["halves", "rows"]
+    assert sorted(key[-1] for key in compiled_functions(model)) == ["halves", "rows"]
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
 
@@ -543,7 +544,7 @@ def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
     rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
             for i in range(len(inputs))]
-    assert [key[-1] for key in model._tfformer_generate_fns] == ["rows"]  # only the one-row function so far
+    assert [key[-1] for key in compiled_functions(model)] == ["rows"]  # only the one-row function so far
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
@@ -551,7 +552,7 @@ def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
 
 # === The prompts' pass outside XLA (`prefill_jit_compile=False`) ===
 def _compiled(key):
-    """What XLA compiles, in a key of `model._tfformer_generate_fns`: False (nothing), True (the whole function) or
+    """What XLA compiles, in a key of `compiled_functions(model)`: False (nothing), True (the whole function) or
     "loop" (the decode loop; the prompts' pass outside XLA)."""
     return key[3]
 
@@ -570,14 +571,14 @@ def test_prefill_outside_xla_gives_the_fused_functions_ids(policy, rows):
     if policy == "float32":
         assert _trim(split) == _uncached_lm(model, prompts, 6)
     assert len(set(fused.ravel())) > 3  # not one repeated token
-    keys = sorted(model._tfformer_generate_fns, key=lambda k: _compiled(k) == "loop")
+    keys = sorted(compiled_functions(model), key=lambda k: _compiled(k) == "loop")
     assert [_compiled(k) for k in keys] == [True, "loop"]
     assert keys[0][:3] + keys[0][4:] == keys[1][:3] + keys[1][4:]
     # Cached: a second call runs the kept function again, without a retrace.
-    split_fn = model._tfformer_generate_fns[keys[1]]
+    split_fn = compiled_functions(model)[keys[1]]
     before = split_fn.experimental_get_tracing_count()
     again = np.asarray(generation.generate_ids(model, prompts[:, :3], 6, prefill_jit_compile=False))
-    assert split_fn.experimental_get_tracing_count() == before and len(model._tfformer_generate_fns) == 2
+    assert split_fn.experimental_get_tracing_count() == before and len(compiled_functions(model)) == 2
     np.testing.assert_array_equal(again, generation.generate_ids(model, prompts[:, :3], 6))
 
 
@@ -595,7 +596,7 @@ def test_prefill_outside_xla_runs_the_prompt_in_the_graph_and_the_loop_under_xla
     dtype (oneDNN's bfloat16 matmuls under mixed_bfloat16), and one call of an XLA-compiled loop."""
     model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
     generation.generate_ids(model, PROMPTS[:1], 6, prefill_jit_compile=False)
-    (fn,) = model._tfformer_generate_fns.values()
+    (fn,) = compiled_functions(model).values()
     concrete = fn.get_concrete_function(tf.TensorSpec([None, None], tf.int32))
     assert len(_xla_calls(concrete.graph)) == 1  # the loop, in the branch that runs decode steps
     ops = concrete.graph.get_operations()
@@ -622,7 +623,7 @@ def test_prefill_outside_xla_first_token_alone(policy, prompts):
     np.testing.assert_array_equal(split, fused)
     if policy == "float32":
         assert _trim(split) == _uncached_lm(model, ids, 1)
-    loop_fns = [k for k in model._tfformer_generate_fns if _compiled(k) == "loop"]
+    loop_fns = [k for k in compiled_functions(model) if _compiled(k) == "loop"]
     assert len(loop_fns) == 1
     longer = np.asarray(generation.generate_ids(model, ids, 5, prefill_jit_compile=False))
     np.testing.assert_array_equal(longer[:, :1], split)
@@ -658,13 +659,13 @@ def test_causal_lm_generate_chooses_the_prefill_by_its_dtype_policy(policy, unde
     model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
     assert model.prefill_jit_compile_for_policy() is under_xla
     ids = np.asarray(model.generate(PROMPTS, 6))
-    (key,) = model._tfformer_generate_fns
+    (key,) = compiled_functions(model)
     assert _compiled(key) == (True if under_xla else "loop")
     np.testing.assert_array_equal(ids, generation.generate_ids(model, PROMPTS, 6, prefill_jit_compile=under_xla))
     np.testing.assert_array_equal(model.generate(PROMPTS, 6, prefill_jit_compile=not under_xla), ids)
     model.generate(PROMPTS, 6, jit_compile=False)
-    assert {_compiled(k) for k in model._tfformer_generate_fns} == {False, True, "loop"}
-    assert len(model._tfformer_generate_fns) == 3
+    assert {_compiled(k) for k in compiled_functions(model)} == {False, True, "loop"}
+    assert len(compiled_functions(model)) == 3
 
 
 # === Beam search with patience (CTranslate2's search) ===

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfformer import models
 from tfformer.generation import plan as plan_lib
+from tfformer.generation.decode import compiled_functions
 from tfformer.generation.plan import DecodePlan, prepared_kernels
 
 CFG = dict(vocabulary_size=40, hidden_dim=16, num_heads=4, intermediate_dim=32, num_encoder_layers=1,
@@ -196,7 +197,7 @@ def test_generate_ids_takes_a_plan(rng):
                                                   plan=DecodePlan(cache_segments=1)))
     np.testing.assert_array_equal(one_loop, default)
     assert len(set(default.ravel())) > 3  # not one repeated token
-    assert sorted(key[-2] for key in model._tfformer_generate_fns) == [1, plan_lib.CACHE_SEGMENTS]
+    assert sorted(key[-2] for key in compiled_functions(model)) == [1, plan_lib.CACHE_SEGMENTS]
     with pytest.raises(ValueError, match="prepared kernels"):
         generation.generate_ids(model, prompts, 4, plan=DecodePlan("halves").prepared(model))
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tfformer import generation, models
 from tfformer.generation import plan as plan_lib
 from tfformer.generation.beam import BeamSampler
+from tfformer.generation.decode import compiled_functions
 from tfformer.generation.plan import DecodePlan
 from tfformer.generation.samplers import (GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler,
                                           as_sampler)
@@ -293,12 +294,12 @@ def test_generate_takes_a_beam_sampler_and_reset_compiled_drops_the_functions(lm
     by_size = generation.generate_ids(lm, prompts, 5, beam_size=2, jit_compile=False).numpy()
     by_sampler = generation.generate_ids(lm, prompts, 5, sampler=BeamSampler(2), jit_compile=False).numpy()
     np.testing.assert_array_equal(by_sampler, by_size)
-    assert list(lm._tfformer_generate_fns) == [("causal_lm", 5, ("beam", 2, 0.6), False, 3, False, False, 4, None)]
-    function = lm._tfformer_generate_fns[list(lm._tfformer_generate_fns)[0]]
+    assert list(compiled_functions(lm)) == [("causal_lm", 5, ("beam", 2, 0.6), False, 3, False, False, 4, None)]
+    function = compiled_functions(lm)[list(compiled_functions(lm))[0]]
     generation.reset_compiled(lm)
-    assert "_tfformer_generate_fns" not in vars(lm)
+    assert compiled_functions(lm) == {}
     np.testing.assert_array_equal(generation.generate_ids(lm, prompts, 5, beam_size=2, jit_compile=False), by_size)
-    assert list(lm._tfformer_generate_fns.values())[0] is not function
+    assert list(compiled_functions(lm).values())[0] is not function
     generation.reset_compiled(lm)  # nothing kept: no error
     generation.reset_compiled(lm)
 

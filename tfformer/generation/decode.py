@@ -22,9 +22,16 @@ from tfformer.layers.layer_utils import split_cache
 from tfformer.tokens import END_ID, PAD_ID, START_ID, cut_at_end
 
 
+def compiled_functions(model):
+    """`{key: function}`: the decode functions `generate_ids` made for `model`, by what tells them apart (the
+    architecture, the sampler, the plan, what XLA compiles), kept on it out of Keras' sight
+    (`compat.untracked_holder`); `reset_compiled` empties it."""
+    return vars(untracked_holder(model, "generate_functions"))
+
+
 def cached_function(model, key, make):
-    """`make()`'s function, kept on `model` under `key`, out of Keras' sight (`compat.untracked_holder`)."""
-    functions = vars(untracked_holder(model, "generate_functions"))
+    """`make()`'s function, kept on `model` under `key` (`compiled_functions`)."""
+    functions = compiled_functions(model)
     if key not in functions:
         functions[key] = make()
     return functions[key]
@@ -33,7 +40,7 @@ def cached_function(model, key, make):
 def reset_compiled(model):
     """Drops the decode functions kept on `model`; its `compile` calls this, as keras-hub's tasks drop their
     generate function there: a function traced before a change of the model (e.g. quantization) would keep it."""
-    vars(untracked_holder(model, "generate_functions")).clear()
+    compiled_functions(model).clear()
 
 
 def _check_prefill_jit_compile(prefill_jit_compile, jit_compile, architecture):
