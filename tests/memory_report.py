@@ -67,9 +67,8 @@ def _name(pid):
     return f"worker {pid}" if words[1:3] == ["-u", "-c"] else " ".join(words[:3])[:60]
 
 
-def breakdown(root):
+def breakdown(root, children):
     """`[(name, bytes)]`: `root`'s own anonymous memory, then each child's with everything below it."""
-    children = _children()
     return [("pytest", _anonymous(root))] + [(_name(pid), tree_bytes(pid, children)) for pid in children.get(root, [])]
 
 
@@ -99,9 +98,10 @@ class MemoryReport:
     def _sample(self):
         root = os.getpid()
         while not self.stop.wait(INTERVAL):
-            size, used = tree_bytes(root), used_bytes()
+            children = _children()
+            size, used = tree_bytes(root, children), used_bytes()
             new_peak = size > self.peak[0]
-            parts = breakdown(root) if new_peak else None  # where the memory is: only at a new peak (cheap reads)
+            parts = breakdown(root, children) if new_peak else None  # where the memory is, at a new peak only
             with self.lock:
                 self.peak_used = max(self.peak_used, used)
                 if new_peak:
