@@ -92,6 +92,15 @@ def decoder_blocks(config, dtype, **variants):
             for i in range(config.num_decoder_layers)]
 
 
+def encoder_decoder_stacks(config, dtype):
+    """The layers around an encoder-decoder's embeddings: `(encoder_dropout, decoder_dropout, encoder_blocks,
+    decoder_blocks, encoder_norm, decoder_norm)`, the norms None for post-LN stacks."""
+    return (layers.Dropout(config.dropout, dtype=dtype, name="encoder_embedding_dropout"),
+            layers.Dropout(config.dropout, dtype=dtype, name="decoder_embedding_dropout"),
+            encoder_blocks(config, dtype), decoder_blocks(config, dtype),
+            final_norm(config, "encoder_norm", dtype), final_norm(config, "decoder_norm", dtype))
+
+
 def final_norm(config, name, dtype):
     """Pre-LN stacks end with a LayerNorm (GPT-2) or an RMSNorm (Llama); post-LN ones are already normalised."""
     if not config.norm_first:

@@ -209,10 +209,6 @@ def from_preset(name, dtype=None, **overrides):
     """
     if dtype is not None:
         dtype = dtype_policy(dtype)  # checked before anything is built
-    return _from_preset(name, overrides, dtype)
-
-
-def _from_preset(name, overrides, dtype):
     if isinstance(name, os.PathLike) or (isinstance(name, str) and os.sep in name) or (
             isinstance(name, str) and name not in PRETRAINED and name not in PRESETS and os.path.isdir(name)):
         if overrides:

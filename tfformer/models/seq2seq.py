@@ -38,12 +38,8 @@ class Seq2SeqTransformer(base.TransformerModel):
             )
         encoder_position = base.position_layer(config, "encoder_position", dtype)
         decoder_position = base.position_layer(config, "decoder_position", dtype)
-        encoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="encoder_embedding_dropout")
-        decoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="decoder_embedding_dropout")
-        encoder_blocks = base.encoder_blocks(config, dtype)
-        decoder_blocks = base.decoder_blocks(config, dtype)
-        encoder_norm = base.final_norm(config, "encoder_norm", dtype)
-        decoder_norm = base.final_norm(config, "decoder_norm", dtype)
+        (encoder_dropout, decoder_dropout, encoder_blocks, decoder_blocks, encoder_norm,
+         decoder_norm) = base.encoder_decoder_stacks(config, dtype)
 
         # === Functional model ===
         encoder_ids = base.token_ids_input("encoder_token_ids")

@@ -169,12 +169,8 @@ class WhisperModel(Seq2SeqTransformer):
                 config.vocabulary_size, kernel_initializer=init, dtype="float32", name="output_projection"
             )
         decoder_position = base.position_layer(config, "decoder_position", dtype)
-        encoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="encoder_embedding_dropout")
-        decoder_dropout = layers.Dropout(config.dropout, dtype=dtype, name="decoder_embedding_dropout")
-        encoder_blocks = base.encoder_blocks(config, dtype)
-        decoder_blocks = base.decoder_blocks(config, dtype)
-        encoder_norm = base.final_norm(config, "encoder_norm", dtype)
-        decoder_norm = base.final_norm(config, "decoder_norm", dtype)
+        (encoder_dropout, decoder_dropout, encoder_blocks, decoder_blocks, encoder_norm,
+         decoder_norm) = base.encoder_decoder_stacks(config, dtype)
 
         # === Functional model ===
         features = keras.Input(shape=(None, config.num_mel_bins), dtype="float32", name="input_features")
