@@ -196,3 +196,11 @@ def test_id_to_piece():
     tokenizer = data.SubwordTokenizer.train(["open the file", "close the file"] * 20, vocabulary_size=30)
     ids = tokenizer.tokenize(["open the file"]).to_list()[0]
     assert "".join(tokenizer.id_to_piece(ids)).replace("\u2581", " ") == "open the file"  # ▁ marks a space
+
+
+@pytest.mark.parametrize("argument, value", [("max_length", 0), ("max_length", -3), ("max_length", 2.5),
+                                             ("batch_size", 0), ("batch_size", True)])
+def test_translation_dataset_rejects_bad_sizes(argument, value):
+    tokenizer = data.SubwordTokenizer.train(["open the file", "close the window"], vocabulary_size=40)
+    with pytest.raises(ValueError, match=rf"`{argument}` must be a positive integer. Received: {argument}={value}"):
+        data.make_translation_dataset([("open", "auf")], tokenizer, **{argument: value})

@@ -53,6 +53,7 @@ def make_translation_dataset(pairs, tokenizer, batch_size=64, max_length=64, shu
     if not pairs:
         raise ValueError("`pairs` is empty: there is nothing to train or evaluate on.")
     check_int("batch_size", batch_size)
+    check_int("max_length", max_length)
     sources, targets = zip(*pairs)
     dataset = tf.data.Dataset.from_tensor_slices((list(sources), list(targets)))
     if shuffle:
