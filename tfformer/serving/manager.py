@@ -13,8 +13,13 @@ AvailabilityPreservingPolicy + ServableStateMonitor, for local SavedModels:
   aspired is unloaded only once an aspired version is available (or none is
   aspired any more): new before old, so requests never see zero versions.
   In-flight requests keep the servable they started with.
+- A loaded version replays its warm-up records (`assets.extra/tf_serving_warmup_requests`,
+  `tfformer.serving.warmup`) before it becomes AVAILABLE: a new version takes no
+  request until it is warm, and the version it replaces serves until then. A
+  failed warm-up fails the load.
 - A failed load is retried `max_num_load_retries` times,
-  `load_retry_interval_seconds` apart, then the version ends with its error.
+  `load_retry_interval_seconds` apart, then the version ends with its error
+  (its status code: a warm-up request's own, UNKNOWN for other failures).
 - Version labels come from the config. A label may only point at an available
   version unless `allow_version_labels_for_unavailable_models`.
 """
@@ -28,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
+from tfformer.checks import check_int
 from tfformer.serving import config as config_lib
+from tfformer.serving import warmup
 from tfformer.serving.servable import Servable, has_saved_model
 from tfformer.serving.status import Code, ServingError, failed_precondition, invalid_argument, not_found
 
@@ -78,6 +85,13 @@ def list_versions(base_path):
     return found
 
 
+def _load_status(error):
+    """`(code, message)` of a failed load: a `ServingError`'s own (a warm-up request's), else UNKNOWN."""
+    if isinstance(error, ServingError):
+        return error.code, error.message
+    return Code.UNKNOWN, str(error) if error else "Load cancelled."
+
+
 class ModelManager:
     """Loads, serves and unloads model versions according to a `ModelServerConfig`.
 
@@ -89,10 +103,18 @@ class ModelManager:
         allow_version_labels_for_unavailable_models: bool. Let labels point at versions not loaded yet.
         num_load_threads: int. Versions loading at the same time.
         loader: callable(name, version, path) -> servable. Defaults to `Servable`.
+        enable_model_warmup: bool. Replay each version's warm-up records before it serves
+            (`--enable_model_warmup`, default on).
+        num_request_iterations_for_warmup: int. Runs of each warm-up record; used only if > 0, else 1
+            (`--num_request_iterations_for_warmup`).
     """
 
     def __init__(self, poll_wait_seconds=1.0, max_num_load_retries=5, load_retry_interval_seconds=60.0,
-                 allow_version_labels_for_unavailable_models=False, num_load_threads=2, loader=Servable):
+                 allow_version_labels_for_unavailable_models=False, num_load_threads=2, loader=Servable,
+                 enable_model_warmup=True, num_request_iterations_for_warmup=0):
+        check_int("num_request_iterations_for_warmup", num_request_iterations_for_warmup, minimum=0)
+        self.enable_model_warmup = bool(enable_model_warmup)
+        self.num_request_iterations_for_warmup = num_request_iterations_for_warmup
         self.poll_wait_seconds = poll_wait_seconds
         self.max_num_load_retries = max_num_load_retries
         self.load_retry_interval_seconds = load_retry_interval_seconds
@@ -284,9 +306,11 @@ class ModelManager:
         for attempt in range(self.max_num_load_retries + 1):
             try:
                 servable = self._loader(version.model.name, version.version, version.path)
+                if self.enable_model_warmup:  # still LOADING: no request reaches it before it is warm
+                    warmup.run_warmup(servable, version.path, max(self.num_request_iterations_for_warmup, 1))
                 break
             except Exception as exc:  # noqa: BLE001  (any load failure is reported in the version's status)
-                error = exc
+                servable, error = None, exc
                 log.error("Loading servable %s version %d failed (attempt %d): %s", version.model.name,
                           version.version, attempt + 1, exc)
                 if attempt == self.max_num_load_retries or self._stop.wait(self.load_retry_interval_seconds):
@@ -295,7 +319,7 @@ class ModelManager:
                     break
         with self._lock:
             if servable is None:
-                version.state, version.error = END, (Code.UNKNOWN, str(error) if error else "Load cancelled.")
+                version.state, version.error = END, _load_status(error)
             elif version.aspired and self._models.get(version.model.name) is version.model:
                 version.servable, version.state = servable, AVAILABLE
                 log.info("Successfully loaded servable %s version %d", version.model.name, version.version)

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the TF-Text ops our SavedModels use)
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
-from tensorflow_serving.apis import classification_pb2, get_model_metadata_pb2, prediction_log_pb2, regression_pb2
+from tensorflow_serving.apis import classification_pb2, get_model_metadata_pb2, regression_pb2
 
 from tfformer.serving.json_tensor import DEFAULT_SIGNATURE, dtype_name
 from tfformer.serving.status import ServingError, failed_precondition, internal, invalid_argument
@@ -23,8 +23,6 @@ log = logging.getLogger("tfformer.serving")
 PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
-WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
-MAX_WARMUP_RECORDS = 1000
 
 
 def has_saved_model(path):
@@ -84,7 +82,6 @@ class Servable:
         self.signature_defs = read_signature_defs(path)
         self._loaded = tf.saved_model.load(path, tags=["serve"])
         self._functions = {key: self._loaded.signatures[key] for key in self._loaded.signatures.keys()}
-        self._warmup()
 
     # ---------------------------------------------------------------------------------------
     # Metadata
@@ -242,26 +239,3 @@ class Servable:
         for value in values[:, 0]:
             result.regressions.add().value = float(value)
         return result
-
-    # ---------------------------------------------------------------------------------------
-    # Warmup
-
-    def _warmup(self):
-        """Replays `assets.extra/tf_serving_warmup_requests` (Predict records only), as TF Serving does."""
-        path = os.path.join(self.path, WARMUP_FILE)
-        if not os.path.isfile(path):
-            return
-        count = 0
-        for record in tf.data.TFRecordDataset(path).take(MAX_WARMUP_RECORDS):
-            entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
-            if entry.WhichOneof("log_type") != "predict_log":
-                continue
-            request = entry.predict_log.request
-            inputs = {alias: tf.make_ndarray(proto) for alias, proto in request.inputs.items()}
-            try:
-                self.predict(request.model_spec.signature_name, inputs, request.output_filter)
-            except ServingError as error:
-                raise ValueError(f"Warmup request {count} failed: {error}") from None
-            count += 1
-        log.info("Finished warmup of %s version %d with %d requests.", self.name, self.version, count)
-
