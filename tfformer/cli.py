@@ -254,6 +254,14 @@ def _embed(args):
     return 0
 
 
+def _flag_bool(text):
+    """A TF Serving bool flag's value: `--enable_batching` alone, or `--enable_batching=true|false|1|0`."""
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, received {text!r}")
+    return value
+
+
 def _serve(args):
     from tfformer import serving
 
@@ -269,6 +277,8 @@ def _serve(args):
         grace_period_seconds=args.grace_period_seconds, max_num_load_retries=args.max_num_load_retries,
         load_retry_interval_micros=args.load_retry_interval_micros,
         allow_version_labels_for_unavailable_models=args.allow_version_labels_for_unavailable_models,
+        enable_batching=args.enable_batching, batching_parameters_file=args.batching_parameters_file,
+        monitoring_config_file=args.monitoring_config_file,
     )
     try:
         return serving.run_server(**options)
@@ -445,6 +455,13 @@ COMMANDS = {
         _argument("--max_num_load_retries", type=int, default=5),
         _argument("--load_retry_interval_micros", type=int, default=60_000_000),
         _argument("--allow_version_labels_for_unavailable_models", action="store_true"),
+        _argument("--enable_batching", type=_flag_bool, nargs="?", const=True, default=False,
+                  help="batch concurrent predict requests (TF Serving's batching; tfformer/serving/README.md)"),
+        _argument("--batching_parameters_file", help="a BatchingParameters text proto (default: TF Serving's "
+                  "defaults: max_batch_size 1000, batch_timeout_micros 0, max_enqueued_batches 10, "
+                  "num_batch_threads = cores)"),
+        _argument("--monitoring_config_file", help="a MonitoringConfig text proto; prometheus_config { enable: "
+                  "true } serves metrics at /monitoring/prometheus/metrics on the REST port"),
     ]),
     "predict": (_serving_predict, "send TEXT... to a model server's serving_default signature", [
         _argument("texts", nargs="+", metavar="TEXT"),

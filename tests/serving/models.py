@@ -9,6 +9,8 @@
   count, int64), `version` (int32, the version number); more signatures:
   `lengths`, `echo_float`, `scalar` (rank-0 output), `types` (double, int64,
   bool, uint8 inputs).
+- `seq`: a `tf.Module` with an int32 input `ids` (B, T), T free -> `ids_out` (the input, as the model saw it)
+  and `total` (B,) row sums (for batching with and without `pad_variable_length_inputs`).
 - `slow`: busy-waits `seconds[0]` seconds (for timeouts and graceful shutdown).
 - `classifier`: a TF1-style SavedModel (`tf.compat.v1.saved_model.Builder`) with a real
   `tensorflow/serving/classify` signature (serialized `tf.Example` with float feature `x` -> classes
@@ -74,6 +76,17 @@ def save_text(path, version=1):
     signatures = {"serving_default": module.serve, "lengths": module.lengths, "echo_float": module.echo_float,
                   "scalar": module.scalar, "types": module.types}
     tf.saved_model.save(module, os.fspath(path), signatures=signatures)
+
+
+class SeqModel(tf.Module):
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="ids")])
+    def serve(self, ids):
+        return {"ids_out": ids, "total": tf.reduce_sum(ids, axis=1)}
+
+
+def save_seq(path):
+    module = SeqModel()
+    tf.saved_model.save(module, os.fspath(path), signatures={"serving_default": module.serve})
 
 
 class SlowModel(tf.Module):

@@ -9,11 +9,22 @@ with `tensorflow_model_server` works here:
                model_version_policy { specific { versions: 1 versions: 2 } }
                version_labels { key: 'stable' value: 1 } }
     }
+
+It also reads the other text protos of `tensorflow_model_server`'s flags whose messages
+`tensorflow-serving-api` does not ship: `--batching_parameters_file` (`BatchingParameters`,
+servables/tensorflow/session_bundle_config.proto) and `--monitoring_config_file` (`MonitoringConfig`,
+config/monitoring_config.proto). Their messages are built here from the same field names, numbers and
+types, so a file TF Serving accepts parses the same way, and an unknown field is an error:
+
+    max_batch_size { value: 32 }
+    batch_timeout_micros { value: 0 }
+    allowed_batch_sizes: 8  allowed_batch_sizes: 32
 """
 
+import functools
 import os
 
-from google.protobuf import text_format
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format, wrappers_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from tfformer.serving.status import Code, ServingError, invalid_argument
@@ -98,3 +109,62 @@ def validate(config):
                                    "ModelServerConfig::model_platform.")
         if model.model_platform not in SUPPORTED_PLATFORMS:
             raise invalid_argument(f"Model {model.name} requests unsupported platform {model.model_platform}")
+
+
+_FIELD = descriptor_pb2.FieldDescriptorProto
+# TF Serving's messages that the pip package lacks: name -> [(field, number, type, message type or None, repeated)]
+_MESSAGES = {
+    "BatchingParameters": [
+        ("max_batch_size", 1, _FIELD.TYPE_MESSAGE, ".google.protobuf.Int64Value", False),
+        ("batch_timeout_micros", 2, _FIELD.TYPE_MESSAGE, ".google.protobuf.Int64Value", False),
+        ("max_enqueued_batches", 3, _FIELD.TYPE_MESSAGE, ".google.protobuf.Int64Value", False),
+        ("num_batch_threads", 4, _FIELD.TYPE_MESSAGE, ".google.protobuf.Int64Value", False),
+        ("thread_pool_name", 5, _FIELD.TYPE_MESSAGE, ".google.protobuf.StringValue", False),
+        ("allowed_batch_sizes", 6, _FIELD.TYPE_INT64, None, True),
+        ("pad_variable_length_inputs", 7, _FIELD.TYPE_BOOL, None, False),
+        ("enable_large_batch_splitting", 8, _FIELD.TYPE_MESSAGE, ".google.protobuf.BoolValue", False),
+        ("max_execution_batch_size", 9, _FIELD.TYPE_MESSAGE, ".google.protobuf.Int64Value", False),
+    ],
+    "PrometheusConfig": [
+        ("enable", 1, _FIELD.TYPE_BOOL, None, False),
+        ("path", 2, _FIELD.TYPE_STRING, None, False),
+    ],
+    "MonitoringConfig": [
+        ("prometheus_config", 1, _FIELD.TYPE_MESSAGE, ".tensorflow.serving.PrometheusConfig", False),
+    ],
+}
+
+
+@functools.cache
+def message_class(name):
+    """The class of one of TF Serving's `_MESSAGES` (package `tensorflow.serving`), in a descriptor pool of its own."""
+    proto = descriptor_pb2.FileDescriptorProto(name="tfformer/serving/tensorflow_serving_messages.proto",
+                                               package="tensorflow.serving", syntax="proto3",
+                                               dependency=["google/protobuf/wrappers.proto"])
+    for message_name, fields in _MESSAGES.items():
+        message = proto.message_type.add(name=message_name)
+        for field, number, kind, type_name, repeated in fields:
+            message.field.add(name=field, number=number, type=kind, type_name=type_name,
+                              label=_FIELD.LABEL_REPEATED if repeated else _FIELD.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.serving.{name}"))
+
+
+def read_text_proto(path, name):
+    """`ParseProtoTextFile`: the text-format message `name` (one of `_MESSAGES`) in the file `path`.
+
+    Raises:
+        ValueError: the file cannot be read, or is not a valid `name` (TF Serving's "Invalid protobuf file"
+            message, followed by the parser's, which names the line, column and field).
+    """
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ValueError(f"Cannot read {path}: {error}") from None
+    try:
+        return text_format.Parse(text, message_class(name)())
+    except text_format.ParseError as error:
+        raise ValueError(f"Invalid protobuf file: '{path}': {error}") from None

@@ -26,6 +26,7 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
+from tfformer.serving.servable import Deferred, answer
 from tfformer.serving.status import TIMEOUT_MESSAGE, Code, ServingError, invalid_argument
 
 log = logging.getLogger("tfformer.serving")
@@ -104,7 +105,10 @@ class _Base:
         self.access_log = access_log
 
     def _run(self, context, api, model, fn):
-        """Runs `fn` in the worker pool within the client's deadline; aborts the RPC on error."""
+        """Runs `fn` in the worker pool within the client's deadline; aborts the RPC on error.
+
+        A `Deferred` answer (a predict waiting in a batching queue) is waited for in this RPC's thread, so the
+        worker is free meanwhile; if the deadline passes first, the queued request is cancelled."""
         start = time.perf_counter()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -117,6 +121,8 @@ class _Base:
         error, result = None, None
         try:
             result = self.executor.submit(job).result(timeout=remaining)
+            if isinstance(result, Deferred):
+                result = _finish(result, deadline)
         except concurrent.futures.TimeoutError:
             error = ServingError(Code.DEADLINE_EXCEEDED, TIMEOUT_MESSAGE)
         except ServingError as caught:
@@ -135,6 +141,16 @@ class _Base:
         return result
 
 
+def _finish(deferred, deadline):
+    """The answer of a `Deferred` once its batch has run (before `deadline`, else the queued request is cancelled)."""
+    try:
+        value = deferred.future.result(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+    except concurrent.futures.TimeoutError:
+        deferred.future.cancel()
+        raise
+    return deferred.finish(value)
+
+
 class PredictionServicer(_Base, prediction_service_pb2_grpc.PredictionServiceServicer):
     """`tensorflow.serving.PredictionService`: Predict, GetModelMetadata, Classify, Regress."""
 
@@ -148,8 +164,11 @@ class PredictionServicer(_Base, prediction_service_pb2_grpc.PredictionServiceSer
             raise invalid_argument("Missing ModelSpec")
         servable = self.manager.get_servable_for_spec(request.model_spec)
         inputs = {alias: from_tensor_proto(alias, proto) for alias, proto in request.inputs.items()}
-        signature_name, outputs = servable.predict(request.model_spec.signature_name, inputs,
-                                                   list(request.output_filter))
+        future = servable.submit(request.model_spec.signature_name, inputs, list(request.output_filter))
+        return answer(future, lambda result: self._predict_response(servable, *result))
+
+    @staticmethod
+    def _predict_response(servable, signature_name, outputs):
         response = predict_pb2.PredictResponse()
         response.model_spec.name = servable.name
         response.model_spec.version.value = servable.version

@@ -19,7 +19,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from tensorflow_serving.apis import model_pb2
 
-from tfformer.serving import json_tensor, rapidjson
+from tfformer.serving import json_tensor, monitoring, rapidjson
+from tfformer.serving.servable import Deferred, answer
 from tfformer.serving.status import TIMEOUT_MESSAGE, Code, ServingError, invalid_argument
 
 log = logging.getLogger("tfformer.serving")
@@ -86,12 +87,20 @@ class RestApiHandler:
             info: optional dict; receives `model` and `api` for the access log.
 
         Returns:
-            `(http_status, json_text)`.
+            `(http_status, json_text)`, or a `Deferred` for a predict request waiting in a batching queue: its
+            answer is `finish(deferred, info)` once its future is done.
         """
         info = {} if info is None else info
+        return self._answer(lambda: self._dispatch(method, path, body, info), info, method, path)
+
+    def finish(self, deferred, info):
+        """`(http_status, json_text)` of a `Deferred` (from `process`) whose future is done."""
+        return self._answer(lambda: deferred.finish(deferred.future.result()), info, "POST", "(a batched predict)")
+
+    def _answer(self, fn, info, method, path):
         try:
-            output = self._dispatch(method, path, body, info)
-            return 200, output
+            output = fn()
+            return output if isinstance(output, Deferred) else (200, output)
         except RecursionError:
             error = invalid_argument("JSON Value: nested too deeply to be processed")
         except ServingError as caught:
@@ -133,8 +142,8 @@ class RestApiHandler:
             return servable[0].input_dtypes(signature_name)
 
         signature_name, inputs, request_format = json_tensor.parse_predict_request(body, input_dtypes)
-        _, outputs = servable[0].predict(signature_name, inputs)
-        return json_tensor.make_json_from_tensors(outputs, request_format)
+        return answer(servable[0].submit(signature_name, inputs),
+                      lambda result: json_tensor.make_json_from_tensors(result[1], request_format))
 
     def _classify_regress(self, api, name, version, label, body):
         signature_name, examples, context = json_tensor.parse_classify_regress_request(body)
@@ -163,14 +172,19 @@ class RestApp:
         max_request_bytes: int. Larger bodies get HTTP 413.
         timeout_seconds: float or None. Requests running longer get HTTP 504.
         access_log: optional `AccessLog`.
+        metrics: optional `monitoring.Metrics`, served as Prometheus text at `metrics_path`.
+        metrics_path: str. Defaults to `/monitoring/prometheus/metrics`.
     """
 
-    def __init__(self, handler, executor, max_request_bytes, timeout_seconds, access_log=None):
+    def __init__(self, handler, executor, max_request_bytes, timeout_seconds, access_log=None, metrics=None,
+                 metrics_path=monitoring.PROMETHEUS_PATH):
         self.handler = handler
         self.executor = executor
         self.max_request_bytes = max_request_bytes
         self.timeout_seconds = timeout_seconds
         self.access_log = access_log
+        self.metrics = metrics
+        self.metrics_path = metrics_path
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -189,7 +203,9 @@ class RestApp:
         path = (scope.get("raw_path") or scope["path"].encode("utf-8")).decode("latin-1")
         info = {}
         size = 0
-        if not PATH_REGEX.fullmatch(path):
+        if self.metrics is not None and path == self.metrics_path:  # any method, as in TF Serving
+            response = Response(self.metrics.render(), media_type="text/plain")
+        elif not PATH_REGEX.fullmatch(path):
             response = Response(NOT_FOUND_BODY.format(path=path), status_code=404, media_type="text/html")
             info["code"] = Code.NOT_FOUND.name
         else:
@@ -252,9 +268,22 @@ class RestApp:
                 raise TimeoutError()  # waited in the queue past its deadline: don't start it
             return self.handler.process(method, path, body, info)
 
-        future = loop.run_in_executor(self.executor, job)
         try:
-            return await asyncio.wait_for(future, self.timeout_seconds)
+            return await asyncio.wait_for(self._complete(loop.run_in_executor(self.executor, job), info),
+                                          self.timeout_seconds)
         except (asyncio.TimeoutError, TimeoutError):
             info.update(code=Code.DEADLINE_EXCEEDED.name, error=TIMEOUT_MESSAGE)
             return 504, rapidjson.error_body(TIMEOUT_MESSAGE)
+
+    async def _complete(self, job, info):
+        """The answer of `job`; a `Deferred` waits for its batch without holding a worker, then is written in one.
+        (A timeout cancels the wait, and with it the queued request: a batch skips it.)"""
+        result = await job
+        if isinstance(result, Deferred):
+            try:
+                await asyncio.wrap_future(result.future)
+            except Exception:  # noqa: BLE001  (`finish` reports the request's error)
+                pass
+            result = await asyncio.get_running_loop().run_in_executor(self.executor, self.handler.finish, result,
+                                                                      info)
+        return result

@@ -5,6 +5,8 @@ Any process that loads our SavedModels must register the TF-Text ops first
 this module imports `tensorflow_text` before anything is loaded.
 """
 
+import collections
+import concurrent.futures
 import logging
 import os
 
@@ -68,6 +70,25 @@ def _shape_string(shape):
     return "[" + ",".join(str(size) for size in shape) + "]"
 
 
+def completed(fn, *args):
+    """A finished `concurrent.futures.Future` of `fn(*args)`: its result, or the `ServingError` it raised."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except ServingError as error:
+        future.set_exception(error)
+    return future
+
+
+class Deferred(collections.namedtuple("Deferred", ["future", "finish"])):
+    """An answer that waits for a batch: `finish(future.result())` makes it once `future` is done."""
+
+
+def answer(future, finish):
+    """`finish(future.result())` if `future` is done (then no one waits), else a `Deferred` of them."""
+    return finish(future.result()) if future.done() else Deferred(future, finish)
+
+
 class Servable:
     """A SavedModel version loaded with `tf.saved_model.load` (tag `serve`).
 
@@ -114,6 +135,20 @@ class Servable:
         Returns:
             `(resolved_signature_name, {alias: np.ndarray})`.
         """
+        key, arrays, selected = self.check_predict(signature_name, inputs, output_filter)
+        return key, self.run_predict(key, arrays, selected)
+
+    def submit(self, signature_name, inputs, output_filter=()):
+        """`predict`, run now, as a finished `Future` (a `batching.BatchingServable` queues it instead)."""
+        return completed(self.predict, signature_name, inputs, output_filter)
+
+    def check_predict(self, signature_name, inputs, output_filter=()):
+        """The checks of `predict` before the run: `(signature key, {alias: np.ndarray}, [output aliases])`.
+
+        Raises:
+            ServingError: as TF Serving answers an unknown signature, missing or extra inputs, a wrong dtype, or an
+                unknown or repeated output alias; and a shape the signature does not accept.
+        """
         key = signature_name or DEFAULT_SIGNATURE
         signature = self.signature_defs.get(key)
         if signature is None:
@@ -130,12 +165,12 @@ class Servable:
                 f"input size does not match signature: {len(sent)}!={len(expected)} len({{{','.join(sent)}}}) "
                 f"!= len({{{','.join(expected)}}}). Sent extra: {{{','.join(extra)}}}. "
                 f"Missing but required: {{{','.join(missing)}}}.")
-        tensors = {}
+        arrays = {}
         for alias in sent:
             if alias not in signature.inputs:
                 raise invalid_argument(f"input tensor alias not found in signature: {alias}. Inputs expected to be "
                                        f"in the set {{{','.join(expected)}}}.")
-            info, array = signature.inputs[alias], inputs[alias]
+            info, array = signature.inputs[alias], np.asarray(inputs[alias])
             given = _tf_dtype_of(array)
             if given != info.dtype:
                 raise invalid_argument(f"Expects arg[{expected.index(alias)}] to be {dtype_name(info.dtype)} but "
@@ -145,7 +180,7 @@ class Servable:
                     size >= 0 and size != actual for size, actual in zip(shape, array.shape))):
                 raise invalid_argument(f"input tensor alias: {alias} has shape {_shape_string(array.shape)}, which is "
                                        f"not compatible with the signature shape {_shape_string(shape)}")
-            tensors[alias] = tf.constant(array, dtype=tf.as_dtype(info.dtype))
+            arrays[alias] = array
         selected = list(output_filter) or sorted(signature.outputs)
         seen = set()
         for alias in selected:
@@ -155,8 +190,14 @@ class Servable:
             if alias in seen:
                 raise invalid_argument(f"duplicate output tensor alias: {alias}")
             seen.add(alias)
+        return key, arrays, selected
+
+    def run_predict(self, key, arrays, selected):
+        """Runs signature `key` on checked inputs (`check_predict`); returns `{alias: np.ndarray}` of `selected`."""
+        inputs = self.signature_defs[key].inputs
+        tensors = {alias: tf.constant(array, dtype=tf.as_dtype(inputs[alias].dtype)) for alias, array in arrays.items()}
         outputs = self._call(key, tensors)
-        return key, {alias: outputs[alias] for alias in selected}
+        return {alias: outputs[alias] for alias in selected}
 
     def _call(self, key, tensors):
         function = self._functions.get(key)

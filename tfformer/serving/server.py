@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import uvicorn
 
+from tfformer.serving import batching, monitoring
 from tfformer.serving import config as config_lib
 from tfformer.serving.grpc_service import add_servicers
 from tfformer.serving.manager import ModelManager
@@ -34,6 +35,41 @@ log = logging.getLogger("tfformer.serving")
 
 Ports = collections.namedtuple("Ports", ["grpc", "rest"])
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+MAX_CONCURRENT_RPCS = 256
+
+
+def batching_options(enable_batching, batching_parameters_file=None, batching_parameters=None):
+    """The server's `batching.BatchingOptions`, or None without batching (`--enable_batching`,
+    `--batching_parameters_file`; TF Serving's defaults when no file is given).
+
+    Raises:
+        ValueError: a parameters file without `enable_batching`, or one that is unreadable, not a valid
+            `BatchingParameters` text proto (an unknown field, ...), or holds values TF Serving refuses.
+    """
+    if batching_parameters_file and not enable_batching:
+        raise ValueError("server_options.batching_parameters_file is set without setting "
+                         "server_options.enable_batching to true.")
+    if not enable_batching:
+        return None
+    if batching_parameters is not None:
+        return batching_parameters
+    if not batching_parameters_file:
+        return batching.BatchingOptions()
+    message = config_lib.read_text_proto(batching_parameters_file, "BatchingParameters")
+    try:
+        return batching.BatchingOptions.from_proto(message)
+    except ValueError as error:
+        raise ValueError(f"Invalid batching parameters in {batching_parameters_file}: {error}") from None
+
+
+def prometheus_path(monitoring_config_file):
+    """The Prometheus metrics path a `--monitoring_config_file` enables, or None."""
+    if not monitoring_config_file:
+        return None
+    config = config_lib.read_text_proto(monitoring_config_file, "MonitoringConfig")
+    if not config.prometheus_config.enable:
+        return None
+    return config.prometheus_config.path or monitoring.PROMETHEUS_PATH
 
 
 class AccessLog:
@@ -110,6 +146,11 @@ class Server:
         grace_period_seconds: float. How long `stop()` lets in-flight requests finish.
         allow_version_labels_for_unavailable_models, max_num_load_retries, load_retry_interval_micros:
             as TF Serving's flags of the same names.
+        enable_batching: bool. Batch concurrent Predict requests (`batching.py`), with TF Serving's default
+            parameters unless `batching_parameters_file` (a `BatchingParameters` text proto) or
+            `batching_parameters` (`batching.BatchingOptions`) is given.
+        monitoring_config_file: str. A `MonitoringConfig` text proto; `prometheus_config { enable: true }`
+            serves the metrics at its `path` (default `/monitoring/prometheus/metrics`) on the REST port.
     """
 
     def __init__(self, model_name=None, model_base_path=None, model_config_file=None, config=None,
@@ -117,7 +158,8 @@ class Server:
                  model_config_file_poll_wait_seconds=0.0, rest_api_timeout_in_ms=30000,
                  max_request_bytes=DEFAULT_MAX_REQUEST_BYTES, num_workers=4, access_log=None,
                  grace_period_seconds=30.0, allow_version_labels_for_unavailable_models=False,
-                 max_num_load_retries=5, load_retry_interval_micros=60_000_000):
+                 max_num_load_retries=5, load_retry_interval_micros=60_000_000, enable_batching=False,
+                 batching_parameters_file=None, batching_parameters=None, monitoring_config_file=None):
         given = sum(item is not None for item in (model_base_path, model_config_file, config))
         if given != 1:
             raise ValueError("Give exactly one of `model_base_path` (with `model_name`), `model_config_file` or "
@@ -139,11 +181,16 @@ class Server:
             self.access_log = access_log
         else:
             self.access_log = AccessLog(access_log)
+        self.batching = batching_options(enable_batching, batching_parameters_file, batching_parameters)
+        self.metrics_path = prometheus_path(monitoring_config_file)
+        self.metrics = monitoring.Metrics()
+        self._scheduler = batching.SharedBatchScheduler(self.batching, self.metrics) if self.batching else None
         self.manager = ModelManager(
             poll_wait_seconds=file_system_poll_wait_seconds,
             max_num_load_retries=max_num_load_retries,
             load_retry_interval_seconds=load_retry_interval_micros / 1e6,
             allow_version_labels_for_unavailable_models=allow_version_labels_for_unavailable_models,
+            **({"loader": batching.loader(self._scheduler)} if self._scheduler else {}),
         )
         self.ports = None
         self._executor = None
@@ -162,10 +209,14 @@ class Server:
         Returns:
             `Ports(grpc, rest)`: the bound port numbers (None for a disabled API).
         """
+        if self._scheduler is not None:
+            self._scheduler.start()  # before the first load: warm-up requests go through the batcher too
         try:
             self.manager.start(self.config)
         except BaseException:
             self.manager.stop()
+            if self._scheduler is not None:
+                self._scheduler.stop()
             raise
         self._executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="tfformer-serving-worker")
         try:
@@ -184,9 +235,10 @@ class Server:
     def _start_grpc(self):
         options = [("grpc.max_receive_message_length", self.max_request_bytes),
                    ("grpc.max_send_message_length", -1)]
-        self._grpc_server = grpc.server(ThreadPoolExecutor(2 * self.num_workers + 2,
-                                                           thread_name_prefix="tfformer-serving-grpc"),
-                                        options=options, maximum_concurrent_rpcs=256)
+        # With batching, an RPC's thread waits for its batch (the workers do not): as many threads as RPCs.
+        threads = MAX_CONCURRENT_RPCS if self.batching else 2 * self.num_workers + 2
+        self._grpc_server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix="tfformer-serving-grpc"),
+                                        options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         add_servicers(self._grpc_server, self.manager, self._executor, self.access_log)
         port = self._grpc_server.add_insecure_port(f"{_url_host(self.host)}:{self._requested_ports.grpc}")
         if port == 0:
@@ -198,7 +250,8 @@ class Server:
         sock = _bind(self.host, self._requested_ports.rest)
         timeout = self.rest_api_timeout_in_ms / 1000 if self.rest_api_timeout_in_ms > 0 else None
         app = RestApp(RestApiHandler(self.manager), self._executor, self.max_request_bytes, timeout,
-                      self.access_log)
+                      self.access_log, metrics=self.metrics if self.metrics_path else None,
+                      metrics_path=self.metrics_path)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 loop="asyncio", http="h11", timeout_graceful_shutdown=self.grace_period_seconds,
                                 timeout_keep_alive=30)
@@ -253,6 +306,8 @@ class Server:
         if self._config_poller is not None:
             self._config_poller.join()
         self.manager.stop()
+        if self._scheduler is not None:
+            self._scheduler.stop()
         if self.access_log is not None:
             self.access_log.close()
         self._stopped.set()
