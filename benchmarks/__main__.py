@@ -6,9 +6,10 @@ tflite (batch-1 latency vs SavedModel),
 translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recipe; ~45 minutes) and lm_perplexity
 (test perplexity after the same time budget vs keras-hub's GPT2CausalLM; ~45 minutes); the last two are never in
 the default set, nor are llm (SmolLM2-135M-Instruct decode and prefill vs transformers on the same GGUF; ~10
-minutes) and asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~5 minutes). Each runs in its
-own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI runs it so
-the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round
+minutes), asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~5 minutes) and serving (`tfformer
+serve` with and without request batching under 32 concurrent clients; ~20 minutes with the demo training). Each
+runs in its own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI
+runs it so the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round
 (`common.paired_ratio`: median, min-max over rounds of each round's pair).
 PyTorch rows come from a worker process (`benchmarks.torch_worker`) of `--torch-python`, else of this interpreter
 if it has torch and transformers (sentence-transformers for the encoder), else of the peers' interpreter,
@@ -38,6 +39,7 @@ WORKLOADS = {
     "lm_perplexity": "benchmarks.lm_perplexity",
     "llm": "benchmarks.llm",
     "asr": "benchmarks.asr",
+    "serving": "benchmarks.serving",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
