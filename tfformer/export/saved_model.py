@@ -15,9 +15,10 @@ import shutil
 import keras
 import tensorflow as tf
 
-from tfformer.checks import check_int
+from tfformer.checks import check_int, is_int
 from tfformer.data import audio, placeholders
 from tfformer.export import signatures as sig
+from tfformer.export import warmup
 from tfformer.generation.decode import decode_fn
 from tfformer.generation.speech import speech_decode_fn
 from tfformer.models.presets import from_preset
@@ -286,7 +287,18 @@ def _endpoints(model, tokenizer, max_new_tokens, beam_size):
     }, [tokenizer]
 
 
-def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=None, beam_size=None):
+def _warmup_records(model, path, max_new_tokens, batch_sizes):
+    """The warm-up records of the SavedModel written at `path` (`warmup.requests`): every signature at each of
+    `batch_sizes`, a causal LM's `generate_text` at every compiled decode length."""
+    config = model.transformer_config
+    causal = config.architecture == "causal_lm"
+    ids_length = min(warmup.IDS_LENGTH, config.max_sequence_length - (max_new_tokens if causal else 0))
+    return warmup.requests(warmup.signature_defs(path), config.vocabulary_size, batch_sizes, ids_length,
+                           counts=decode_sizes(max_new_tokens) if causal else ())
+
+
+def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=None, beam_size=None,
+                warmup_batch_sizes=warmup.BATCH_SIZES):
     """Export `model` for TF Serving as `base_path/<version>/`; returns that path.
 
     Signatures (each returns a dict): `serving_default` takes raw strings `text`
@@ -328,6 +340,10 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
             or for a Whisper model every position the decoder has after its prompt (446 for tiny.en); its loop
             stops when every row has ended.
         beam_size: int. Beam search instead of greedy in the text signatures (not for a Whisper model).
+        warmup_batch_sizes: ints. The batch sizes of the TF Serving warm-up records written to
+            `assets.extra/tf_serving_warmup_requests` (`tfformer.export.warmup`): one request per signature and
+            batch size (and per decode length of `generate_text`), replayed by TF Serving and `tfformer serve`
+            before the version serves. Defaults to `warmup.BATCH_SIZES`, (1, 8); `()` writes no warm-up file.
     """
     if isinstance(model, (str, os.PathLike)):
         run_dir = os.fspath(model)
@@ -342,6 +358,10 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
     if max_new_tokens is None:
         max_new_tokens = speech_max_new_tokens(model) if isinstance(model, WhisperModel) else 64
     check_int("max_new_tokens", max_new_tokens)
+    if not isinstance(warmup_batch_sizes, (tuple, list)) or not all(
+            is_int(size) and size >= 1 for size in warmup_batch_sizes):
+        raise ValueError(f"`warmup_batch_sizes` must be a tuple of ints >= 1 (or () for no warm-up records). "
+                         f"Received: warmup_batch_sizes={warmup_batch_sizes!r}")
     os.makedirs(base_path, exist_ok=True)
     _remove_stale_temporaries(base_path)
     existing = _versions(base_path)
@@ -364,6 +384,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
     tmp = os.path.join(base_path, f".tmp-{version}-{os.getpid()}")
     try:
         archive.write_out(tmp, verbose=False)
+        if warmup_batch_sizes:
+            warmup.write(tmp, _warmup_records(model, tmp, max_new_tokens, tuple(warmup_batch_sizes)))
         _fsync_tree(tmp)
         if os.path.exists(final):  # another exporter won the race for this number
             raise ValueError(f"Version {version} appeared at {final} during export; not overwritten.")

@@ -129,21 +129,21 @@ def requests(signatures, vocabulary_size, batch_sizes=BATCH_SIZES, ids_length=ID
         raise ValueError(f"`batch_sizes` must be ints >= 1. Received: batch_sizes={batch_sizes!r}")
     if not all(is_int(count) and count >= 1 for count in counts):
         raise ValueError(f"`counts` must be ints >= 1. Received: counts={counts!r}")
-    records = []
+    plan = []  # (signature key, rows, max_new_tokens or None) of each record
     for index, rows in enumerate(batch_sizes):
         for key in sorted(signatures, key=lambda key: (key != sig.SERVING_DEFAULT, key)):
-            aliases = signatures[key].inputs
-            # Every count at the first batch size, the largest at the others.
             variants = [None]
-            if sig.MAX_NEW_TOKENS in aliases and counts:
-                variants = list(counts) if index == 0 else [max(counts)]
-            for count in variants:
-                maker = _Inputs(vocabulary_size, ids_length, rows, count)
-                inputs = {alias: maker.value(alias, info) for alias, info in sorted(aliases.items())}
-                records.append(predict_log(key, inputs, model_name))
-    if len(records) > MAX_RECORDS:
-        raise ValueError(f"{len(records)} warm-up records; TF Serving accepts at most {MAX_RECORDS}. Pass fewer "
+            if sig.MAX_NEW_TOKENS in signatures[key].inputs and counts:
+                variants = list(counts) if index == 0 else [max(counts)]  # every count alone, the largest batched
+            plan += [(key, rows, count) for count in variants]
+    if len(plan) > MAX_RECORDS:  # checked before any input is made: a batch of features is large
+        raise ValueError(f"{len(plan)} warm-up records; TF Serving accepts at most {MAX_RECORDS}. Pass fewer "
                          f"`warmup_batch_sizes`. Received: batch_sizes={batch_sizes!r}")
+    records = []
+    for key, rows, count in plan:
+        maker = _Inputs(vocabulary_size, ids_length, rows, count)
+        inputs = {alias: maker.value(alias, info) for alias, info in sorted(signatures[key].inputs.items())}
+        records.append(predict_log(key, inputs, model_name))
     return records
 
 
