@@ -7,7 +7,9 @@ translation_bleu (BLEU after the same time budget vs the keras.io KerasHub recip
 (test perplexity after the same time budget vs keras-hub's GPT2CausalLM; ~45 minutes); the last two are never in
 the default set, nor are llm (SmolLM2-135M-Instruct decode and prefill vs transformers on the same GGUF; ~10
 minutes), asr (Whisper tiny.en transcription vs faster-whisper/CTranslate2; ~5 minutes) and serving (`tfformer
-serve` with and without request batching under 32 concurrent clients; ~20 minutes with the demo training). Each
+serve` with and without request batching under 32 concurrent clients; ~20 minutes with the demo training) and
+warmup (the first request after a version loads vs a warm one, with and without SavedModel warm-up, for the demo
+translator and SmolLM2; ~10 minutes). Each
 runs in its own process and prints JSON lines and a markdown table. `--smoke` runs one repeat on tiny shapes (CI
 runs it so the runner cannot rot); numbers from it mean nothing. Ratios are given of the medians and per round
 (`common.paired_ratio`: median, min-max over rounds of each round's pair).
@@ -40,6 +42,7 @@ WORKLOADS = {
     "llm": "benchmarks.llm",
     "asr": "benchmarks.asr",
     "serving": "benchmarks.serving",
+    "warmup": "benchmarks.warmup",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
