@@ -15,9 +15,11 @@ Each round, in a shuffled order per round, each server gets `--clients` concurre
 one-sentence REST requests (`{"instances": [sentence]}`, the run's test sources in turn) back to back for
 `--seconds`, after an untimed warm-up of the same load; then one client alone sends `--single` requests. Rows
 (JSON lines, `bench: serving`): sentences/s, median and p90 latency under load, one-client median latency,
-failed requests, and for the batched server its mean batch size (from its Prometheus metrics page). Then the
-issue's goals, from the medians over rounds: batched throughput >= 2.5x plain, batched median latency <= 0.5x
-plain, and one client with batching at most `batch_timeout_micros` + 10% slower than without.
+failed requests, and for the batched server its mean batch size (from its Prometheus metrics page). A
+`serving_agreement` row: the fraction of batched answers (up to `agreement` sentences) that equal what one
+client alone gets from the plain server. Then the issue's goals, from the medians over rounds: batched
+throughput >= 2.5x plain, batched median latency <= 0.5x plain, and one client with batching at most
+`batch_timeout_micros` + 10% slower than without.
 
 `--smoke`: an untrained tiny translator (no training), 4 clients for 2 seconds, one round; the numbers mean
 nothing (CI runs it so the benchmark cannot rot).
@@ -50,8 +52,8 @@ batch_timeout_micros { value: 0 }
 max_enqueued_batches { value: 32 }
 num_batch_threads { value: 1 }
 """
-FULL = dict(seconds=60.0, warmup_seconds=10.0, clients=32, single=30, rounds=2)
-SMOKE = dict(seconds=2.0, warmup_seconds=1.0, clients=4, single=3, rounds=1)
+FULL = dict(seconds=60.0, warmup_seconds=10.0, clients=32, single=30, rounds=2, agreement=100)
+SMOKE = dict(seconds=2.0, warmup_seconds=1.0, clients=4, single=3, rounds=1, agreement=5)
 READY = re.compile(r"tfformer serve: .*REST at (http://\S+)")
 SMOKE_WORDS = ["open", "close", "the", "file", "new", "folder", "save", "old", "delete", "a"]
 
@@ -142,22 +144,23 @@ class _Sender:
         self.connection = http.client.HTTPConnection(host, int(port), timeout=300)
 
     def send(self, sentence):
-        """`(seconds, ok)` of one request."""
+        """`(seconds, translation)` of one request (translation None if it failed)."""
         body = json.dumps({"instances": [sentence]}).encode()
         start = time.perf_counter()
         try:
             self.connection.request("POST", "/v1/models/translator:predict", body,
                                     {"Content-Type": "application/json"})
             response = self.connection.getresponse()
-            ok = response.status == 200 and len(json.loads(response.read())["predictions"]) == 1
+            reply = json.loads(response.read())
+            (translation,) = reply["predictions"] if response.status == 200 else [None]
         except (OSError, http.client.HTTPException, ValueError, KeyError):
             self.connection.close()
-            ok = False
-        return time.perf_counter() - start, ok
+            translation = None
+        return time.perf_counter() - start, translation
 
 
 def load(url, sentences, clients, seconds):
-    """`clients` clients sending back to back for `seconds`: `(elapsed seconds, [(latency, ok), ...])`."""
+    """`clients` clients sending back to back for `seconds`: `(elapsed, [(sentence index, latency, translation)])`."""
     results, lock = [], threading.Lock()
     counter = iter(range(10**9))
     end = time.perf_counter() + seconds
@@ -169,7 +172,7 @@ def load(url, sentences, clients, seconds):
                 index = next(counter)
             result = sender.send(sentences[index % len(sentences)])
             with lock:
-                results.append(result)
+                results.append((index % len(sentences), *result))
         sender.connection.close()
 
     start = time.perf_counter()
@@ -199,19 +202,29 @@ def mean_batch_size(url):
 
 
 def measure(system, url, sentences, shape, batched):
-    """One round of one server: warm-up load, timed load, one client alone; its row."""
+    """One round of one server: warm-up load, timed load, one client alone: `(row, {sentence index: translation})`."""
     load(url, sentences, shape["clients"], shape["warmup_seconds"])
     elapsed, results = load(url, sentences, shape["clients"], shape["seconds"])
-    latencies = [seconds for seconds, ok in results if ok]
+    latencies = [seconds for _, seconds, translation in results if translation is not None]
     row = {"bench": "serving", "system": system, "clients": shape["clients"], "seconds": round(elapsed, 2),
-           "requests": len(results), "failed": sum(not ok for _, ok in results),
+           "requests": len(results), "failed": len(results) - len(latencies),
            "sentences_per_s": round(len(latencies) / elapsed, 2),
            "median_ms": round(1000 * float(np.median(latencies)), 1) if latencies else None,
            "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 1) if latencies else None,
            "one_client_median_ms": round(1000 * one_client(url, sentences, shape["single"]), 1)}
     if batched:
         row["mean_batch_size"] = mean_batch_size(url)
-    return row
+    return row, {index: translation for index, _, translation in results if translation is not None}
+
+
+def agreement(url, sentences, answers, count):
+    """`{"sentences": n, "equal": fraction}`: how many of (up to `count` of) the batched server's `answers`
+    (`{sentence index: translation}`) one client alone gets from the plain server at `url`, word for word."""
+    sender = _Sender(url)
+    checked = sorted(answers)[:count]
+    same = sum(sender.send(sentences[index])[1] == answers[index] for index in checked)
+    sender.connection.close()
+    return {"bench": "serving_agreement", "sentences": len(checked), "equal": round(same / max(len(checked), 1), 4)}
 
 
 def _goals(rows, timeout_micros):
@@ -270,13 +283,17 @@ def main(argv=None):
             log_path = os.path.join(scratch, f"server-{index}.log")
             servers[system] = (spawn_server(base, log_path, *system_flags), log_path)
         servers = {system: (process, wait_ready(process, log_path)) for system, (process, log_path) in servers.items()}
-        rows = []
+        rows, answers = [], {}
         order = random.Random(0)
         for round_index in range(shape["rounds"]):
             for system in order.sample(list(servers), len(servers)):
-                row = measure(system, servers[system][1], sentences, shape, system.endswith("batching"))
+                batched = system.endswith("batching")
+                row, translations = measure(system, servers[system][1], sentences, shape, batched)
+                answers.update(translations if batched else {})
                 rows.append(common.emit(dict(row, round=round_index, model=what,
-                                             batching_parameters=parameters if "batching" in system else None)))
+                                             batching_parameters=parameters if batched else None)))
+        # Batched answers against unbatched ones (beam search over padded batches may differ in the last bits).
+        common.emit(agreement(servers["tfformer serve"][1], sentences, answers, shape["agreement"]))
     finally:
         for process, _ in servers.values():
             process.terminate()

@@ -17,6 +17,8 @@ def test_serving_benchmark_smoke(tmp_path):
     batched = rows["tfformer serve --enable_batching"]
     assert batched["mean_batch_size"] >= 1 and "max_batch_size { value: 32 }" in batched["batching_parameters"]
     assert "mean_batch_size" not in rows["tfformer serve"]
+    (agreement,) = [r for r in records if r["bench"] == "serving_agreement"]
+    assert agreement["sentences"] == 5 and 0 <= agreement["equal"] <= 1
     goals = [r for r in records if r["bench"] == "goal"]
     assert [g["goal"] for g in goals] == ["serving: batched throughput >= 2.5x unbatched",
                                           "serving: batched median latency <= 0.5x unbatched",
