@@ -25,6 +25,7 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 from tests.serving import models
 from tests.serving.conftest import http_request
 from tfformer import cli, serving
+from tfformer.export import warmup
 from tfformer.serving import batching, monitoring
 from tfformer.serving.batching import BatchingOptions
 from tfformer.serving.servable import completed
@@ -298,7 +299,8 @@ LOAD_OPTIONS = BatchingOptions(max_batch_size=16, batch_timeout_micros=2000, max
 
 @pytest.fixture(scope="module")
 def batching_root(tmp_path_factory):
-    """dense, multi, text (v1), seq and slow; `swap` (text v1) with text v2 saved beside it, for a hot swap."""
+    """dense, multi, text (v1), seq and slow; `swap` (text v1) with text v2 (and its warm-up records) saved beside
+    it, for a hot swap."""
     root = tmp_path_factory.mktemp("batching_models")
     models.save_dense(root / "dense" / "1")
     models.save_multi(root / "multi" / "1")
@@ -307,6 +309,8 @@ def batching_root(tmp_path_factory):
     models.save_slow(root / "slow" / "1")
     models.save_text(root / "swap" / "1", version=1)
     models.save_text(root / "swap-v2", version=2)
+    # its warm-up records (1 and 8 rows) run through the batcher before version 2 takes requests
+    warmup.write(root / "swap-v2", [warmup.predict_log("", {"text": np.array([b"warm up"] * rows)}) for rows in (1, 8)])
     return root
 
 
@@ -392,7 +396,9 @@ def _one_request(clients, stub, i):
 
 def test_correctness_under_load_with_a_hot_swap(batching_root):
     """2,000 requests from 64 clients (REST and gRPC, 6 signatures and output sets, 1-3 rows each, sequences of 5
-    lengths), version 2 of `swap` published at request 1,000: each answer is its own input's, nothing is lost."""
+    lengths), version 2 of `swap` published at request 500 (warmed up through the batcher, then swapped in while
+    requests keep coming; from request 1,500 on they wait for it): each answer is its own input's, nothing is lost
+    or duplicated."""
     config = models_config(batching_root, "dense", "multi", "text", "seq", "swap")
     swap_v2 = batching_root / "swap" / "2"
     with serving.Server(model_config_file=config, file_system_poll_wait_seconds=0.1, enable_batching=True,
@@ -400,8 +406,14 @@ def test_correctness_under_load_with_a_hot_swap(batching_root):
         clients = (serving.Client(server.rest_url, timeout=60), serving.Client(server.grpc_url, timeout=60))
         channel = grpc.insecure_channel(server.grpc_url.split("://")[1])
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        counter, lock, published = iter(range(REQUESTS)), threading.Lock(), {}
+        counter, lock, swapped = iter(range(REQUESTS)), threading.Lock(), threading.Event()
         results = [None] * REQUESTS
+
+        def publish():  # at request 500; requests from 1,500 on wait until version 2 serves (it loads meanwhile)
+            shutil.copytree(batching_root / "swap-v2", batching_root / "swap" / ".staging-2")
+            os.rename(batching_root / "swap" / ".staging-2", swap_v2)
+            server.manager.wait_for_version("swap", 2, timeout=120)
+            swapped.set()
 
         def client_thread():
             while True:
@@ -409,10 +421,10 @@ def test_correctness_under_load_with_a_hot_swap(batching_root):
                     i = next(counter, None)
                 if i is None:
                     return
-                if i == REQUESTS // 2:
-                    published["at"] = time.monotonic()
-                    shutil.copytree(batching_root / "swap-v2", batching_root / "swap" / ".staging-2")
-                    os.rename(batching_root / "swap" / ".staging-2", swap_v2)
+                if i == REQUESTS // 4:
+                    threading.Thread(target=publish, daemon=True).start()
+                if i >= 3 * REQUESTS // 4:
+                    swapped.wait(120)
                 try:
                     got, expected, version = _one_request(clients, stub, i)
                     _check(got, expected)
@@ -429,7 +441,7 @@ def test_correctness_under_load_with_a_hot_swap(batching_root):
         channel.close()
     failures = [(i, result) for i, result in enumerate(results) if result is None or result[0] != "ok"]
     assert not failures, failures[:5]
-    assert requests == REQUESTS  # every request was queued once (all 8 kinds are batched), none twice
+    assert requests == REQUESTS + 2  # every request queued once (all 8 kinds are batched), none twice; + warm-up
     assert processed == calls and rows / calls >= 3, (calls, rows)  # merged: 3+ rows per model call on average
     versions = [result[1] for result in results if result[1] is not None]
     assert set(versions) == {1, 2} and versions.count(2) > 10
