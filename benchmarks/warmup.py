@@ -69,7 +69,9 @@ def serve_once(base_path, text, condition, repeats):
     """Loads `base_path` in a server (warm-up on or off), then times the first request and `repeats` more."""
     from tfformer import serving
 
-    server = serving.Server(model_name="m", model_base_path=base_path, file_system_poll_wait_seconds=0)
+    # No REST deadline to speak of: a cold first request can take longer than TF Serving's default 30 s.
+    server = serving.Server(model_name="m", model_base_path=base_path, file_system_poll_wait_seconds=0,
+                            rest_api_timeout_in_ms=3_600_000)
     server.manager.enable_model_warmup = condition == "warm-up"
     start = time.perf_counter()
     server.start()

@@ -120,7 +120,8 @@ def requests(signatures, vocabulary_size, batch_sizes=BATCH_SIZES, ids_length=ID
         batch_sizes: ints. One record per signature and batch size.
         ids_length: int. Token ids per row.
         counts: ints. The values of a `max_new_tokens` input: one record each at the first batch size (every
-            compiled decode length), the largest at the others.
+            compiled decode length), the smallest at the others (a graph is built once for every batch size: the
+            larger batches need not pay for the longest loop again).
         model_name: str. The `model_spec.name` of the requests (TF Serving ignores it in warm-up).
     """
     check_int("vocabulary_size", vocabulary_size, minimum=2)
@@ -134,7 +135,7 @@ def requests(signatures, vocabulary_size, batch_sizes=BATCH_SIZES, ids_length=ID
         for key in sorted(signatures, key=lambda key: (key != sig.SERVING_DEFAULT, key)):
             variants = [None]
             if sig.MAX_NEW_TOKENS in signatures[key].inputs and counts:
-                variants = list(counts) if index == 0 else [max(counts)]  # every count alone, the largest batched
+                variants = list(counts) if index == 0 else [min(counts)]  # every count alone, the shortest batched
             plan += [(key, rows, count) for count in variants]
     if len(plan) > MAX_RECORDS:  # checked before any input is made: a batch of features is large
         raise ValueError(f"{len(plan)} warm-up records; TF Serving accepts at most {MAX_RECORDS}. Pass fewer "
