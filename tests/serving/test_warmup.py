@@ -337,3 +337,13 @@ def test_a_failed_warm_up_keeps_the_old_version_serving(tmp_path, saved):
         assert entries[2]["status"] == {"error_code": "FAILED_PRECONDITION",
                                         "error_message": 'Serving signature key "nope" not found.'}
         assert client.predict("m", [1.0])["version"].tolist() == [1]
+
+
+def test_warm_up_runs_through_the_batcher_when_batching_is_on(tmp_path, saved):
+    publish(saved, tmp_path / "m", 1, RECORDS)
+    with serving.Server(model_name="m", model_base_path=str(tmp_path / "m"), file_system_poll_wait_seconds=0,
+                        enable_batching=True, access_log=None) as server:
+        servable = server.manager.get_servable("m")
+        assert type(servable).__name__ == "BatchingServable"
+        assert counts(servable) == (2, 1)  # the records ran on the version before it served
+        assert serving.Client(server.rest_url).predict("m", [2.0])["y"].tolist() == [2.0]
