@@ -103,9 +103,9 @@ model.preprocessor = tokenizer  # the task now takes strings: model.generate(pro
 prompts = ["def __init__(self", "import ", "for i in range(", "if __name__ =="]
 n = SETTINGS["max_new_tokens"]
 decoders = {
-    "greedy": dict(sampler=generation.Sampler("greedy")),
-    "top-k (k=10)": dict(sampler=generation.Sampler("top_k", k=10, temperature=0.8, seed=1)),
-    "top-p (p=0.9)": dict(sampler=generation.Sampler("top_p", p=0.9, temperature=0.8, seed=1)),
+    "greedy": dict(sampler=generation.GreedySampler()),
+    "top-k (k=10)": dict(sampler=generation.TopKSampler(k=10, temperature=0.8, seed=1)),
+    "top-p (p=0.9)": dict(sampler=generation.TopPSampler(p=0.9, temperature=0.8, seed=1)),
     "beam (4)": dict(beam_size=4),
 }
 outputs = {}

@@ -106,8 +106,8 @@ print("reply ids:", full_ids[start:].tolist(), "  uncached argmax:", uncached.to
 story = [{"role": "user", "content": "Write one sentence about a cat."}]
 prompt = lm.preprocessor.apply_chat_template(story)
 TEMPERATURE, TOP_P = 0.8, 0.9
-samplers = {"greedy": generation.Sampler("greedy")}
-samplers.update({f"top-p seed {s}": generation.Sampler("top_p", p=TOP_P, temperature=TEMPERATURE, seed=s)
+samplers = {"greedy": generation.GreedySampler()}
+samplers.update({f"top-p seed {s}": generation.TopPSampler(p=TOP_P, temperature=TEMPERATURE, seed=s)
                  for s in range(3)})
 texts = {name: "".join(lm.stream(prompt, max_new_tokens=NEW_TOKENS, sampler=s)) for name, s in samplers.items()}
 for name, text in texts.items():

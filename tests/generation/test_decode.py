@@ -125,23 +125,24 @@ def test_beam_one_and_top_k_one_equal_greedy(request, fixture):
     greedy = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6))
     beam1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6, beam_size=1))
     topk1 = np.asarray(generation.generate_ids(model, ids, max_new_tokens=6,
-                                               sampler=generation.Sampler("top_k", k=1, seed=3)))
+                                               sampler=generation.TopKSampler(k=1, seed=3)))
     assert _trim(beam1) == _trim(greedy)
     np.testing.assert_array_equal(topk1, greedy)
 
 
-@pytest.mark.parametrize("kind, extra", [("temperature", {}), ("top_k", {"k": 5}), ("top_p", {"p": 0.8})])
-def test_sampling_is_reproducible_with_a_seed(seq2seq, kind, extra):
-    a = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=7, **extra))
-    b = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=7, **extra))
-    c = generation.generate_ids(seq2seq, SOURCE, 8, sampler=generation.Sampler(kind, temperature=1.5, seed=8, **extra))
+@pytest.mark.parametrize("cls, extra", [(generation.TemperatureSampler, {}), (generation.TopKSampler, {"k": 5}),
+                                        (generation.TopPSampler, {"p": 0.8})])
+def test_sampling_is_reproducible_with_a_seed(seq2seq, cls, extra):
+    a = generation.generate_ids(seq2seq, SOURCE, 8, sampler=cls(temperature=1.5, seed=7, **extra))
+    b = generation.generate_ids(seq2seq, SOURCE, 8, sampler=cls(temperature=1.5, seed=7, **extra))
+    c = generation.generate_ids(seq2seq, SOURCE, 8, sampler=cls(temperature=1.5, seed=8, **extra))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
 
 
 def test_top_p_only_samples_from_the_nucleus():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], "float32"))
-    sampler = generation.Sampler("top_p", p=0.75)
+    sampler = generation.TopPSampler(p=0.75)
     seen = {int(sampler.get_next_token(logits, step)[0]) for step in range(200)}
     assert seen == {0, 1}
 
@@ -247,8 +248,8 @@ def test_bad_arguments(seq2seq, lm):
         generation.generate_ids(lm, np.ones((1, 30), "int32"), 5)
     with pytest.raises(ValueError, match="empty prompt"):
         generation.generate_ids(lm, np.array([[5, 6], [0, 0]], "int32"), 3)
-    with pytest.raises(ValueError, match="kind"):
-        generation.Sampler("nucleus")
+    with pytest.raises(ValueError, match="`sampler` must be a Sampler.*'nucleus'"):
+        generation.generate_ids(seq2seq, SOURCE, 4, sampler="nucleus")
     # Float ids used to be truncated to int32 silently; out-of-range ids clamped by XLA's gather.
     with pytest.raises(ValueError, match="integer ids.*float64"):
         generation.generate_ids(lm, np.array([[5.5, 6.0]]), 3)

@@ -12,8 +12,8 @@ from tfformer.generation import plan as plan_lib
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.decode import compiled_functions
 from tfformer.generation.plan import DecodePlan
-from tfformer.generation.samplers import (GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler,
-                                          as_sampler)
+from tfformer.generation import samplers
+from tfformer.generation.samplers import GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler
 
 LOGITS = np.random.default_rng(0).normal(scale=2.0, size=(4, 20)).astype("float32")
 
@@ -104,22 +104,23 @@ def test_draws_are_stateless_categorical_of_seed_and_step(sampler):
     assert not np.array_equal(got, TemperatureSampler(1.3, seed=5).get_next_token(LOGITS, 31).numpy())
 
 
-def test_sampler_of_a_kind_builds_the_subclass():
-    assert type(Sampler()) is GreedySampler and type(Sampler("greedy")) is GreedySampler
-    sampler = Sampler("top_k", k=5, temperature=1.5, seed=7)
-    assert type(sampler) is TopKSampler and isinstance(sampler, Sampler)
-    assert sampler.key() == ("top_k", 1.5, 5, None, 7) == TopKSampler(5, temperature=1.5, seed=7).key()
-    assert Sampler("top_p", p=0.9).key() == ("top_p", 1.0, None, 0.9, 0)
-    assert Sampler("temperature", temperature=0.5, seed=1).key() == ("temperature", 0.5, None, None, 1)
+def test_samplers_get_and_keys():
+    """`samplers.get` (what a task's `generate(sampler=...)` takes), and the keys of compiled decode functions."""
+    assert type(samplers.get(None)) is GreedySampler and type(samplers.get("greedy")) is GreedySampler
+    sampler = TopKSampler(k=5, temperature=1.5, seed=7)
+    assert isinstance(sampler, Sampler) and samplers.get(sampler) is sampler
+    assert sampler.key() == ("top_k", 1.5, 5, None, 7)
+    assert TopPSampler(p=0.9).key() == ("top_p", 1.0, None, 0.9, 0)
+    assert TemperatureSampler(temperature=0.5, seed=1).key() == ("temperature", 0.5, None, None, 1)
     assert GreedySampler().key() == ("greedy", 1.0, None, None, 0)
-    assert type(as_sampler("greedy")) is GreedySampler and type(as_sampler(None)) is GreedySampler
-    assert type(as_sampler("temperature")) is TemperatureSampler
-    assert as_sampler(sampler) is sampler
+    assert type(samplers.get("temperature")) is TemperatureSampler
+    assert samplers.get("temperature").key() == ("temperature", 1.0, None, None, 0)
     assert BeamSampler(4, 0.8).key() == ("beam", 4, 0.8)
-    with pytest.raises(ValueError, match="kind"):
-        Sampler("nucleus")
+    for name in ("nucleus", "top_k"):  # top-k and top-p have no default `k` or `p`: made by their class only
+        with pytest.raises(ValueError, match=rf"`sampler` must be a Sampler .*TopKSampler.*Received: sampler='{name}'"):
+            samplers.get(name)
     with pytest.raises(ValueError, match="`k` must be an integer >= 1"):
-        Sampler("top_k")
+        TopKSampler(0)
     with pytest.raises(ValueError, match="`p` must be in"):
         TopPSampler(1.5)
     with pytest.raises(ValueError, match="`temperature` must be a number > 0"):
@@ -127,7 +128,7 @@ def test_sampler_of_a_kind_builds_the_subclass():
     with pytest.raises(ValueError, match="`beam_size` must be a positive integer"):
         BeamSampler(0)
     with pytest.raises(ValueError, match="`sampler` must be a Sampler"):
-        as_sampler(3)
+        samplers.get(3)
     with pytest.raises(NotImplementedError):
         BeamSampler(2).get_next_token(LOGITS, 0)
 

@@ -172,7 +172,7 @@ class BeamSampler(Sampler):
             forced = tf.fill([rows.batch, beam], -1)
         else:
             in_prompt = _in_prompt(rows, column)  # (B, 1)
-            forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
+            forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler.run
         scores, source, token = _select(scores, log_probs, forced, finished, beam, vocab, rows.fill)
         cache = _reorder(cache, _flat(source, beam))
         tokens = tf.gather(tokens, source, batch_dims=1)
@@ -195,7 +195,7 @@ class BeamSampler(Sampler):
         beam, candidates, vocab = self.beams, 2 * self.beams, logits.shape[-1]
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # (B*K, V)
         in_prompt = _in_prompt(rows, column)  # (B, 1)
-        forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler._choose
+        forced = tf.where(in_prompt, tf.gather(tokens, column, axis=2), -1)  # (B, K); see Sampler.run
         live = tf.zeros([rows.batch, beam], tf.bool)  # no live beam has ended: `_select` lets every beam continue
         cand_scores, source, token = _select(scores, log_probs, forced, live, beam, vocab, rows.fill, candidates)
         ended = tf.equal(token, rows.end_id) & ~in_prompt  # (B, C)

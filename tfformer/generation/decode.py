@@ -17,7 +17,7 @@ from tfformer.checks import check_int
 from tfformer.compat import untracked_holder
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.plan import DecodePlan, check_kernel_layout, grown, native_bfloat16_on_this_cpu
-from tfformer.generation.samplers import as_sampler
+from tfformer.generation import samplers
 from tfformer.layers.layer_utils import split_cache
 from tfformer.tokens import END_ID, PAD_ID, START_ID, cut_at_end
 
@@ -167,7 +167,7 @@ def _xla_loop_causal_fn(model, max_new_tokens, sampler, end_id, plan):
 
 def _method(sampler, beam_size, length_penalty):
     """The `Sampler` that decodes: a `BeamSampler` for a `beam_size`, else `sampler` (None: greedy)."""
-    return BeamSampler(beam_size, length_penalty) if beam_size else as_sampler(sampler)
+    return BeamSampler(beam_size, length_penalty) if beam_size else samplers.get(sampler)
 
 
 def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalty=0.6, end_id=END_ID,
@@ -176,7 +176,7 @@ def decode_fn(model, max_new_tokens, sampler=None, beam_size=None, length_penalt
 
     Traceable into any graph: `generate_ids` compiles it, the SavedModel exporter
     embeds it in its serving signature. `end_id=-1` never stops early (benchmarks).
-    `sampler`: a `Sampler` (`BeamSampler` included), one of `samplers.KINDS` or None (greedy);
+    `sampler`: a `Sampler` (`BeamSampler` included) or what `samplers.get` takes (None: greedy);
     a `beam_size` takes `BeamSampler(beam_size, length_penalty)` instead.
     `plan` (a `generation.plan.DecodePlan`) picks the loop's fast forms; by default
     `DecodePlan(kernel_layout)`, which without a layout runs in any graph (SavedModel without

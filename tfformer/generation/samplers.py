@@ -1,41 +1,14 @@
-"""Samplers: the one decode loop (`Sampler.run`) and the token choice each subclass overrides.
-
-The task sets up a decode (prefill, caches, the buffer of ids) and hands `run` a callback
-`next(ids, cache, index, plan=None) -> (logits, hidden, cache)` that feeds `ids` `(B, 1)` at cache index
-`index` (keras-hub's sampler pattern); `get_next_token(logits, step)` picks ids `(B,)` int32 from float
-logits `(B, V)`. Randomness is stateless (`seed` and the step), so the same seed repeats the same sample,
-in eager, graph and XLA alike. `BeamSampler` (`generation.beam`) overrides the loop.
-"""
+"""Samplers (keras-hub's pattern): the one decode loop, `Sampler.run`, and the token choice subclasses override.
+Draws are stateless (`seed`, step): the same seed repeats a sample in eager, graph and XLA alike."""
 
 import tensorflow as tf
 
 from tfformer.checks import check_int, check_number
 from tfformer.tokens import PAD_ID
 
-KINDS = ("greedy", "temperature", "top_k", "top_p")
 
-
-def _check_temperature(temperature):
-    check_number("temperature", temperature, above=0)
-    return float(temperature)
-
-
-class _ByKind(type):
-    """`Sampler(kind, ...)` builds the subclass for `kind` (the one-class API); subclasses construct as usual."""
-
-    def __call__(cls, *args, **kwargs):
-        if cls is Sampler:
-            return _from_kind(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-class Sampler(metaclass=_ByKind):
-    """How the next token is picked, and the decode loop that picks it step after step.
-
-    `Sampler(kind, temperature=1.0, k=None, p=None, seed=0)` builds the subclass of `kind`:
-    `"greedy"` (`GreedySampler`), `"temperature"` (`TemperatureSampler`), `"top_k"` (`TopKSampler`) or
-    `"top_p"` (`TopPSampler`). Subclasses override `get_next_token`.
-    """
+class Sampler:
+    """How the next token is picked (`get_next_token`, which subclasses override), and the loop that picks it."""
 
     kind, temperature, k, p, seed = None, 1.0, None, None, 0
     beams = 1  # rows the loop keeps per input row: the task's caches and prefill hold that many copies of each
@@ -43,9 +16,6 @@ class Sampler(metaclass=_ByKind):
     def key(self):
         """What tells compiled decode functions apart."""
         return (self.kind, self.temperature, self.k, self.p, self.seed)
-
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     def get_next_token(self, logits, step):
         """Ids `(B,)` int32 for the logits `(B, V)` of step `step` (an int32 scalar: the column they fill)."""
@@ -58,50 +28,42 @@ class Sampler(metaclass=_ByKind):
 
     def run(self, next, tokens, cache, index, end_id, max_new_tokens, column=None, ids=None, logits=None,
             prompt_lengths=None, fill=PAD_ID, plan=None, prefix=0):
-        """Fill `tokens` `(B, T)` int32 from column `column` on, one `next` step at a time; returns `tokens`.
+        """Fill `tokens` `(B, T)` int32 from column `column` (default `index`) on, and return it.
 
-        Each step feeds `ids` `(B, 1)` at cache index `index`, `index + 1`, ... and writes the token chosen from
-        its logits to the next column. The loop stops when every row is done (it chose `end_id`; later columns
-        get `fill`) or after `max_new_tokens` columns (past the longest prompt with `prompt_lengths`).
-
-        Args:
-            next: `next(ids, cache, index, plan=plan) -> (logits (B, V), hidden or None, cache)`.
-            tokens: `(B, T)` int32, the ids so far (prompts right-padded, with `prompt_lengths`).
-            cache: what `next` carries from step to step (per-layer caches, with a `plan`).
-            index: int32 scalar. The cache index of the first step.
-            end_id: int. A row ends at it (`-1`: never).
-            max_new_tokens: int. Columns to fill per row.
-            column: the column of `tokens` the first step fills; defaults to `index`.
-            ids: `(B, 1)` int32, what the first step feeds. Or:
-            logits: `(B, V)`, a prefill's logits for `column`: the token chosen from them is written there and
-                fed by the first step (which fills `column + 1`).
-            prompt_lengths: `(B,)` int32 or None. Columns below a row's length keep its prompt token, and the
-                row ends `max_new_tokens` columns after it.
-            fill: int. The id written after a row's end.
-            plan: a `generation.plan.DecodePlan` or None. With one, the loop runs `plan.segmented_loop`: `cache`
-                is per-layer caches that grow from `prefix + plan.first_segment(max_new_tokens)` slots, and
-                `next` gets the plan of the step. None: a plain `tf.while_loop`; `next` gets `plan=None`.
-            prefix: int32 scalar. With a `plan`, the cache slots before the new tokens' (a prompt's width):
-                segment k's caches hold `prefix + segment_sizes(max_new_tokens)[k]`.
+        Step `i` feeds ids `(B, 1)` at cache index `index + i` to `next(ids, cache, index, plan=plan) -> (logits
+        (B, V), hidden, cache)`; the token chosen from the logits goes to the next column. The first step feeds `ids`,
+        or the token chosen from a prefill's `logits` (written to `column`). A row ends at `end_id` (-1: never; `fill`
+        after it) or `max_new_tokens` columns past its `prompt_lengths` `(B,)`, whose columns keep the prompt. A `plan`
+        runs `plan.segmented_loop` over caches that grow from `prefix + plan.first_segment(max_new_tokens)` slots.
         """
         column, written = self._columns(index, column, ids, logits)
-        done = tf.zeros([tf.shape(tokens)[0]], tf.bool)
-        if logits is not None:
-            ids, tokens, done = self._choose(logits, column, tokens, done, end_id, max_new_tokens, prompt_lengths,
-                                             fill)
         stop = (column if prompt_lengths is None else tf.reduce_max(prompt_lengths)) + max_new_tokens
 
-        # The condition reads `done` one step late: then a step's predicate does not wait for the previous step's
-        # token, and TensorFlow's executor (without XLA) runs the next steps' loop-invariant work, such as the
-        # weights' casts under mixed precision, beside the current one. It costs one step after the last row ends,
-        # which writes `fill` where `fill` already stands.
+        def choose(logits, column, tokens, done):  # -> the ids (B, 1) to feed next, `tokens` and `done`
+            batch = tf.shape(tokens)[0]
+            chosen = tf.where(done, fill, self.get_next_token(logits, column))  # (B,)
+            if prompt_lengths is None:
+                done = done | tf.equal(chosen, end_id)
+            else:
+                in_prompt = column < prompt_lengths
+                # A gather: a slice at a traced column outside the loop would make XLA compile once per prompt.
+                chosen = tf.where(in_prompt, tf.gather(tokens, column, axis=1), chosen)
+                done = done | (~in_prompt & tf.equal(chosen, end_id)) | (column + 1 >= prompt_lengths + max_new_tokens)
+            at = tf.stack([tf.range(batch), tf.fill([batch], column)], 1)  # (B, 2)
+            return chosen[:, None], tf.tensor_scatter_nd_update(tokens, at, chosen), done
+
+        done = tf.zeros([tf.shape(tokens)[0]], tf.bool)
+        if logits is not None:
+            ids, tokens, done = choose(logits, column, tokens, done)
+
+        # `done` read one step late: the predicate does not wait for the last token, so TensorFlow's executor (without
+        # XLA) runs the next steps' loop-invariant work beside it (weights' casts), for one extra step of `fill`.
         def cond(i, ids, tokens, cache, done, done_before):
             return tf.logical_and(written(i) < stop, tf.logical_not(tf.reduce_all(done_before)))
 
         def body(plan, i, ids, tokens, cache, done, done_before):
             logits, _, cache = next(ids, cache, i, plan=plan)
-            chosen, tokens, now_done = self._choose(logits, written(i), tokens, done, end_id, max_new_tokens,
-                                                    prompt_lengths, fill)
+            chosen, tokens, now_done = choose(logits, written(i), tokens, done)
             return i + 1, chosen, tokens, cache, now_done, done
 
         state = (index, ids, tokens, cache, done, done)
@@ -109,8 +71,7 @@ class Sampler(metaclass=_ByKind):
 
     @staticmethod
     def _loop(cond, body, state, plan, prefix, max_new_tokens):
-        """`state` `(i, ids, tokens, cache, ...)` after `body(plan, *state)` while `cond(*state)`: on a `plan`,
-        its segmented loop over growing caches; without one, a plain `tf.while_loop` (`body` gets None)."""
+        """`state` `(i, ids, tokens, cache, ...)` after `body(plan, *state)` while `cond(*state)`."""
         if plan is None:
             return tf.while_loop(cond, lambda *state: body(None, *state), state)
         return plan.segmented_loop(cond, body, state, 3, prefix, max_new_tokens)
@@ -127,24 +88,9 @@ class Sampler(metaclass=_ByKind):
             return first, lambda i: i
         return first, lambda i: i + shift
 
-    def _choose(self, logits, column, tokens, done, end_id, max_new_tokens, prompt_lengths, fill):
-        """Column `column` of `tokens` from `logits`: the ids `(B, 1)` to feed next, `tokens` and `done`."""
-        batch = tf.shape(tokens)[0]
-        chosen = tf.where(done, fill, self.get_next_token(logits, column))  # (B,)
-        if prompt_lengths is None:
-            done = done | tf.equal(chosen, end_id)
-        else:
-            in_prompt = column < prompt_lengths
-            # A gather: a slice at a traced column outside the loop would make XLA compile once per prompt.
-            chosen = tf.where(in_prompt, tf.gather(tokens, column, axis=1), chosen)
-            done = done | (~in_prompt & tf.equal(chosen, end_id)) | (column + 1 >= prompt_lengths + max_new_tokens)
-        tokens = tf.tensor_scatter_nd_update(tokens, tf.stack([tf.range(batch), tf.fill([batch], column)], 1), chosen)
-        return chosen[:, None], tokens, done
-
 
 class GreedySampler(Sampler):
     """The most likely token."""
-
     kind = "greedy"
 
     def get_next_token(self, logits, step):
@@ -152,17 +98,12 @@ class GreedySampler(Sampler):
 
 
 class TemperatureSampler(Sampler):
-    """A draw from softmax(logits / temperature).
-
-    Args:
-        temperature: float > 0. Defaults to `1.0`.
-        seed: int. Same seed, same tokens. Defaults to `0`.
-    """
-
+    """A draw from softmax(logits / `temperature`) (> 0); the same `seed` (an int) draws the same tokens."""
     kind = "temperature"
 
     def __init__(self, temperature=1.0, seed=0):
-        self.temperature, self.seed = _check_temperature(temperature), int(seed)
+        check_number("temperature", temperature, above=0)
+        self.temperature, self.seed = float(temperature), int(seed)
 
     def get_next_token(self, logits, step):
         return self._sample(tf.cast(logits, tf.float32) / self.temperature, step)
@@ -170,11 +111,10 @@ class TemperatureSampler(Sampler):
 
 class TopKSampler(TemperatureSampler):
     """A draw among the `k` most likely tokens (int >= 1), from softmax(logits / temperature)."""
-
     kind = "top_k"
 
     def __init__(self, k, temperature=1.0, seed=0):
-        check_int("k", k, expected="an integer >= 1 for kind='top_k'")
+        check_int("k", k, expected="an integer >= 1")
         super().__init__(temperature, seed)
         self.k = k
 
@@ -185,13 +125,11 @@ class TopKSampler(TemperatureSampler):
 
 
 class TopPSampler(TemperatureSampler):
-    """A draw from the smallest set of most likely tokens whose probability reaches `p` in (0, 1] (nucleus),
-    from softmax(logits / temperature)."""
-
+    """A draw from the nucleus: the fewest most likely tokens whose probability reaches `p` in (0, 1]."""
     kind = "top_p"
 
     def __init__(self, p, temperature=1.0, seed=0):
-        check_number("p", p, above=0, at_most=1, expected="in (0, 1] for kind='top_p'")
+        check_number("p", p, above=0, at_most=1, expected="in (0, 1]")
         super().__init__(temperature, seed)
         self.p = p
 
@@ -204,25 +142,16 @@ class TopPSampler(TemperatureSampler):
         return self._sample(tf.where(logits < cutoff, -1e9, logits), step)
 
 
-def _from_kind(kind="greedy", temperature=1.0, k=None, p=None, seed=0):
-    if kind not in KINDS:
-        raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
-    _check_temperature(temperature)
-    if kind == "greedy":
-        return GreedySampler()
-    if kind == "temperature":
-        return TemperatureSampler(temperature, seed)
-    if kind == "top_k":
-        return TopKSampler(k, temperature, seed)
-    return TopPSampler(p, temperature, seed)
+SAMPLERS = {"greedy": GreedySampler, "temperature": TemperatureSampler}  # the others need their `k` or `p`
 
 
-def as_sampler(sampler):
-    """`sampler` (a `Sampler`, one of `KINDS`, or None: greedy) as a `Sampler`."""
-    if sampler is None:
-        return GreedySampler()
-    if isinstance(sampler, str):
-        return Sampler(sampler)
+def get(sampler):
+    """`sampler` as a `Sampler` (keras-hub's `samplers.get`): a Sampler as it is, None as `GreedySampler()`, a name
+    in `SAMPLERS` as that class with its defaults."""
     if isinstance(sampler, Sampler):
         return sampler
-    raise ValueError(f"`sampler` must be a Sampler or one of {KINDS}. Received: sampler={sampler!r}")
+    name = "greedy" if sampler is None else sampler
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise ValueError(f"`sampler` must be a Sampler (e.g. `TopKSampler(k)`, `TopPSampler(p)`), None or one of "
+                         f"{tuple(SAMPLERS)}. Received: sampler={sampler!r}")
+    return SAMPLERS[name]()

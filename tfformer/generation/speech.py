@@ -15,7 +15,7 @@ import tensorflow as tf
 from tfformer.checks import check_int
 from tfformer.generation.decode import cached_function
 from tfformer.generation.beam import BeamSampler
-from tfformer.generation.samplers import GreedySampler, as_sampler
+from tfformer.generation import samplers
 
 # Whisper's <|endoftext|>, and the prompt of the English-only models without timestamps.
 WHISPER_END_ID = 50256
@@ -28,7 +28,7 @@ def whisper_sampler(beam_size=1, length_penalty=1.0, patience=1.0):
     normalization="length", patience=patience)`."""
     check_int("beam_size", beam_size)
     if beam_size == 1:
-        return GreedySampler()
+        return samplers.GreedySampler()
     return BeamSampler(beam_size, length_penalty, normalization="length", patience=patience)
 
 
@@ -81,7 +81,7 @@ def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=
     every_step = _suppression(_check_ids("suppress_ids", suppress_ids, vocabulary_size), vocabulary_size)
     first_step = every_step + _suppression(
         _check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size), vocabulary_size)
-    sampler = as_sampler(sampler)
+    sampler = samplers.get(sampler)
     beams = sampler.beams
     prompt_length = len(prompt)
 
@@ -116,7 +116,7 @@ def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PR
     kept on the model per set of options; `max_new_tokens` defaults to what fits the decoder after the prompt."""
     if max_new_tokens is None:
         max_new_tokens = model.config.max_sequence_length - len(prompt)
-    sampler = as_sampler(sampler)
+    sampler = samplers.get(sampler)
     key = ("speech", max_new_tokens, tuple(prompt), tuple(suppress_ids), tuple(suppress_ids_begin), end_id,
            sampler.key(), bool(jit_compile))
 

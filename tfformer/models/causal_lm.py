@@ -127,7 +127,7 @@ class CausalLM(base.TransformerModel):
         its bytes form whole characters; generation stops at the end token or after `max_new_tokens`.
         """
         (prompt,), _ = task.as_texts([prompt] if isinstance(prompt, str) else prompt, "prompt")
-        sampler = generation.samplers.as_sampler(sampler)
+        sampler = generation.samplers.get(sampler)
         ids = self.tokenize([prompt])  # (1, L)
         length = ids.shape[1]
         check_int("max_new_tokens", max_new_tokens)
