@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.checks import check_int, check_number
+from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
@@ -16,7 +16,7 @@ from tfformer.layers.layer_utils import (
     dense,
     write_cache,
 )
-from tfformer.layers.rotary_embedding import RotaryEmbedding
+from tfformer.layers.rotary_embedding import RotaryEmbedding, check_rope_max_wavelength
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
@@ -158,7 +158,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
             )
         check_dropout(dropout)
-        check_number("rope_max_wavelength", rope_max_wavelength, above=1, allow_none=True)
+        check_rope_max_wavelength(rope_max_wavelength)
         if score not in SCORES:
             raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
         check_int("window", window, minimum=0, allow_none=True)

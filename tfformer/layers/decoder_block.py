@@ -1,11 +1,11 @@
 import keras
 
-from tfformer.checks import check_number
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.encoder_block import EncoderBlock
 from tfformer.layers.gated_feedforward import GatedFeedForward
 from tfformer.layers.layer_norm import LayerNorm
 from tfformer.layers.rms_norm import RMSNorm
+from tfformer.layers.rotary_embedding import check_rope_max_wavelength
 
 NORMALIZATIONS = ("layer", "rms")
 
@@ -86,7 +86,7 @@ class DecoderBlock(EncoderBlock):
         if not use_bias and kwargs.get("activation", "relu") != "swiglu":
             raise ValueError("`use_bias=False` needs activation='swiglu' (a GatedFeedForward). "
                              f"Received: activation={kwargs.get('activation', 'relu')!r}")
-        check_number("rope_max_wavelength", rope_max_wavelength, above=1, allow_none=True)
+        check_rope_max_wavelength(rope_max_wavelength)
         super().__init__(num_heads, intermediate_dim, **kwargs)
         self.cross_attention = cross_attention
         self.normalization = normalization

@@ -4,6 +4,11 @@ from keras import ops
 from tfformer.checks import check_number
 
 
+def check_rope_max_wavelength(value):
+    """Raise a ValueError unless `value`, a layer's `rope_max_wavelength`, is a number > 1 or None."""
+    check_number("rope_max_wavelength", value, above=1, allow_none=True)
+
+
 @keras.saving.register_keras_serializable(package="tfformer")
 class RotaryEmbedding(keras.layers.Layer):
     """Rotary position embedding, RoPE (Su et al., 2021), applied to q or k.
