@@ -10,6 +10,7 @@ from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.layer_utils import (
     LowRankAdapters,
+    LowRankProjections,
     SplitCache,
     check_dropout,
     check_lora_alpha,
@@ -22,7 +23,7 @@ SCORES = ("scaled_dot", "dot", "general", "additive")
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
-class MultiHeadAttention(keras.layers.Layer):
+class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     """Multi-head attention (Vaswani et al., 2017), with a key/value cache.
 
     Projects the query, key and value into `num_heads` heads, computes the
@@ -231,10 +232,8 @@ class MultiHeadAttention(keras.layers.Layer):
             self._add_adapters()
         self.built = True
 
-    # === Low-rank adapters ===
+    # === Low-rank adapters (layer_utils.LowRankProjections) ===
     def _projection_shapes(self):
-        """`{projection: (input_dim, units)}` of the query, key, value and output kernels (column blocks of the
-        fused kernel when there is one)."""
         if self._fused:
             d = self.qkv_kernel.shape[0]
             shapes = {"query": (d, self._q_units), "key": (d, self._k_units), "value": (d, self._v_units)}
@@ -242,57 +241,10 @@ class MultiHeadAttention(keras.layers.Layer):
             shapes = {name: tuple(getattr(self, f"{name}_kernel").shape) for name in ("query", "key", "value")}
         return {**shapes, "output": tuple(self.output_kernel.shape)}
 
-    def _kernel_names(self):
-        return ("qkv", "output") if self._fused else ("query", "key", "value", "output")
-
-    def _kernel_of(self, name):
-        """The kernel of `name` ("qkv", "query", "key", "value", "output"): the weight itself, or with adapters
-        the weight plus their update (a tensor, which no decode plan has laid out)."""
-        kernel = getattr(self, f"{name}_kernel")
-        if not self.lora_rank:
-            return kernel
-        parts = ("query", "key", "value") if name == "qkv" else (name,)
-        return kernel + ops.concatenate([self.lora.delta(part) for part in parts], axis=1)  # (D, units)
-
-    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
-        """Add low-rank adapters of `rank` to the query, key, value and output projections and stop training
-        their kernels (Keras' `Dense.enable_lora`; see the class docstring).
-
-        Once per layer, as in Keras: a layer whose adapters were merged takes no new ones (reload the model
-        instead). Under a `tf.distribute` strategy, call it in the strategy's scope.
-        """
-        check_int("rank", rank)
-        check_lora_alpha(lora_alpha)
-        if self.lora_rank or self.lora.built:
-            state = "has adapters" if self.lora_rank else "had adapters, merged into its kernels"
-            raise ValueError(f"Layer {self.name!r} {state}; a layer takes adapters once (Keras builds a layer's "
-                             "weights once). Save and reload the model to add new ones.")
-        self.lora_rank, self.lora_alpha = rank, lora_alpha
-        if not self.built:  # `build` makes them
-            self.lora.a_initializer = keras.initializers.get(a_initializer)
-            self.lora.b_initializer = keras.initializers.get(b_initializer)
-            return
-        parent, _, own = self.path.rpartition("/")
-        with keras.name_scope(own, override_parent=parent or None):  # adapter paths under this layer's
-            self._add_adapters(a_initializer, b_initializer)
-
-    def _add_adapters(self, a_initializer=None, b_initializer=None):
-        self.lora.add(self._projection_shapes(), self.lora_rank, self.lora_alpha, a_initializer, b_initializer)
-        for name in self._kernel_names():
-            getattr(self, f"{name}_kernel").trainable = False
-
-    def merge_lora(self):
-        """Fold the adapters into the kernels, `W <- W + (A @ B) * lora_alpha / rank`, and delete them: the
-        same outputs from plain kernels, which train again."""
-        if not self.lora_rank:
-            raise ValueError(f"Layer {self.name!r} has no adapters to merge; call `enable_lora(rank)` first.")
-        if self.built:
-            merged = [(getattr(self, f"{name}_kernel"), self._kernel_of(name)) for name in self._kernel_names()]
-            for kernel, value in merged:
-                kernel.assign(value)
-                kernel.trainable = True
-            self.lora.remove()
-        self.lora_rank = self.lora_alpha = None
+    def _adapted_kernels(self):
+        if self._fused:  # the query, key and value adapters side by side, as their columns of the fused kernel
+            return {"qkv": ("query", "key", "value"), "output": ("output",)}
+        return {name: (name,) for name in ("query", "key", "value", "output")}
 
     # === Projections ===
     def _split_heads(self, x, heads, head_dim):

@@ -260,6 +260,66 @@ class LowRankAdapters(keras.layers.Layer):
         return config
 
 
+class LowRankProjections:
+    """Low-rank adapters on the projection kernels of the Keras layer that mixes this in (`MultiHeadAttention`; after
+    `keras.layers.Layer` among its bases, which has none of these methods).
+
+    The layer makes `self.lora = LowRankAdapters(name="lora")` (unbuilt) and sets `lora_rank`, `lora_alpha` in its
+    `__init__`, calls `_add_adapters()` in `build` when `lora_rank` is set, and reads its kernels through
+    `_kernel_of(name)`. It names them with `_projection_shapes()`, `{adapter: (input_dim, units)}`, and
+    `_adapted_kernels()`, `{kernel: its adapters}`: weight `{kernel}_kernel` is the adapters' columns side by side.
+    """
+
+    def _kernel_of(self, name):
+        """Kernel `name`: the weight itself, or with adapters the weight plus their update (a tensor, which no
+        decode plan has laid out)."""
+        kernel = getattr(self, f"{name}_kernel")
+        if not self.lora_rank:
+            return kernel
+        parts = self._adapted_kernels()[name]
+        return kernel + ops.concatenate([self.lora.delta(part) for part in parts], axis=1)  # (D, units)
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
+        """Add low-rank adapters of `rank` to the projections and stop training their kernels (Keras'
+        `Dense.enable_lora`).
+
+        Once per layer, as in Keras: a layer whose adapters were merged takes no new ones (reload the model
+        instead). Under a `tf.distribute` strategy, call it in the strategy's scope.
+        """
+        check_int("rank", rank)
+        check_lora_alpha(lora_alpha)
+        if self.lora_rank or self.lora.built:
+            state = "has adapters" if self.lora_rank else "had adapters, merged into its kernels"
+            raise ValueError(f"Layer {self.name!r} {state}; a layer takes adapters once (Keras builds a layer's "
+                             "weights once). Save and reload the model to add new ones.")
+        self.lora_rank, self.lora_alpha = rank, lora_alpha
+        if not self.built:  # `build` makes them
+            self.lora.a_initializer = keras.initializers.get(a_initializer)
+            self.lora.b_initializer = keras.initializers.get(b_initializer)
+            return
+        parent, _, own = self.path.rpartition("/")
+        with keras.name_scope(own, override_parent=parent or None):  # adapter paths under this layer's
+            self._add_adapters(a_initializer, b_initializer)
+
+    def _add_adapters(self, a_initializer=None, b_initializer=None):
+        self.lora.add(self._projection_shapes(), self.lora_rank, self.lora_alpha, a_initializer, b_initializer)
+        for name in self._adapted_kernels():
+            getattr(self, f"{name}_kernel").trainable = False
+
+    def merge_lora(self):
+        """Fold the adapters into the kernels, `W <- W + (A @ B) * lora_alpha / rank`, and delete them: the
+        same outputs from plain kernels, which train again."""
+        if not self.lora_rank:
+            raise ValueError(f"Layer {self.name!r} has no adapters to merge; call `enable_lora(rank)` first.")
+        if self.built:
+            merged = [(getattr(self, f"{name}_kernel"), self._kernel_of(name)) for name in self._adapted_kernels()]
+            for kernel, value in merged:
+                kernel.assign(value)
+                kernel.trainable = True
+            self.lora.remove()
+        self.lora_rank = self.lora_alpha = None
+
+
 def check_lora_alpha(value, name="lora_alpha"):
     """Raise a ValueError naming `name` unless `value` is a positive number or None."""
     check_number(name, value, above=0, allow_none=True, expected="a positive number")
