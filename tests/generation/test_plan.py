@@ -36,14 +36,24 @@ def test_bad_arguments(kwargs, match):
         DecodePlan(**kwargs)
 
 
+def _plain_matmuls(plan, x, kernel, bias=None, start=0, stop=None):
+    """`plan.dense(...)` and whether its traced graph is the plain form: one MatMul, none of the laid-out forms'
+    transposed rows ("rows") or concatenated halves ("halves")."""
+    fn = tf.function(lambda x: plan.dense(x, kernel, bias, start, stop))
+    kinds = [n.op for n in fn.get_concrete_function(x).graph.as_graph_def().node]
+    return fn(x), kinds.count("MatMul") == 1 and not {"Transpose", "ConcatV2", "BatchMatMulV2"} & set(kinds)
+
+
 def test_default_plan_takes_the_plain_forms(rng):
     """The default plan (what SavedModel export and TFLite trace) has no kernels, no in-place writes, no split
-    caches: `dense` has nothing for any kernel, `uses` and `one_row` say no."""
+    caches: `dense` takes the plain matmul for any kernel, `uses` and `one_row` say no."""
     layer = _dense(rng)
     plan = DecodePlan().prepared(layer)
     x = tf.constant(rng.normal(size=(1, 1, 6)).astype("float32"))
     assert plan.kernels is None and not plan.in_place_cache_writes and not plan.split_caches
-    assert plan.dense(x, layer.kernel, layer.bias) is None
+    y, plain = _plain_matmuls(plan, x, layer.kernel, layer.bias)
+    np.testing.assert_allclose(y.numpy(), x.numpy() @ layer.kernel.numpy() + layer.bias.numpy(), rtol=1e-5, atol=1e-5)
+    assert plain
     assert not plan.uses(x, layer.kernel, layer.bias) and not plan.one_row(x)
     assert DecodePlan().key() != DecodePlan("rows").key() != DecodePlan("rows", in_place_cache_writes=True).key()
     assert DecodePlan("rows").split_caches and not DecodePlan("halves").split_caches
@@ -51,8 +61,8 @@ def test_default_plan_takes_the_plain_forms(rng):
 
 @pytest.mark.parametrize("layout", ["rows", "halves"])
 def test_dense_on_its_kernels_equals_the_matmul(rng, layout):
-    """`plan.dense` == x @ W[:, a:b] + b[a:b] on the prepared kernel (eagerly too); None where it has no layout:
-    another kernel, another bias, more than one token, and column slices in "halves"."""
+    """`plan.dense` == x @ W[:, a:b] + b[a:b] on the prepared kernel (eagerly too); the plain matmul where it has
+    no layout: another kernel, another bias, more than one token, and column slices in "halves"."""
     layer, other = _dense(rng), _dense(rng)
     plan = DecodePlan(layout).prepared(layer)
     assert plan.kernels is not None and plan.kernel_layout == layout
@@ -60,15 +70,17 @@ def test_dense_on_its_kernels_equals_the_matmul(rng, layout):
     w, b = layer.kernel.numpy(), layer.bias.numpy()
     np.testing.assert_allclose(plan.dense(x, layer.kernel, layer.bias, 0, 10).numpy(), x @ w + b, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(plan.dense(x, layer.kernel, None, 0, 10).numpy(), x @ w, rtol=1e-5, atol=1e-5)
-    sliced = plan.dense(x, layer.kernel, layer.bias, 3, 7)
-    if layout == "rows":
-        np.testing.assert_allclose(sliced.numpy(), x @ w[:, 3:7] + b[3:7], rtol=1e-5, atol=1e-5)
-    else:
-        assert sliced is None
+    sliced, plain = _plain_matmuls(plan, x, layer.kernel, layer.bias, 3, 7)
+    np.testing.assert_allclose(sliced.numpy(), x @ w[:, 3:7] + b[3:7], rtol=1e-5, atol=1e-5)
+    assert plain == (layout == "halves")
     assert plan.uses(x, layer.kernel, layer.bias) and plan.one_row(x) == (layout == "rows")
-    assert plan.dense(x, other.kernel, other.bias) is None
-    assert plan.dense(x, layer.kernel, other.bias) is None
-    assert plan.dense(np.repeat(x, 2, axis=1), layer.kernel, layer.bias) is None
+    x2 = np.repeat(x, 2, axis=1)
+    for inputs, kernel, bias, expected in ((x, other.kernel, other.bias, x @ other.kernel.numpy() + other.bias.numpy()),
+                                           (x, layer.kernel, other.bias, x @ w + other.bias.numpy()),
+                                           (x2, layer.kernel, layer.bias, x2 @ w + b)):
+        y, plain = _plain_matmuls(plan, inputs, kernel, bias)
+        np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5)
+        assert plain and not plan.uses(inputs, kernel, bias)
 
 
 def test_prepared_kernels_layouts(rng):

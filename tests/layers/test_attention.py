@@ -322,16 +322,26 @@ def test_split_cache_object_keeps_its_float32_buffers_under_mixed_bfloat16(rng, 
                                rtol=2e-2, atol=2e-2)
 
 
-def test_split_cache_needs_a_pair_and_cache_index(rng):
-    from tfformer.layers.layer_utils import split_cache
+def test_split_cache_needs_a_pair_cache_index_and_a_plan(rng):
+    """A split cache is a decode plan's form (`DecodeForms`): a pair, with `cache_index`; without a plan (the plain
+    forms) it is an error too, not a silent misread."""
+    from tfformer.layers.decode_forms import DecodeForms
+    from tfformer.layers.layer_utils import SplitCache, split_cache
 
     x = rng.normal(size=(B, 1, D)).astype("float32")
     layer = MultiHeadAttention(num_heads=N, key_dim=H)
     keys, values = split_cache(np.zeros((B, 2, N, 4, H), "float32"))
-    with pytest.raises(ValueError, match="needs `cache_index`"):
-        layer(x, x, cache=(keys, values))
-    with pytest.raises(ValueError, match="pair"):
-        layer(x, x, cache=(keys, values, values), cache_index=0)
+    for plan in (DecodeForms(), None):
+        with pytest.raises(ValueError, match="needs `cache_index`"):
+            layer(x, x, cache=(keys, values), plan=plan)
+        with pytest.raises(ValueError, match="needs `cache_index`"):
+            layer(x, x, cache=SplitCache(keys, values), plan=plan)
+        with pytest.raises(ValueError, match="pair"):
+            layer(x, x, cache=(keys, values, values), cache_index=0, plan=plan)
+    with pytest.raises(ValueError, match="decode plan"):
+        layer(x, x, cache=(keys, values), cache_index=0)
+    out, cache = layer(x, x, cache=(keys, values), cache_index=0, plan=DecodeForms())
+    assert isinstance(cache, tuple) and tuple(out.shape) == (B, 1, D)
 
 
 @pytest.mark.parametrize("layout", ["rows", "halves"])
@@ -342,7 +352,6 @@ def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop,
     import tensorflow as tf
 
     from tfformer.generation.plan import DecodePlan
-    from tfformer.layers.layer_utils import dense
 
     layer = keras.layers.Dense(10, use_bias=use_bias)
     layer.build((None, 6))
@@ -352,7 +361,7 @@ def test_dense_on_prepared_kernels_equals_the_matmul(rng, use_bias, start, stop,
 
     @tf.function(jit_compile=True)
     def fn(x):
-        return dense(x, layer.kernel, bias, start, stop, plan=DecodePlan(layout).prepared(layer))
+        return DecodePlan(layout).prepared(layer).dense(x, layer.kernel, bias, start, stop)
 
     expected = x @ layer.kernel.numpy()[:, start:stop] + (layer.bias.numpy()[start:stop] if use_bias else 0)
     np.testing.assert_allclose(fn(x).numpy(), expected, rtol=1e-5, atol=1e-5)
@@ -368,7 +377,6 @@ def test_dense_with_another_bias_keeps_the_plain_form(rng, layout):
     import tensorflow as tf
 
     from tfformer.generation.plan import DecodePlan
-    from tfformer.layers.layer_utils import dense
 
     layer = keras.layers.Dense(4)
     layer.build((None, 3))
@@ -377,7 +385,7 @@ def test_dense_with_another_bias_keeps_the_plain_form(rng, layout):
 
     @tf.function(jit_compile=True)
     def fn(x):
-        return dense(x, layer.kernel, other, plan=DecodePlan(layout).prepared(layer))
+        return DecodePlan(layout).prepared(layer).dense(x, layer.kernel, other)
 
     np.testing.assert_allclose(fn(x).numpy(), x @ layer.kernel.numpy() + np.arange(4), rtol=1e-5, atol=1e-5)
     assert matmuls_fed_by("Transpose", fn, x) == matmuls_fed_by("Identity", fn, x) == 0

@@ -1,39 +1,21 @@
-"""The decode plan: which fast forms a compiled decode loop uses, chosen by the caller and passed to the layers.
+"""The decode plan: the fast forms a compiled decode loop takes, chosen by the caller and passed to the layers.
 
-A `DecodePlan` holds every CPU fast path of a decode loop in one place, where a signature shows it:
+A `DecodePlan` is the layers' `decode_forms.DecodeForms` (the forms of a step: matmuls on laid-out kernels,
+in-place cache writes, one-query fusions, split caches, native bfloat16; described there) plus what belongs to the
+loop around the steps, in one place where a signature shows it:
 
-- `kernel_layout`: the one-token matmuls read kernels laid out once, before the loop (`prepared_kernels`):
-  - `"rows"`, for a batch of one: `[x, 1] @ transpose([W^T | b])`. XLA's CPU backend fuses a vector times a
-    transposed matrix into one loop that reads each output's weights contiguously and runs on both threads,
-    while `x @ W + b` is a single-threaded matrix-vector call (docs/performance.md). The bias rides along as a
-    last column: a separate add would take the dot into an output fusion instead. The rows are in the compute
-    dtype of the layer that owns the kernel, as its forward pass multiplies them (bfloat16 under
-    mixed_bfloat16: half the bytes read a step); the product runs in float32, the rows converted inside the
-    fused loop. The loop carries non-float32 rows through an optimization barrier (`DecodePlan.while_loop`):
-    XLA would hoist the loop-invariant conversion out of the loop and read a float32 copy every step.
-    "rows" also keeps split caches (`split_caches`).
-  - `"halves"`, for larger batches: `concat([x @ W[:, :u/2], x @ W[:, u/2:]]) + b`, two independent dots that
-    XLA's executor runs on both threads (one small dot runs on one).
-  XLA does not hoist a lone transpose or slice out of a loop, hence laid out before it, and so only for code
-  compiled with XLA.
-- `in_place_cache_writes`: cache writes are in-place dynamic-update-slices, so a step writes `T` cache
-  positions instead of rewriting the whole buffer and its cost does not grow with the cache length; and one
-  query against a stacked cache uses the attention's fused one-step forms. XLA only: outside XLA (SavedModel
-  without XLA, TFLite) the slice update does not exist, hence the select form by default.
-- `split_caches` (with "rows"): per-layer caches as `(keys, values)` pairs `(B*N, S, H)` in float32 under any
-  policy, handed to the layers as `layer_utils.SplitCache` (Keras would cast a pair of tensors to the compute
-  dtype at every call); the attention reads each half with a batched matmul. At larger batches the stacked
-  cache's fused form is faster, which "halves" keeps (docs/performance.md).
+- `prepared(model)` lays the kernels out in `kernel_layout` once, before the loop (`prepared_kernels`): XLA does not
+  hoist a lone transpose or slice out of a loop. "rows" are in the compute dtype of the layer that owns the kernel
+  (bfloat16 under mixed_bfloat16: half the bytes read a step); the loop carries non-float32 rows through an
+  optimization barrier (`while_loop`), else XLA would hoist their conversion and read a float32 copy every step.
+- `split_caches` (with "rows", a batch of one): per-layer caches as float32 `(keys, values)` pairs
+  (`layer_caches`). At larger batches the stacked cache's fused one-step form is faster, which "halves" keeps.
 - `cache_segments`: the loop runs in up to this many segments whose caches grow (`segment_sizes`), so a step
   attends over at most about twice the positions filled so far, not the whole buffer.
-- `native_bfloat16`: softmax and SiLU take bfloat16 tensors as they are, without float32 casts around them. For
-  TensorFlow's graph runtime on CPU (a prompt pass without XLA): its oneDNN kernels compute them in float32 inside
-  and round once, the same numbers as the casts give, in one pass instead of three. Not for XLA: the equality is
-  a property of oneDNN's kernels, and only of those for CPUs with bfloat16 instructions (AVX512-BF16 or AMX;
-  `native_bfloat16_on_this_cpu`): on an AMD Zen 2 without them the outputs differed by several bfloat16 units.
+- `native_bfloat16` only where oneDNN gives the casts' numbers: CPUs with bfloat16 instructions
+  (`native_bfloat16_on_this_cpu`); on an AMD Zen 2 without them the outputs differed by several bfloat16 units.
 
-Layers never import this module: they take the plan as a call argument and use the small protocol described in
-`tfformer.layers.layer_utils` (`in_place_cache_writes`, `native_bfloat16`, `dense`, `uses`, `one_row`).
+docs/performance.md has the measurements behind each choice.
 """
 
 import keras
@@ -42,9 +24,9 @@ from keras import ops
 
 from tfformer import compat
 from tfformer.checks import check_int
+from tfformer.layers.decode_forms import DecodeForms, check_kernel_layout
 from tfformer.layers.layer_utils import split_cache
 
-KERNEL_LAYOUTS = ("rows", "halves")
 # A segment smaller than MIN_SEGMENT slots saves less than its extra loop costs to trace and compile.
 CACHE_SEGMENTS = 4
 MIN_SEGMENT = 16
@@ -68,26 +50,18 @@ def native_bfloat16_on_this_cpu(cpuinfo="/proc/cpuinfo"):
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def check_kernel_layout(kernel_layout, allow_none=True):
-    if (kernel_layout is None and allow_none) or kernel_layout in KERNEL_LAYOUTS:
-        return
-    raise ValueError(f"`kernel_layout` must be one of {KERNEL_LAYOUTS}{' or None' if allow_none else ''}. "
-                     f"Received: kernel_layout={kernel_layout!r}")
-
-
-def prepared_kernels(model, layout):
-    """`{id(kernel): (parts, id(bias) or None)}` for `DecodePlan`; `layout` in `KERNEL_LAYOUTS`.
+def prepared_kernels(model, kernel_layout):
+    """`{id(kernel): (parts, id(bias) or None)}` for `DecodePlan`, in `kernel_layout` ("rows" or "halves").
 
     Every float 2-D weight of `model` named `*kernel`; its bias is the weight of the same layer named
     with `bias` for `kernel`. "rows": parts = `[kernel^T | bias]` `(units, input_dim + 1)` (zeros for a
     missing bias) in the compute dtype of the innermost layer holding the kernel; "halves": parts =
     `(kernel[:, :units // 2], kernel[:, units // 2:])`. Quantized (integer) kernels are left out.
     """
-    if layout not in KERNEL_LAYOUTS:
-        raise ValueError(f"`layout` must be one of {KERNEL_LAYOUTS}. Received: layout={layout!r}")
+    check_kernel_layout(kernel_layout, allow_none=False)
     by_path = {w.path: w for w in model.weights}
     compute_dtype = {}
-    if layout == "rows":
+    if kernel_layout == "rows":
         for layer in compat.flatten_layers(model):  # outer first: the innermost wins
             compute_dtype.update((id(w), layer.compute_dtype) for w in layer.weights)
     kernels = {}
@@ -95,7 +69,7 @@ def prepared_kernels(model, layout):
         if len(w.shape) != 2 or not w.name.endswith("kernel") or not keras.backend.is_float_dtype(w.dtype):
             continue
         bias = by_path.get(w.path[: -len("kernel")] + "bias")
-        if layout == "rows":
+        if kernel_layout == "rows":
             dtype = compute_dtype.get(id(w), model.compute_dtype)
             column = ops.zeros((w.shape[1],), dtype) if bias is None else ops.cast(bias, dtype)
             # (units, input_dim + 1)
@@ -145,16 +119,16 @@ def layer_caches(model, batch, slots, split=False, dtype="float32"):
     return tuple(split_cache(c) for c in caches) if split else tuple(caches)
 
 
-class DecodePlan:
-    """The fast forms of a decode loop (module docstring), and the protocol the layers use to apply them.
+class DecodePlan(DecodeForms):
+    """The fast forms of a decode loop (module docstring; the layers apply them as `DecodeForms`).
 
     Args:
         kernel_layout: `"rows"` (a batch of one), `"halves"` (larger batches) or None (plain matmuls).
             XLA only.
         in_place_cache_writes: bool. In-place cache writes and one-step attention forms. XLA only.
         cache_segments: int >= 1. Segments of growing caches in a decode loop (1: one loop over the full cache).
-        native_bfloat16: bool. bfloat16 softmax and SiLU without float32 casts around them. Graph runtime only.
         kernels: the prepared kernels (`prepared_kernels`); set by `prepared`, inside the traced function.
+        native_bfloat16: bool. bfloat16 softmax and SiLU without float32 casts around them. Graph runtime only.
 
     Example:
     ```python
@@ -166,18 +140,9 @@ class DecodePlan:
 
     def __init__(self, kernel_layout=None, in_place_cache_writes=False, cache_segments=CACHE_SEGMENTS, kernels=None,
                  native_bfloat16=False):
-        check_kernel_layout(kernel_layout)
         check_int("cache_segments", cache_segments)
-        if kernels is not None and kernel_layout is None:
-            raise ValueError("`kernels` need a `kernel_layout`. Received: kernel_layout=None")
-        if native_bfloat16 and (kernel_layout is not None or in_place_cache_writes):
-            raise ValueError("`native_bfloat16` is for the graph runtime, without XLA's forms. Received: "
-                             f"kernel_layout={kernel_layout!r}, in_place_cache_writes={in_place_cache_writes!r}")
-        self.kernel_layout = kernel_layout
-        self.in_place_cache_writes = bool(in_place_cache_writes)
+        super().__init__(kernel_layout, in_place_cache_writes, native_bfloat16, kernels)
         self.cache_segments = cache_segments
-        self.kernels = kernels
-        self.native_bfloat16 = bool(native_bfloat16)
 
     def __repr__(self):
         return (f"DecodePlan(kernel_layout={self.kernel_layout!r}, in_place_cache_writes={self.in_place_cache_writes}, "
@@ -204,39 +169,6 @@ class DecodePlan:
         if self.kernel_layout is None:
             return self
         return self._replace(kernels=prepared_kernels(model, self.kernel_layout))
-
-    # === The layers' protocol (tfformer.layers.layer_utils) ===
-    def uses(self, x, kernel, bias=None):
-        """Whether `dense(x, kernel, bias)` uses the prepared kernels: one token, `kernel` among them, its own bias."""
-        if self.kernels is None or x.shape[1] != 1 or id(kernel) not in self.kernels:
-            return False
-        return bias is None or self.kernels[id(kernel)][1] == id(bias)
-
-    def one_row(self, x):
-        """Whether `x` `(B, T, D)` is one token in the "rows" layout (a batch-1 decode step under XLA)."""
-        return self.kernels is not None and self.kernel_layout == "rows" and x.shape[1] == 1
-
-    def dense(self, x, kernel, bias=None, start=0, stop=None):
-        """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype on the prepared kernel, or None without one
-        (column slices have none in the "halves" layout)."""
-        if not self.uses(x, kernel, bias):
-            return None
-        stop = kernel.shape[-1] if stop is None else stop
-        part = (start, stop) != (0, kernel.shape[-1])
-        parts = self.kernels[id(kernel)][0]
-        if self.kernel_layout == "rows":
-            rows = parts[start:stop] if part else parts  # (units, input_dim + 1), the bias last; the compute dtype
-            row = ops.cast(x, "float32")  # (B, 1, input_dim)
-            if bias is None:
-                rows = rows[:, :-1]
-            else:
-                row = ops.concatenate([row, ops.ones_like(row[..., :1])], axis=-1)  # (B, 1, input_dim + 1)
-            rows = ops.cast(rows, "float32")  # converted inside the fused product (see while_loop)
-            return ops.cast(ops.matmul(row, ops.transpose(rows)), x.dtype)  # (B, 1, in [+ 1]) x (in [+ 1], units)
-        if part:
-            return None
-        y = ops.concatenate([ops.matmul(x, ops.cast(h, x.dtype)) for h in parts], axis=-1)  # (B, 1, units)
-        return y if bias is None else y + ops.cast(bias, x.dtype)
 
     # === Loops ===
     def while_loop(self, cond, body, loop_vars):

@@ -8,62 +8,48 @@ from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import (
-    LowRankAdapters,
-    LowRankProjections,
-    SplitCache,
-    check_dropout,
-    check_lora_alpha,
-    dense,
-    write_cache,
-)
+from tfformer.layers.layer_utils import PLAIN, LowRankAdapters, LowRankProjections, check_dropout, check_lora_alpha
 from tfformer.layers.rotary_embedding import RotaryEmbedding, check_rope_max_wavelength
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
+CONFIG = ("num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_dim", "score", "window",
+          "num_key_value_heads", "kernel_initializer", "bias_initializer", "rope_max_wavelength", "lora_rank",
+          "lora_alpha")
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
 class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     """Multi-head attention (Vaswani et al., 2017), with a key/value cache.
 
-    Projects the query, key and value into `num_heads` heads, computes the
-    attention weights `softmax(score(q, k))` per head, takes the weighted sum of
-    the values, concatenates the heads and projects back with `W_O`:
+    Projects the query, key and value into `num_heads` heads, computes the attention weights `softmax(score(q, k))`
+    per head, takes the weighted sum of the values, concatenates the heads and projects back with `W_O`:
     `MultiHead(Q, K, V) = Concat(head_1..head_h) W_O`.
 
-    When query, key and value inputs have the same width the three projections
-    live in one fused kernel `(D, N*key_dim + K*(key_dim + value_dim))`:
-    self-attention does a single matmul, cross-attention slices it.
+    When query, key and value inputs have the same width the three projections live in one fused kernel
+    `(D, N*key_dim + K*(key_dim + value_dim))`: self-attention does a single matmul, cross-attention slices it.
 
-    Grouped-query attention (Ainslie et al., 2023): with `num_key_value_heads`
-    `K < N` the keys and values have `K` heads, each shared by `N / K`
-    consecutive query heads, and the cache holds `K` heads. `K = N` (the
-    default) is multi-head attention, `K = 1` multi-query attention.
+    Grouped-query attention (Ainslie et al., 2023): with `num_key_value_heads` `K < N` the keys and values have `K`
+    heads, each shared by `N / K` consecutive query heads, and the cache holds `K` heads. `K = N` (the default) is
+    multi-head attention, `K = 1` multi-query attention.
 
-    Rotary positions (`rope_max_wavelength`; Su et al., 2021, as in Llama):
-    q and k are rotated by their absolute positions (`cache_index + i` when
-    decoding with a cache) after the projection and before the cache write,
-    with `RotaryEmbedding`'s interleaved pairs `(2i, 2i+1)` of each head. A
-    read-only cache (keys of a fixed memory) and its queries are not rotated.
+    Rotary positions (`rope_max_wavelength`; Su et al., 2021, as in Llama): q and k are rotated by their absolute
+    positions (`cache_index + i` when decoding with a cache) after the projection and before the cache write, with
+    `RotaryEmbedding`'s interleaved pairs `(2i, 2i+1)` of each head. A read-only cache (keys of a fixed memory) and
+    its queries are not rotated.
 
-    Score functions (`score=`): `"scaled_dot"` q.k/sqrt(key_dim) (the paper),
-    `"dot"` q.k, `"general"` q^T W k (one `W` per head), and `"additive"`
-    w^T tanh(W_q q + W_k k) (the projections play W_q, W_k; one `w` per head).
+    Score functions (`score=`): `"scaled_dot"` q.k/sqrt(key_dim) (the paper), `"dot"` q.k, `"general"` q^T W k (one
+    `W` per head), and `"additive"` w^T tanh(W_q q + W_k k) (the projections play W_q, W_k; one `w` per head).
 
-    Low-rank adapters (LoRA; Hu et al., 2021; `lora_rank` or `enable_lora`, as
-    Keras' `Dense.enable_lora`): each projection kernel `W` (query, key, value,
-    output; views of the fused kernel) is used as `W + (A @ B) * lora_alpha / rank`
-    and stops training, so only the adapters `A`, `B` (and the biases) train;
-    `merge_lora` folds them into the kernels. A decode plan lays out the plain
-    kernels only: with adapters, a decode step takes the plain matmuls (the
-    same numbers, slower); merge before generating at speed.
+    Low-rank adapters (LoRA; Hu et al., 2021; `lora_rank` or `enable_lora`, as Keras' `Dense.enable_lora`): each
+    projection kernel `W` (query, key, value, output; views of the fused kernel) is used as
+    `W + (A @ B) * lora_alpha / rank` and stops training, so only the adapters `A`, `B` (and the biases) train;
+    `merge_lora` folds them into the kernels. A decode plan lays out the plain kernels only: with adapters, a decode
+    step takes the plain matmuls (the same numbers, slower); merge before generating at speed.
 
-    Masking: every mask is boolean with True = may attend. `attention_mask`
-    `(B, T, S)`, `use_causal_mask`, the restricted window and Keras' implicit
-    masks (`query_mask` `(B, T)`, `value_mask`/`key_mask` `(B, S)`, filled in
-    by Keras from `Embedding(mask_zero=True)` and friends) are ANDed. The
-    softmax runs in float32 with a finite mask value; a query that sees no key
-    gets all-zero weights, so its output is the output bias, never NaN.
+    Masking: every mask is boolean with True = may attend. `attention_mask` `(B, T, S)`, `use_causal_mask`, the
+    restricted window and Keras' implicit masks (`query_mask` `(B, T)`, `value_mask`/`key_mask` `(B, S)`, filled in
+    by Keras from `Embedding(mask_zero=True)` and friends) are ANDed. The softmax runs in float32 with a finite mask
+    value; a query that sees no key gets all-zero weights, so its output is the output bias, never NaN.
 
     Args:
         num_heads: int. Number of query heads `N`.
@@ -73,18 +59,18 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         use_bias: bool. Whether projections have biases. Defaults to `True`.
         output_dim: int. Width of the output. Defaults to the query width.
         score: str. One of `"scaled_dot"`, `"dot"`, `"general"`, `"additive"`.
-        window: int. If set, query `i` only sees keys `j` with `|i - j| <= window`
-            (restricted self-attention). Defaults to `None` (no restriction).
-        num_key_value_heads: int. Number of key/value heads `K`; must divide
-            `num_heads`. Defaults to `None` (`num_heads`).
-        rope_max_wavelength: float. If set, rotary positions with this base
-            on the projected q and k. Defaults to `None` (none).
+        window: int. If set, query `i` only sees keys `j` with `|i - j| <= window` (restricted self-attention).
+            Defaults to `None` (no restriction).
+        num_key_value_heads: int. Number of key/value heads `K`; must divide `num_heads`. Defaults to `None`
+            (`num_heads`).
+        rope_max_wavelength: float. If set, rotary positions with this base on the projected q and k. Defaults to
+            `None` (none).
         kernel_initializer: initializer for the projection kernels.
         bias_initializer: initializer for the projection biases.
-        lora_rank: int. If set, low-rank adapters of this rank on the four
-            projections (see above). Defaults to `None` (none).
-        lora_alpha: float. The adapters' update is scaled by
-            `lora_alpha / lora_rank`. Defaults to `None` (`lora_rank`: scale 1).
+        lora_rank: int. If set, low-rank adapters of this rank on the four projections (see above). Defaults to
+            `None` (none).
+        lora_alpha: float. The adapters' update is scaled by `lora_alpha / lora_rank`. Defaults to `None`
+            (`lora_rank`: scale 1).
         **kwargs: Base layer arguments (`name`, `dtype`, `trainable`).
 
     Call arguments:
@@ -92,31 +78,24 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         value: `(B, S, Dv)`.
         key: optional `(B, S, Dk)`; defaults to `value`.
         attention_mask: optional bool `(B, T, S)`.
-        use_causal_mask: bool. Query `i` (at absolute position
-            `cache_index + i` when decoding with a cache) sees keys `j <= i`.
+        use_causal_mask: bool. Query `i` (at absolute position `cache_index + i` when decoding with a cache) sees
+            keys `j <= i`.
         return_attention_scores: bool. Also return the weights `(B, N, T, S)`.
-        cache: optional `(B, 2, K, S_max, H)` keys (index 0) and values
-            (index 1). With `cache_index`, the new keys/values of `key`/`value`
-            are written at `cache_index` and attention runs over the whole
-            cache; positions `>= cache_index + T` are masked. Without
-            `cache_index` the cache is read as precomputed keys/values (e.g.
-            cross-attention over a fixed encoder output) and `value` is ignored.
-            Implicit `value_mask`/`key_mask` are ignored when a cache is used;
-            pass padding through `attention_mask`. With `cache_index`, the
-            cache may also be split (`layer_utils.split_cache`): a pair
-            `(keys, values)`, each `(B*K, S_max, H)`, or the same as a
-            `layer_utils.SplitCache` (which Keras does not cast to the compute
-            dtype), returned as a pair (faster in XLA decode loops).
+        cache: optional `(B, 2, K, S_max, H)` keys (index 0) and values (index 1). With `cache_index`, the new
+            keys/values of `key`/`value` are written at `cache_index` and attention runs over the whole cache;
+            positions `>= cache_index + T` are masked. Without `cache_index` the cache is read as precomputed
+            keys/values (e.g. cross-attention over a fixed encoder output) and `value` is ignored. Implicit
+            `value_mask`/`key_mask` are ignored when a cache is used; pass padding through `attention_mask`. With
+            `cache_index` and a decode plan the cache may also be split, `(keys, values)` each `(B*K, S_max, H)`
+            (`layers.decode_forms`), and comes back a pair.
         cache_index: int scalar, where the `T` new positions start.
         training: bool, enables dropout.
-        plan: optional decode plan (`layer_utils`' protocol, e.g.
-            `tfformer.generation.DecodePlan`): the forms of a step inside a
-            compiled decode loop. Defaults to `None` (the plain forms).
+        plan: optional decode plan (`tfformer.generation.DecodePlan`): the forms of a step inside a compiled decode
+            loop (`layer_utils`). Defaults to `None` (`layer_utils.PLAIN`, the plain forms).
 
     Returns:
-        `outputs` `(B, T, output_dim)`; `(outputs, scores)` with
-        `return_attention_scores`; `(outputs, cache)` when `cache` is given;
-        `(outputs, scores, cache)` with both.
+        `outputs` `(B, T, output_dim)`; `(outputs, scores)` with `return_attention_scores`; `(outputs, cache)` when
+        `cache` is given; `(outputs, scores, cache)` with both.
 
     Example:
     ```python
@@ -126,38 +105,21 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     ```
 
     Reference:
-        Vaswani et al., "Attention Is All You Need", 2017; Luong et al., 2015
-        (general score); Bahdanau et al., 2015 (additive score).
+        Vaswani et al., "Attention Is All You Need", 2017; Luong et al., 2015 (general score); Bahdanau et al., 2015
+        (additive score).
     """
 
-    def __init__(
-        self,
-        num_heads,
-        key_dim,
-        value_dim=None,
-        dropout=0.0,
-        use_bias=True,
-        output_dim=None,
-        score="scaled_dot",
-        window=None,
-        num_key_value_heads=None,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        rope_max_wavelength=None,
-        lora_rank=None,
-        lora_alpha=None,
-        **kwargs,
-    ):
+    def __init__(self, num_heads, key_dim, value_dim=None, dropout=0.0, use_bias=True, output_dim=None,
+                 score="scaled_dot", window=None, num_key_value_heads=None, kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", rope_max_wavelength=None, lora_rank=None, lora_alpha=None, **kwargs):
         check_int("num_heads", num_heads)
         check_int("key_dim", key_dim)
         check_int("value_dim", value_dim, allow_none=True)
         check_int("output_dim", output_dim, allow_none=True)
         check_int("num_key_value_heads", num_key_value_heads, allow_none=True)
         if num_key_value_heads is not None and num_heads % num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. "
-                f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
-            )
+            raise ValueError("`num_key_value_heads` must divide `num_heads`. "
+                             f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}")
         check_dropout(dropout)
         check_rope_max_wavelength(rope_max_wavelength)
         if score not in SCORES:
@@ -166,20 +128,13 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         check_int("lora_rank", lora_rank, allow_none=True)
         check_lora_alpha(lora_alpha)
         super().__init__(**kwargs)
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.value_dim = value_dim
-        self.dropout = dropout
-        self.use_bias = use_bias
-        self.output_dim = output_dim
-        self.score = score
-        self.window = window
-        self.num_key_value_heads = num_key_value_heads
+        self.num_heads, self.key_dim, self.value_dim, self.output_dim = num_heads, key_dim, value_dim, output_dim
+        self.dropout, self.use_bias, self.score, self.window = dropout, use_bias, score, window
+        self.num_key_value_heads, self.rope_max_wavelength = num_key_value_heads, rope_max_wavelength
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.rope_max_wavelength = rope_max_wavelength
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha
+        self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
+        self._value_dim, self._kv_heads = value_dim or key_dim, num_key_value_heads or num_heads
         self.supports_masking = True
         self._dropout_layer = Dropout(dropout, dtype=self.dtype_policy)
         self.rotary = None
@@ -188,17 +143,8 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         # Unbuilt and empty until adapters are enabled, which may be after this layer is built.
         self.lora = LowRankAdapters(name="lora", dtype=self.dtype_policy)
 
-    @property
-    def _value_dim(self):
-        return self.value_dim or self.key_dim
-
-    @property
-    def _kv_heads(self):
-        return self.num_key_value_heads or self.num_heads
-
     def _check_cacheable(self):
-        # Keys and values share one cache tensor (B, 2, K, S, H).
-        if self._value_dim != self.key_dim:
+        if self._value_dim != self.key_dim:  # keys and values share one cache tensor (B, 2, K, S, H)
             raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, "
                              f"value_dim={self.value_dim}")
 
@@ -255,200 +201,91 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     def _split_stacked_heads(self, x, parts, heads):
         """`(B, T, parts * heads * H)` -> `parts` tensors `(B, heads, T, H)` with one transpose.
 
-        A split of the last axis copies every part before its own transpose; TF's Unpack along
-        the leading axis shares the transposed buffer when each part's byte size is a multiple
-        of 64 (else it copies once).
+        A split of the last axis copies every part before its own transpose; TF's Unpack along the leading axis
+        shares the transposed buffer when each part's byte size is a multiple of 64 (else it copies once).
         """
         b, t = ops.shape(x)[0], ops.shape(x)[1]
         x = ops.reshape(x, (b, t, parts, heads, self.key_dim))  # (B, T, parts, N, H)
         x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, B, N, T, H)
         return tf.unstack(x, num=parts, axis=0)  # parts x (B, N, T, H)
 
-    def _heads_first(self, qkv):
-        """A fused projection `(B, T, (N+2K) * H)` as `(B, N+2K, T, H)`: every head moved in one transpose."""
-        b, t = ops.shape(qkv)[0], ops.shape(qkv)[1]
-        heads = ops.reshape(qkv, (b, t, self.num_heads + 2 * self._kv_heads, self.key_dim))  # (B, T, N+2K, H)
-        return ops.transpose(heads, (0, 2, 1, 3))  # (B, N+2K, T, H)
-
-    def _project_query(self, query, plan=None):
+    def _project_query(self, query, plan):
         if self._fused:
-            return dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units, plan)
-        return dense(query, self._kernel_of("query"), self.query_bias, 0, self._q_units, plan)
+            return plan.dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units)
+        return plan.dense(query, self._kernel_of("query"), self.query_bias, 0, self._q_units)
 
-    def _project(self, query, value, key, plan=None, rotary_start=None):
+    def _project(self, query, value, key, plan, rotary_start=None):
         """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`; q and k rotated from position
         `rotary_start` when the layer has rotary positions (and `rotary_start` is not None)."""
+        n, kv, h, hv = self.num_heads, self._kv_heads, self.key_dim, self._value_dim
+        qu, ku, vu = self._q_units, self._k_units, self._v_units
         rotate = self.rotary is not None and rotary_start is not None
-        self_attention = self._fused and value is query and (key is None or key is query)
-        if rotate and self_attention and self._k_units == self._v_units and self._value_dim == self.key_dim:
-            # The query and key heads rotated together, in one pass.
-            n, kv = self.num_heads, self._kv_heads
-            qkv = dense(query, self._kernel_of("qkv"), self.qkv_bias, 0, self._q_units + 2 * self._k_units, plan)
-            qk, v = ops.split(self._heads_first(qkv), [n + kv], axis=1)  # (B, N+K, T, H), (B, K, T, H)
-            q, k = ops.split(self.rotary(qk, start_index=rotary_start), [n], axis=1)  # (B, N, T, H), (B, K, T, H)
-            return q, k, v
-        q, k, v = self._project_heads(query, value, key, plan)
+        kernel = self._kernel_of("qkv") if self._fused else None
+        if self._fused and value is query and (key is None or key is query):  # self-attention: one matmul
+            qkv = plan.dense(query, kernel, self.qkv_bias, 0, qu + ku + vu)  # (B, T, N*H + K*(H+Hv))
+            if hv == h and n == kv and not rotate:
+                return tuple(self._split_stacked_heads(qkv, 3, n))
+            if hv == h:
+                heads = self._split_heads(qkv, n + 2 * kv, h)  # (B, N+2K, T, H): every head moved in one transpose
+                if not rotate:
+                    return tuple(ops.split(heads, [n, n + kv], axis=1))  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
+                qk, v = ops.split(heads, [n + kv], axis=1)  # (B, N+K, T, H), (B, K, T, H)
+                q, k = ops.split(self.rotary(qk, start_index=rotary_start), [n], axis=1)  # rotated in one pass
+                return q, k, v
+            # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
+            q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
+        elif self._fused and (key is None or key is value):  # cross-attention: q, then k and v together
+            if gradient_recording():
+                # Training: the fused kernel split once into its q and k/v columns. The gradient of a split is
+                # one concat; that of two slices is a zero-filled StridedSliceGrad each and their sum.
+                kernel_q, kernel_kv = tf.split(kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, K*(H+Hv))
+                bias_q, bias_kv = (None, None) if self.qkv_bias is None else tf.split(self.qkv_bias, [qu, ku + vu])
+                q, kv_states = plan.dense(query, kernel_q, bias_q), plan.dense(value, kernel_kv, bias_kv)
+            else:
+                q = plan.dense(query, kernel, self.qkv_bias, 0, qu)  # (B, T, N*H)
+                kv_states = plan.dense(value, kernel, self.qkv_bias, qu, qu + ku + vu)  # (B, S, K*(H+Hv))
+            if hv == h:
+                q, (k, v) = self._split_heads(q, n, h), self._split_stacked_heads(kv_states, 2, kv)
+            else:
+                k, v = ops.split(kv_states, [ku], axis=-1)
+        elif self._fused:
+            q = plan.dense(query, kernel, self.qkv_bias, 0, qu)
+            k = plan.dense(key, kernel, self.qkv_bias, qu, qu + ku)
+            v = plan.dense(value, kernel, self.qkv_bias, qu + ku, qu + ku + vu)
+        else:
+            q = self._project_query(query, plan)
+            k = plan.dense(value if key is None else key, self._kernel_of("key"), self.key_bias, 0, ku)
+            v = plan.dense(value, self._kernel_of("value"), self.value_bias, 0, vu)
+        if len(q.shape) == 3:  # (B, T, N*H): not yet split into heads
+            q, k, v = self._split_heads(q, n, h), self._split_heads(k, kv, h), self._split_heads(v, kv, hv)
         if rotate:
             q, k = self.rotary(q, start_index=rotary_start), self.rotary(k, start_index=rotary_start)
         return q, k, v
 
-    def _project_heads(self, query, value, key, plan=None):
-        """Returns q `(B, N, T, H)`, k `(B, K, S, H)`, v `(B, K, S, Hv)`, without rotary positions."""
-        qu, ku, vu = self._q_units, self._k_units, self._v_units
-        n, kv = self.num_heads, self._kv_heads
-        qkv_kernel = self._kernel_of("qkv") if self._fused else None
-        if self._fused and value is query and (key is None or key is query):
-            qkv = dense(query, qkv_kernel, self.qkv_bias, 0, qu + ku + vu, plan)  # (B, T, N*H + K*(H+Hv))
-            if qu == ku == vu:
-                return tuple(self._split_stacked_heads(qkv, 3, n))
-            if ku == vu and self._value_dim == self.key_dim:
-                # Grouped query heads: every head moved in one transpose, then split along the head axis.
-                heads = self._heads_first(qkv)  # (B, N+2K, T, H)
-                return tuple(ops.split(heads, [n, n + kv], axis=1))  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
-            # A split, not three slices: its gradient is one concat, a slice's is a zero-filled copy each.
-            q, k, v = ops.split(qkv, [qu, qu + ku], axis=-1)
-        elif self._fused and (key is None or key is value):
-            if gradient_recording():
-                # Training: the fused kernel split once into its q and k/v columns. The gradient of a split is
-                # one concat; that of two slices is a zero-filled StridedSliceGrad each and their sum.
-                kernel_q, kernel_kv = tf.split(qkv_kernel, [qu, ku + vu], axis=1)  # (D, N*H), (D, K*(H+Hv))
-                bias_q, bias_kv = (None, None) if self.qkv_bias is None else tf.split(self.qkv_bias, [qu, ku + vu])
-                q = dense(query, kernel_q, bias_q)  # (B, T, N*H)
-                kv_states = dense(value, kernel_kv, bias_kv)  # (B, S, K*(H+Hv))
-            else:
-                q = dense(query, qkv_kernel, self.qkv_bias, 0, qu, plan)
-                kv_states = dense(value, qkv_kernel, self.qkv_bias, qu, qu + ku + vu, plan)  # (B, S, K*(H+Hv))
-            if vu == ku:
-                k, v = self._split_stacked_heads(kv_states, 2, kv)
-                return self._split_heads(q, n, self.key_dim), k, v
-            k, v = ops.split(kv_states, [ku], axis=-1)
-        elif self._fused:
-            q = dense(query, qkv_kernel, self.qkv_bias, 0, qu, plan)
-            k = dense(key, qkv_kernel, self.qkv_bias, qu, qu + ku, plan)
-            v = dense(value, qkv_kernel, self.qkv_bias, qu + ku, qu + ku + vu, plan)
-        else:
-            q = self._project_query(query, plan)
-            k = dense(value if key is None else key, self._kernel_of("key"), self.key_bias, 0, ku, plan)
-            v = dense(value, self._kernel_of("value"), self.value_bias, 0, vu, plan)
-        return (
-            self._split_heads(q, n, self.key_dim),
-            self._split_heads(k, kv, self.key_dim),
-            self._split_heads(v, kv, self._value_dim),
-        )
-
     def compute_cache(self, value, key=None):
-        """Keys/values of a fixed memory as a read-only cache `(B, 2, K, S, H)`.
-
-        Used for cross-attention during decoding: the encoder output is
-        projected once instead of at every step.
-        """
+        """Keys/values of a fixed memory as a read-only cache `(B, 2, K, S, H)`: for cross-attention during
+        decoding, the encoder output projected once instead of at every step."""
         self._check_cacheable()
-        dummy_query = value[:, :1]
-        _, k, v = self._project_heads(dummy_query, value, key)
+        _, k, v = self._project(value[:, :1], value, key, PLAIN)
         return ops.stack([k, v], axis=1)  # (B, 2, K, S, H)
 
-    # === Cache ===
-    def _update_cache(self, cache, k, v, cache_index, plan):
-        """Writes this step's k, v `(B, K, T, H)` at `cache_index`; returns the keys and values to attend over and
-        the updated cache (stacked `(B, 2, K, S_max, H)`, or a split pair of `(B*K, S_max, H)`)."""
-        self._check_cacheable()
-        in_place = plan is not None and plan.in_place_cache_writes
-        if isinstance(cache, tuple):
-            b, t = ops.shape(k)[0], ops.shape(k)[2]
-            cache = tuple(
-                write_cache(half, ops.cast(ops.reshape(new, (b * self._kv_heads, t, -1)), half.dtype), cache_index,
-                            in_place)
-                for half, new in zip(cache, (k, v))  # (B, K, T, H) -> (B*K, T, H) into (B*K, S_max, H)
-            )
-            # float32 scores and mixing also under mixed precision, as in the stacked one-step form (XLA's
-            # CPU dots on bfloat16 convert their operands first anyway).
-            k, v = (ops.cast(half, "float32") for half in cache)  # (B*K, S_max, H), (B*K, S_max, Hv)
-            return k, v, cache
-        # (B, 2, K, S_max, H)
-        cache = write_cache(cache, ops.cast(ops.stack([k, v], axis=1), cache.dtype), cache_index, in_place)
-        return ops.cast(cache[:, 0], k.dtype), ops.cast(cache[:, 1], k.dtype), cache
-
-    def _shared_heads(self, x, q):
-        """Keys or values of `K` heads, `(B, K, S, H)` or split `(B*K, S, H)`, repeated for the `N / K` query
-        heads of each group. A no-op without grouping.
-
-        A repeat keeps every form of the scores and the value mixing (split caches, one-step fusions) as it is;
-        a grouped product reading each key/value head once would save the copy.
-        """
-        groups = self.num_heads // self._kv_heads
-        if groups == 1:
-            return x
-        if len(x.shape) == 3:
-            batch, s = ops.shape(q)[0], ops.shape(x)[1]
-            x = ops.reshape(x, (batch, self._kv_heads, s, x.shape[-1]))  # (B*K, S, H) -> (B, K, S, H)
-            return ops.reshape(ops.repeat(x, groups, axis=1), (batch * self.num_heads, s, x.shape[-1]))  # (B*N, S, H)
-        return ops.repeat(x, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-
-    # === Scores ===
-    def _scores(self, q, k, one_query=False):
-        # q (B, N, T, H), k (B, N, S, H) or, from a split cache, (B*N, S, H) -> (B, N, T, S)
-        if len(k.shape) == 3 and self.score == "additive":
-            # (B*N, S, H) -> (B, N, S, H)
-            k = ops.reshape(ops.cast(k, q.dtype), (ops.shape(q)[0], self.num_heads, ops.shape(k)[1], self.key_dim))
-        if self.score == "additive":
-            w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
-            hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
-            return ops.sum(hidden * w, axis=-1)
-        # Dot-product scores are (q W) . k: W = I (dot, and scaled_dot before its 1/sqrt(H)), one W per head (general).
-        if self.score == "general":
-            q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
-        head_dim = q.shape[-1]
-        if len(k.shape) == 3:
-            # A split cache: one batched matmul reading the key buffer in place, also under XLA.
-            b, t, s = ops.shape(q)[0], ops.shape(q)[2], ops.shape(k)[1]
-            q3 = ops.reshape(ops.cast(q, k.dtype), (b * self.num_heads, t, head_dim))  # (B, N, T, H) -> (B*N, T, H)
-            # (B*N, T, S) -> (B, N, T, S)
-            return ops.reshape(tf.matmul(q3, k, transpose_b=True), (b, self.num_heads, t, s))
-        if one_query and head_dim is not None and head_dim % 8 == 0:
-            # One query against a cache, under XLA: a dot needs the key half of the (B, 2, N, S, H) cache as a
-            # buffer of its own, i.e. a copy of all cached keys every step; a multiply + sum fuses and reads the
-            # cache in place. Summed over H as (H/8, 8): one reduce, where a sum over one axis of 64 becomes a
-            # reduce-window + reduce pair on XLA's CPU backend (docs/performance.md). float32 products and
-            # sums also under mixed precision (the fusion converts in registers).
-            b, n, s = ops.shape(k)[0], ops.shape(k)[1], ops.shape(k)[2]
-            q8 = ops.reshape(ops.cast(q, "float32"), (b, n, 1, head_dim // 8, 8))  # (B, N, 1, H/8, 8)
-            k8 = ops.reshape(ops.cast(k, "float32"), (b, n, s, head_dim // 8, 8))  # (B, N, S, H/8, 8)
-            return ops.sum(ops.sum(q8 * k8, axis=3), axis=3)[:, :, None, :]  # (B, N, S) -> (B, N, 1, S)
-        # transpose_b, not a transposed copy of k: under XLA a transpose of the cache is a copy every step.
-        return tf.matmul(q, k, transpose_b=True)  # (B, N, T, H) x (B, N, S, H)^T -> (B, N, T, S)
-
-    def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        use_causal_mask=False,
-        return_attention_scores=False,
-        cache=None,
-        cache_index=None,
-        training=None,
-        plan=None,
-    ):
-        cache = self._as_cache(cache, cache_index)
+    # === Attention ===
+    def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
+             use_causal_mask=False, return_attention_scores=False, cache=None, cache_index=None, training=None,
+             plan=None):
+        plan = plan or PLAIN
         if cache is not None and cache_index is None:  # read-only: precomputed keys/values of a fixed memory
             q = self._split_heads(self._project_query(query, plan), self.num_heads, self.key_dim)
-            k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)
+            k, v = plan.read_cache(cache, q.dtype)
         else:
             q, k, v = self._project(query, value, key, plan, rotary_start=0 if cache_index is None else cache_index)
         if cache is not None and cache_index is not None:
-            k, v, cache = self._update_cache(cache, k, v, cache_index, plan)
-        k, v = self._shared_heads(k, q), self._shared_heads(v, q)  # K -> N heads
+            self._check_cacheable()
+            k, v, cache = plan.update_cache(cache, k, v, cache_index)
+        k, v = (plan.shared_heads(x, q, self.num_heads // self._kv_heads) for x in (k, v))  # K -> N heads
         mask = self._mask(query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache,
                           cache_index)
-        # One query against a stacked cache, under XLA (a decode step): see _scores and _mix.
-        one_step = plan is not None and plan.in_place_cache_writes and cache is not None and query.shape[1] == 1
-        one_step = one_step and not isinstance(cache, tuple)
-
-        scores = self._scores(q, k, one_query=one_step)  # (B, N, T, S)
+        scores = self._scores(q, k, plan)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
         dot_scores = self.score != "additive"
@@ -457,12 +294,8 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         if dot_scores and mask is not None:
             scores = scores + masks_lib.mask_bias(mask, scores.dtype)
         # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
-        if dot_scores and plan is not None and plan.native_bfloat16 and scores.dtype == "bfloat16":
-            weights = ops.softmax(scores, axis=-1)  # oneDNN's: float32 inside, (B, N, T, S) in the scores' dtype
-        else:
-            # (B, N, T, S) float32
-            weights = masks_lib.masked_softmax(scores, None if dot_scores else mask, zero_empty_rows=False)
-        x = self._mix(self._dropout_layer(weights, training=training), v, q.dtype, one_step)  # (B, N, T, Hv)
+        weights = plan.softmax(scores) if dot_scores else masks_lib.masked_softmax(scores, mask, zero_empty_rows=False)
+        x = plan.mix(self._dropout_layer(weights, training=training), v, q.dtype)  # (B, N, T, Hv)
         # Causal masks (and the cache's) leave key 0 to every query; only the others can empty a row.
         may_empty_rows = self.window is not None or any(
             m is not None for m in (attention_mask, query_mask, value_mask, key_mask))
@@ -473,23 +306,21 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
                 weights = weights * ops.cast(row_has_key, weights.dtype)
         x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
         x = ops.reshape(x, (ops.shape(x)[0], ops.shape(query)[1], self.num_heads * self._value_dim))  # (B, T, N*Hv)
-        outputs = dense(x, self._kernel_of("output"), self.output_bias, 0, self.output_kernel.shape[-1], plan)
-
+        outputs = plan.dense(x, self._kernel_of("output"), self.output_bias, 0, self.output_kernel.shape[-1])
         result = (outputs,) + ((weights,) if return_attention_scores else ()) + ((cache,) if cache is not None else ())
         return result[0] if len(result) == 1 else result
 
-    def _as_cache(self, cache, cache_index):
-        """`cache` as a stacked tensor or a split pair (a tuple), checked."""
-        if isinstance(cache, SplitCache):
-            return (cache.keys, cache.values)
-        if isinstance(cache, (tuple, list)):
-            if cache_index is None or len(cache) != 2:
-                raise ValueError(
-                    "A split cache is a pair (keys, values) and needs `cache_index`. "
-                    f"Received: {len(cache)} tensors, cache_index={cache_index!r}"
-                )
-            return tuple(cache)
-        return cache
+    def _scores(self, q, k, plan):
+        # q (B, N, T, H), k (B, N, S, H) (or a split cache's) -> (B, N, T, S)
+        if self.score == "additive":
+            k = plan.key_heads(k, q)  # (B, N, S, H)
+            w = ops.cast(self.additive_vector, q.dtype)[None, :, :, None, :]  # (1, N, 1, 1, H)
+            hidden = ops.tanh(ops.expand_dims(q, 3) + ops.expand_dims(k, 2))  # (B, N, T, S, H)
+            return ops.sum(hidden * w, axis=-1)
+        # Dot-product scores are (q W) . k: W = I (dot, and scaled_dot before its 1/sqrt(H)), one W per head (general).
+        if self.score == "general":
+            q = ops.matmul(q, ops.cast(self.general_kernel, q.dtype))  # (B, N, T, H)
+        return plan.dot(q, k)
 
     def _mask(self, query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache, cache_index):
         """Every mask ANDed, `(B|1, 1, T, S)` bool, or None."""
@@ -509,38 +340,9 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         )
         return None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
 
-    def _mix(self, weights, v, dtype, one_step):
-        """The weighted sum of the values, `(B, N, T, S)` x v -> `(B, N, T, Hv)`."""
-        if one_step:
-            # One query against a cache, under XLA: XLA's CPU dot for the (B*N) tiny weights-times-values
-            # products is a scalar loop; a broadcast multiply + sum over S fuses into one vectorized pass:
-            # (B, N, S, 1) * (B, N, S, Hv) -> (B, N, 1, Hv).
-            return ops.sum(ops.cast(weights, v.dtype)[:, :, 0, :, None] * v, axis=2)[:, :, None, :]
-        if len(v.shape) == 3:  # a split cache
-            b, t, s = ops.shape(weights)[0], ops.shape(weights)[2], ops.shape(weights)[3]
-            x = ops.reshape(ops.cast(weights, v.dtype), (b * self.num_heads, t, s))  # (B*N, T, S)
-            x = ops.reshape(ops.matmul(x, v), (b, self.num_heads, t, -1))  # (B*N, T, Hv) -> (B, N, T, Hv)
-            return ops.cast(x, dtype)
-        return ops.matmul(ops.cast(weights, v.dtype), v)  # (B, N, T, Hv)
-
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "key_dim": self.key_dim,
-                "value_dim": self.value_dim,
-                "dropout": self.dropout,
-                "use_bias": self.use_bias,
-                "output_dim": self.output_dim,
-                "score": self.score,
-                "window": self.window,
-                "num_key_value_heads": self.num_key_value_heads,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-                "rope_max_wavelength": self.rope_max_wavelength,
-                "lora_rank": self.lora_rank,
-                "lora_alpha": self.lora_alpha,
-            }
-        )
+        for name in CONFIG:
+            value = getattr(self, name)
+            config[name] = keras.initializers.serialize(value) if name.endswith("_initializer") else value
         return config

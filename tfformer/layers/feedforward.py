@@ -7,7 +7,7 @@ from keras import ops
 from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import check_dropout, dense, matmul_bias, quantized
+from tfformer.layers.layer_utils import PLAIN, check_dropout, dense, matmul_bias, quantized
 
 ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
@@ -137,8 +137,9 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None, plan=None):
-        # A decode step on the plan's kernel layout takes `dense` with the plan instead of the fused chain.
-        prepared = plan is not None and plan.uses(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
+        plan = plan or PLAIN
+        # A decode step on the plan's kernel layout takes `plan.dense` instead of the fused chain.
+        prepared = plan.uses(inputs, self.intermediate_dense.kernel, self.intermediate_dense.bias)
         own_calls = any(quantized(layer) for layer in (self.intermediate_dense, self.output_dense))
         if not training and self.activation != "swiglu" and not prepared and not own_calls:
             return dense(self._fused_intermediate(inputs), self.output_dense.kernel, self.output_dense.bias)
@@ -156,12 +157,12 @@ class FeedForward(keras.layers.Layer):
         x = self._dropout_layer(x, training=training)
         return self._project(self.output_dense, x, plan)
 
-    def _project(self, layer, x, plan=None):
+    def _project(self, layer, x, plan):
         # `dense` on the layer's weights: a 2-D MatMul + BiasAdd (a matmul for the bias gradient under a tape), or a
         # decode step's prepared kernels. Quantized layers run their own call.
         if quantized(layer):
             return layer(x)
-        return dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias, plan=plan)
+        return plan.dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias)
 
     def _fused_intermediate(self, inputs):
         # Inference: a 2-D matmul -> bias_add -> relu/gelu chain, the pattern grappler rewrites into one

@@ -5,7 +5,7 @@ from keras import ops
 
 from tfformer.checks import check_int
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import check_dropout, dense
+from tfformer.layers.layer_utils import PLAIN, check_dropout
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -71,16 +71,12 @@ class GatedFeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None, plan=None):
+        plan = plan or PLAIN
         x = ops.cast(inputs, self.compute_dtype)
-        gate_up = dense(x, self.gate_up_kernel, self.gate_up_bias, plan=plan)  # (B, T, 2F)
+        gate_up = plan.dense(x, self.gate_up_kernel, self.gate_up_bias)  # (B, T, 2F)
         gate, up = ops.split(gate_up, 2, axis=-1)  # 2 x (B, T, F)
-        if plan is not None and plan.native_bfloat16 and gate.dtype == "bfloat16":
-            x = ops.silu(gate) * up  # oneDNN's bfloat16 SiLU: float32 inside, the casts' numbers in one pass
-        else:
-            # SiLU in float32: exp/sigmoid on bfloat16 go through conversions on CPU anyway, and lose precision.
-            x = ops.cast(ops.silu(ops.cast(gate, "float32")), up.dtype) * up
-        x = self._dropout_layer(x, training=training)
-        return dense(x, self.down_kernel, self.down_bias, plan=plan)
+        x = self._dropout_layer(plan.silu(gate) * up, training=training)
+        return plan.dense(x, self.down_kernel, self.down_bias)
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape[:-1]) + (self.hidden_dim,)

@@ -1,22 +1,11 @@
-"""Helpers shared by tfformer's layers: argument checks, the matmul + bias they all use, key/value cache writes.
+"""Helpers shared by tfformer's layers: argument checks, the matmul + bias they all use, key/value caches, and
+`PLAIN`, the default decode plan.
 
-Decode plans. Layers that run inside a decode loop take an optional `plan` call argument (None = the plain
-forms). A plan is any object with these members (`tfformer.generation.plan.DecodePlan` is the one tfformer
-builds; layers never import it):
-
-- `in_place_cache_writes`: bool. The graph is compiled with XLA: cache writes are in-place
-  dynamic-update-slices and one-query attention over a stacked cache uses its fused forms.
-- `dense(x, kernel, bias, start, stop)`: `x @ kernel[:, start:stop] + bias[start:stop]` on a kernel laid out
-  before the loop, or None when the plan has no layout for that kernel, bias and input.
-- `uses(x, kernel, bias)`: whether `dense` takes the plan's layout for the whole `kernel` (one token, `kernel`
-  among the plan's, with its own bias).
-- `native_bfloat16`: bool. Softmax and SiLU take bfloat16 tensors without float32 casts around them (TensorFlow's
-  graph runtime on CPU, whose oneDNN kernels compute them in float32 inside: the same numbers).
-- `one_row(x)`: whether `x` `(B, T, D)` is one token of a batch-1 loop in the "rows" layout (the tied output
-  projection then runs in float32, see `TokenEmbedding.attend`).
-
-A plan lays out weights, so a kernel used with low-rank adapters (`LowRankAdapters`), a tensor computed from
-weights, is never among its kernels: `dense` then takes the plain form, which is right and slower.
+Decode plans. Layers that run inside a decode loop (`MultiHeadAttention`, the feed-forwards, `TokenEmbedding`'s
+`attend`) take a `plan` call argument and compute each step through it: `plan.dense(...)`, `plan.update_cache(...)`,
+`plan.dot(...)`, ... (`PlainForms` lists them). None means `PLAIN`, whose forms are the plain ones, the same in
+training, SavedModel and TFLite. `decode_forms.DecodeForms` overrides them with the fast forms of a compiled decode
+loop, and `tfformer.generation.DecodePlan` (which layers never import) adds the loop's own choices to those.
 """
 
 import keras
@@ -25,6 +14,7 @@ from keras import ops
 
 from tfformer.checks import check_int, check_number
 from tfformer.compat import collection_paused, gradient_recording
+from tfformer.layers.masks import masked_softmax
 
 
 def check_dropout(value, name="dropout"):
@@ -32,15 +22,8 @@ def check_dropout(value, name="dropout"):
     check_number(name, value, at_least=0, below=1, expected="a float in [0, 1)")
 
 
-def dense(x, kernel, bias=None, start=0, stop=None, plan=None):
-    """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype, `x` `(B, T, input_dim)`.
-
-    With a decode `plan` (see the module docstring), a kernel it has laid out for the loop is used instead.
-    """
-    if plan is not None:
-        y = plan.dense(x, kernel, bias, start, stop)
-        if y is not None:
-            return y
+def dense(x, kernel, bias=None, start=0, stop=None):
+    """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype, `x` `(B, T, input_dim)`."""
     stop = kernel.shape[-1] if stop is None else stop
     part = (start, stop) != (0, kernel.shape[-1])
     bias = None if bias is None else ops.cast(bias[start:stop] if part else bias, x.dtype)
@@ -100,10 +83,11 @@ def quantized(layer):
 
 
 def apply_dense(layer, x, plan=None):
-    """`layer(x)` for a `keras.layers.Dense`, through `dense` on the `plan`'s kernel layout when it has one."""
-    if quantized(layer) or plan is None or not plan.uses(x, layer.kernel, layer.bias):
+    """`layer(x)` for a `keras.layers.Dense`, or `plan.dense` on the kernel the plan laid out for it (`uses`)."""
+    plan = plan or PLAIN
+    if quantized(layer) or not plan.uses(x, layer.kernel, layer.bias):
         return layer(x)
-    return layer.activation(dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias, plan=plan))
+    return layer.activation(plan.dense(ops.cast(x, layer.compute_dtype), layer.kernel, layer.bias))
 
 
 def write_cache(cache, new, index, in_place=False):
@@ -163,6 +147,77 @@ class SplitCache:
 def uncast(cache):
     """`cache` for a layer call: a split pair as a `SplitCache` (kept in its dtype), anything else as it is."""
     return SplitCache(*cache) if isinstance(cache, (tuple, list)) and len(cache) == 2 else cache
+
+
+def check_stacked(cache, cache_index):
+    """Raise a ValueError unless `cache` is a stacked cache tensor (a split one needs a decode plan)."""
+    if isinstance(cache, (SplitCache, tuple, list)):
+        size = 2 if isinstance(cache, SplitCache) else len(cache)
+        raise ValueError("A split cache is a pair (keys, values) of a decode step: it needs `cache_index` and a "
+                         f"decode plan (`tfformer.generation.DecodePlan`). Received: {size} tensors, "
+                         f"cache_index={cache_index!r}")
+
+
+class PlainForms:
+    """The forms of a layer's computation that a decode plan may replace, each in its plain form (`PLAIN`).
+
+    Layers call them on the `plan` they are given; `decode_forms.DecodeForms` overrides them.
+    """
+
+    in_place_cache_writes = False  # `write_cache`'s form
+
+    def dense(self, x, kernel, bias=None, start=0, stop=None):
+        """`x @ kernel[:, start:stop] + bias[start:stop]` in `x`'s dtype (`dense`)."""
+        return dense(x, kernel, bias, start, stop)
+
+    def uses(self, x, kernel, bias=None):
+        """Whether `dense(x, kernel, bias)` reads a kernel laid out for a decode loop."""
+        return False
+
+    def one_row(self, x):
+        """Whether `x` `(B, T, D)` is one token of a batch-1 decode loop on laid-out kernels."""
+        return False
+
+    def silu(self, x):
+        """SiLU in float32, in `x`'s dtype: exp/sigmoid on bfloat16 convert on CPU anyway, and lose precision."""
+        return ops.cast(ops.silu(ops.cast(x, "float32")), x.dtype)
+
+    def softmax(self, scores):
+        """The attention weights `(B, N, T, S)` float32 of dot-product scores that carry their mask."""
+        return masked_softmax(scores, zero_empty_rows=False)
+
+    def read_cache(self, cache, dtype):
+        """The keys and values `(B, K, S, H)` in `dtype` of a read-only cache `(B, 2, K, S, H)`."""
+        check_stacked(cache, None)
+        return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype)
+
+    def update_cache(self, cache, k, v, cache_index):
+        """Writes a step's `k`, `v` `(B, K, T, H)` into `cache` `(B, 2, K, S_max, H)` at `cache_index`; returns the
+        keys and values to attend over, in `k`'s dtype, and the cache."""
+        check_stacked(cache, cache_index)
+        new = ops.cast(ops.stack([k, v], axis=1), cache.dtype)  # (B, 2, K, T, H)
+        cache = write_cache(cache, new, cache_index, self.in_place_cache_writes)
+        return ops.cast(cache[:, 0], k.dtype), ops.cast(cache[:, 1], k.dtype), cache
+
+    def shared_heads(self, x, q, groups):
+        """Keys or values of `K` heads repeated for the `groups = N / K` query heads of each (a no-op for 1)."""
+        return x if groups == 1 else ops.repeat(x, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+
+    def key_heads(self, k, q):
+        """The keys as `(B, N, S, H)` in q's dtype, for scores that are not a product (additive)."""
+        return k
+
+    def dot(self, q, k):
+        """The products `q . k` `(B, N, T, S)` of q `(B, N, T, H)` and k `(B, N, S, H)`."""
+        # transpose_b, not a transposed copy of k: under XLA a transpose of the cache is a copy every step.
+        return tf.matmul(q, k, transpose_b=True)
+
+    def mix(self, weights, v, dtype):
+        """The weighted sum of the values, `(B, N, T, S)` x v `(B, N, S, Hv)` -> `(B, N, T, Hv)`."""
+        return ops.matmul(ops.cast(weights, v.dtype), v)
+
+
+PLAIN = PlainForms()
 
 
 

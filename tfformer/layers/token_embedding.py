@@ -6,6 +6,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer.checks import check_int
+from tfformer.layers.layer_utils import PLAIN
 
 
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
@@ -89,7 +90,7 @@ class TokenEmbedding(keras.layers.Layer):
 
     def attend(self, inputs, plan=None):
         """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32; `plan`: a decode plan (`layer_utils`)."""
-        if plan is not None and plan.one_row(inputs):
+        if (plan or PLAIN).one_row(inputs):
             # A batch-1 decode step under XLA (the plan's "rows" layout): float32 also under mixed
             # precision, so that XLA fuses the transposed table into one loop (a cast would be hoisted with it).
             return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(self.embeddings))  # (B, 1, V)
