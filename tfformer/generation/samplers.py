@@ -36,8 +36,7 @@ class Sampler:
         after it) or `max_new_tokens` columns past its `prompt_lengths` `(B,)`, whose columns keep the prompt. A `plan`
         runs `plan.segmented_loop` over caches that grow from `prefix + plan.first_segment(max_new_tokens)` slots.
         """
-        column, written = self._columns(index, column, ids, logits)
-        stop = (column if prompt_lengths is None else tf.reduce_max(prompt_lengths)) + max_new_tokens
+        column, written, stop = self._columns(index, column, ids, logits, prompt_lengths, max_new_tokens)
 
         def choose(logits, column, tokens, done):  # -> the ids (B, 1) to feed next, `tokens` and `done`
             batch = tf.shape(tokens)[0]
@@ -77,16 +76,17 @@ class Sampler:
         return plan.segmented_loop(cond, body, state, 3, prefix, max_new_tokens)
 
     @staticmethod
-    def _columns(index, column, ids, logits):
-        """`run`'s first column, and `written(i)`: the column the step at cache index `i` fills."""
+    def _columns(index, column, ids, logits, prompt_lengths, max_new_tokens):
+        """`run`'s first column, `written(i)` (the column step `i` fills) and the column the loop stops before."""
         if (ids is None) == (logits is None):
             raise ValueError("`run` takes `ids` or `logits` for its first step, not both or neither. Received: "
                              f"ids={ids!r}, logits={logits!r}")
         first = index if column is None else column
+        stop = (first if prompt_lengths is None else tf.reduce_max(prompt_lengths)) + max_new_tokens
         shift = (0 if column is None else column - index) + (0 if logits is None else 1)
         if isinstance(shift, int) and shift == 0:  # no index arithmetic in the loop
-            return first, lambda i: i
-        return first, lambda i: i + shift
+            return first, lambda i: i, stop
+        return first, lambda i: i + shift, stop
 
 
 class GreedySampler(Sampler):
