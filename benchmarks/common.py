@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's own peak, VmHWM)
-from tfformer.training.strategy import cpu_cores as cores  # the cores this process may run on
+from tfformer.cpu import cpu_cores as cores  # the cores this process may run on
 
 
 # On these VMs a core that has idled for a few tenths of a second runs the next tens of milliseconds of work

@@ -220,7 +220,6 @@ class PlainForms:
 PLAIN = PlainForms()
 
 
-
 @keras.saving.register_keras_serializable(package="tfformer")
 class LowRankAdapters(keras.layers.Layer):
     """Low-rank adapters (LoRA; Hu et al., 2021) for named kernels of the layer that owns them.

@@ -36,7 +36,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -44,6 +43,7 @@ import weakref
 import numpy as np
 
 from tfformer.checks import check_int
+from tfformer.cpu import cpu_cores
 from tfformer.serving import monitoring
 from tfformer.serving.servable import Servable, completed
 from tfformer.serving.status import Code, ServingError, failed_precondition, internal, invalid_argument
@@ -52,11 +52,6 @@ log = logging.getLogger("tfformer.serving")
 
 QUEUE_FULL_MESSAGE = "The batch scheduling queue to which this task was submitted is full"
 DEFAULT_THREAD_POOL_NAME = "model_server_batch_threads"  # server.cc, when no --batching_parameters_file
-
-
-def _cores():
-    """`port::MaxParallelism()`: the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _at_least(name, value, minimum, wording):
@@ -89,7 +84,7 @@ class BatchingOptions:
     max_batch_size: int = 1000
     batch_timeout_micros: int = 0
     max_enqueued_batches: int = 10
-    num_batch_threads: int = dataclasses.field(default_factory=_cores)
+    num_batch_threads: int = dataclasses.field(default_factory=cpu_cores)  # port::MaxParallelism()
     thread_pool_name: str = DEFAULT_THREAD_POOL_NAME
     allowed_batch_sizes: tuple = ()
     pad_variable_length_inputs: bool = False

@@ -6,6 +6,7 @@ import os
 import tensorflow as tf
 
 from tfformer.checks import check_int
+from tfformer.cpu import cpu_cores
 
 
 def get_strategy(replicas=None):
@@ -86,12 +87,6 @@ def configure_cpu_threads(micro_batches, replicas=1):
             f"TF_NUM_INTRAOP_THREADS={threads} in the environment before Python starts: {error}"
         ) from error
     return threads
-
-
-def cpu_cores():
-    """The cores this process may run on, TensorFlow's default intra-op thread count: its CPU affinity, which a
-    container or `taskset` can restrict (`os.cpu_count()` counts the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def mixed_precision_policy():
