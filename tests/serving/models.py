@@ -89,14 +89,18 @@ def save_seq(path):
     tf.saved_model.save(module, os.fspath(path), signatures={"serving_default": module.serve})
 
 
+def spin(seconds):
+    """Busy-waits `seconds[0]` seconds in the graph; returns the loop's iteration count (an int32 scalar)."""
+    start = tf.timestamp()
+    limit = tf.cast(seconds[0], tf.float64)
+    return tf.while_loop(lambda i: tf.timestamp() - start < limit, lambda i: i + 1, [tf.constant(0)],
+                         parallel_iterations=1)[0]
+
+
 class SlowModel(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="seconds")])
     def serve(self, seconds):
-        start = tf.timestamp()
-        limit = tf.cast(seconds[0], tf.float64)
-        count = tf.while_loop(lambda i: tf.timestamp() - start < limit, lambda i: i + 1, [tf.constant(0)],
-                              parallel_iterations=1)[0]
-        return {"iterations": tf.fill(tf.shape(seconds), count)}
+        return {"iterations": tf.fill(tf.shape(seconds), spin(seconds))}
 
 
 def save_slow(path):
