@@ -142,5 +142,20 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
                  "--version", "1")
     assert again.returncode == 2 and "already exists" in again.stderr
+    # Warm-up records at the batch sizes a batching server forms (TF Serving's PredictionLog TFRecord).
+    warm = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
+                "--max-new-tokens", "8", "--warmup-batch-sizes", "3")
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    import tensorflow as tf
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    records = tmp_path / "models" / "en-de" / "2" / "assets.extra" / "tf_serving_warmup_requests"
+    logs = [prediction_log_pb2.PredictionLog.FromString(record.numpy())
+            for record in tf.data.TFRecordDataset(str(records))]
+    assert logs and {log.predict_log.request.inputs[next(iter(log.predict_log.request.inputs))]
+                     .tensor_shape.dim[0].size for log in logs} == {3}
+    bad = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "bad"), "--warmup-batch-sizes",
+               "0,8")
+    assert bad.returncode == 2 and "--warmup-batch-sizes" in bad.stderr and not (tmp_path / "bad").exists()
     blank = _cli("translate", "--run", str(out), "   ")
     assert blank.returncode == 2 and "whitespace-only" in blank.stderr

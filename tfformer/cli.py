@@ -142,7 +142,7 @@ def _export_speech(args, model):
                              "takes one 30-second window of log-mel frames (batch 1): leave it out.")
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, max_new_tokens=args.max_new_tokens,
-                                  beam_size=args.beam_size)
+                                  beam_size=args.beam_size, warmup_batch_sizes=args.warmup_batch_sizes)
         print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; `tfformer serve --model_name NAME "
               f"--model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
@@ -164,7 +164,8 @@ def _export(args):
     tokenizer = model.preprocessor
     if isinstance(model, models.SentenceEncoder):  # text -> embedding; no decoder
         if args.format in ("saved_model", "all"):
-            path = export.saved_model(model, args.out, version=args.version)
+            path = export.saved_model(model, args.out, version=args.version,
+                                      warmup_batch_sizes=args.warmup_batch_sizes)
             print(f"SavedModel: {path}  (serving_default: text -> embedding; predict_ids: token_ids, padding_mask)")
         if args.format in ("tflite", "all"):
             os.makedirs(args.out, exist_ok=True)
@@ -179,7 +180,8 @@ def _export(args):
         beam_size = translation.BEAM_SIZE  # a translator serves as its run was evaluated
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, tokenizer=tokenizer,
-                                  max_new_tokens=args.max_new_tokens, beam_size=beam_size)
+                                  max_new_tokens=args.max_new_tokens, beam_size=beam_size,
+                                  warmup_batch_sizes=args.warmup_batch_sizes)
         print(f"SavedModel: {path}  (serve: docker run ... tensorflow/serving, or `tfformer serve "
               f"--model_name NAME --model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
@@ -254,6 +256,20 @@ def _embed(args):
     return 0
 
 
+def _batch_sizes(text):
+    """`--warmup-batch-sizes`: comma-separated ints >= 1, or `none` for no warm-up records."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1 (e.g. 1,8,32) or none, received "
+                                         f"{text!r}")
+    return sizes
+
+
 def _flag_bool(text):
     """A TF Serving bool flag's value: `--enable_batching` alone, or `--enable_batching=true|false|1|0`."""
     value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
@@ -278,7 +294,8 @@ def _serve(args):
         load_retry_interval_micros=args.load_retry_interval_micros,
         allow_version_labels_for_unavailable_models=args.allow_version_labels_for_unavailable_models,
         enable_batching=args.enable_batching, batching_parameters_file=args.batching_parameters_file,
-        monitoring_config_file=args.monitoring_config_file,
+        monitoring_config_file=args.monitoring_config_file, enable_model_warmup=args.enable_model_warmup,
+        num_request_iterations_for_warmup=args.num_request_iterations_for_warmup,
     )
     try:
         return serving.run_server(**options)
@@ -423,6 +440,9 @@ COMMANDS = {
                   "small LLM on a device)"),
         _argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                   "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)"),
+        _argument("--warmup-batch-sizes", type=_batch_sizes, default=(1, 8), help="batch sizes of the SavedModel's "
+                  "TF Serving warm-up records, e.g. 1,8,32 to cover the batches --enable_batching forms; none: no "
+                  "records (default: 1,8)"),
     ]),
     "evaluate": (_evaluate, "BLEU of a translation run on a split", [
         _argument("--run", required=True),
@@ -462,6 +482,10 @@ COMMANDS = {
                   "num_batch_threads = cores)"),
         _argument("--monitoring_config_file", help="a MonitoringConfig text proto; prometheus_config { enable: "
                   "true } serves metrics at /monitoring/prometheus/metrics on the REST port"),
+        _argument("--enable_model_warmup", type=_flag_bool, nargs="?", const=True, default=True,
+                  help="replay assets.extra/tf_serving_warmup_requests before a version serves (default: true)"),
+        _argument("--num_request_iterations_for_warmup", type=int, default=0,
+                  help="runs of each warm-up record (used only if > 0, else 1)"),
     ]),
     "predict": (_serving_predict, "send TEXT... to a model server's serving_default signature", [
         _argument("texts", nargs="+", metavar="TEXT"),

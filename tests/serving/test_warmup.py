@@ -343,3 +343,29 @@ def test_warm_up_runs_through_the_batcher_when_batching_is_on(tmp_path, saved):
         assert type(servable).__name__ == "BatchingServable"
         assert counts(servable) == (2, 1)  # the records ran on the version before it served
         assert serving.Client(server.rest_url).predict("m", [2.0])["y"].tolist() == [2.0]
+
+
+@pytest.mark.parametrize("flags, runs", [([], 1), (["--num_request_iterations_for_warmup", "3"], 3),
+                                         (["--enable_model_warmup=false"], 0), (["--enable_model_warmup"], 1)])
+def test_tfformer_serve_flags_reach_the_manager(tmp_path, saved, monkeypatch, flags, runs):
+    from tfformer import cli
+
+    publish(saved, tmp_path / "m", 1, RECORDS)
+    seen = []
+
+    def run_server(**options):  # the server `tfformer serve` would run, started and stopped here
+        with serving.Server(**{**options, "port": 0, "rest_api_port": 0, "access_log": None}) as server:
+            seen.append(counts(server.manager.get_servable("m")))
+        return 0
+
+    monkeypatch.setattr(serving, "run_server", run_server)
+    assert cli.main(["serve", "--model_name", "m", "--model_base_path", str(tmp_path / "m"), *flags]) == 0
+    assert seen == [(2 * runs, runs)]
+
+
+def test_a_negative_warmup_iteration_count_stops_tfformer_serve(tmp_path, capsys):
+    from tfformer import cli
+
+    code = cli.main(["serve", "--model_base_path", str(tmp_path), "--num_request_iterations_for_warmup", "-1"])
+    assert code == 2
+    assert "num_request_iterations_for_warmup" in capsys.readouterr().err

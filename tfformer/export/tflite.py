@@ -37,6 +37,7 @@ from tfformer.checks import check_int
 from tfformer.export import exact_int8
 from tfformer.export import signatures as sig
 from tfformer.files import write_atomic
+from tfformer.layers.decode_forms import DecodeForms
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.whisper import WhisperModel
 
@@ -178,8 +179,9 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
         halves = tf.unstack(tf.reshape(inputs["cache"], [2 * layers, heads, max_length, head_dim]))  # 2L x (K, S, H)
         cross = [_StackedKeysValues(inputs[f"cross_keys_{i}"], inputs[f"cross_values_{i}"]) for i in range(layers)]
         index = inputs["index"]
+        # Split caches are a decode form: DecodeForms() reads them, every other form stays plain (TFLite builtins).
         logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], tuple(zip(halves[0::2], halves[1::2])), index,
-                                           cross, None)
+                                           cross, None, plan=DecodeForms())
         # Only the slot this step wrote goes out, and the host writes it into the cache it keeps.
         new = tf.stack([tf.slice(half, [0, index, 0], [heads, 1, head_dim]) for pair in caches for half in pair])
         new = tf.reshape(new, [layers, 1, 2, heads, 1, head_dim])  # (2L, K, 1, H) -> (L, 1, 2, K, 1, H)

@@ -78,7 +78,8 @@ class CausalLM(base.TransformerModel):
         Args:
             inputs: a str or a list of str (tokenized by the preprocessor), or right-padded prompt ids `(B, L)`.
             max_new_tokens: int > 0. Tokens to generate after each prompt.
-            sampler: a `tfformer.generation.Sampler` or its kind ("greedy", "top_k", ...). Defaults to greedy.
+            sampler: a `tfformer.generation.Sampler` (e.g. `TopKSampler(k=5)`), "greedy", "temperature" or None
+                (greedy).
             beam_size: int or None. Beam search with the GNMT `length_penalty` instead of the sampler.
             jit_compile: bool. Decode with XLA (`generation.generate_ids`).
             prefill_jit_compile: bool or None. With `jit_compile`, whether the prompts' pass runs under XLA too, or

@@ -84,7 +84,8 @@ class Seq2SeqTransformer(base.TransformerModel):
             inputs: a str or a list of str (tokenized by the preprocessor), or source ids `(B, S)`.
             max_new_tokens: int > 0, or None for `max_sequence_length`.
             beam_size: int or None. Beam search with the GNMT `length_penalty` instead of the sampler.
-            sampler: a `tfformer.generation.Sampler` or its kind. Defaults to greedy.
+            sampler: a `tfformer.generation.Sampler` (e.g. `TopKSampler(k=5)`), "greedy", "temperature" or None
+                (greedy).
             batch_size: texts per decoding call.
             protect_placeholders: bool. Mask printf conversions, brace fields, tags, accelerators and edge
                 whitespace before the model and put them back after (`tfformer.data.placeholders`), as the

@@ -151,6 +151,10 @@ class Server:
             `batching_parameters` (`batching.BatchingOptions`) is given.
         monitoring_config_file: str. A `MonitoringConfig` text proto; `prometheus_config { enable: true }`
             serves the metrics at its `path` (default `/monitoring/prometheus/metrics`) on the REST port.
+        enable_model_warmup: bool. Replay each version's `assets.extra/tf_serving_warmup_requests` before it
+            becomes AVAILABLE (TF Serving's `--enable_model_warmup`, default on).
+        num_request_iterations_for_warmup: int. Runs of each warm-up record; used only if > 0, else 1 (TF
+            Serving's `--num_request_iterations_for_warmup`).
     """
 
     def __init__(self, model_name=None, model_base_path=None, model_config_file=None, config=None,
@@ -159,7 +163,8 @@ class Server:
                  max_request_bytes=DEFAULT_MAX_REQUEST_BYTES, num_workers=4, access_log=None,
                  grace_period_seconds=30.0, allow_version_labels_for_unavailable_models=False,
                  max_num_load_retries=5, load_retry_interval_micros=60_000_000, enable_batching=False,
-                 batching_parameters_file=None, batching_parameters=None, monitoring_config_file=None):
+                 batching_parameters_file=None, batching_parameters=None, monitoring_config_file=None,
+                 enable_model_warmup=True, num_request_iterations_for_warmup=0):
         given = sum(item is not None for item in (model_base_path, model_config_file, config))
         if given != 1:
             raise ValueError("Give exactly one of `model_base_path` (with `model_name`), `model_config_file` or "
@@ -190,6 +195,8 @@ class Server:
             max_num_load_retries=max_num_load_retries,
             load_retry_interval_seconds=load_retry_interval_micros / 1e6,
             allow_version_labels_for_unavailable_models=allow_version_labels_for_unavailable_models,
+            enable_model_warmup=enable_model_warmup,
+            num_request_iterations_for_warmup=num_request_iterations_for_warmup,
             **({"loader": batching.loader(self._scheduler)} if self._scheduler else {}),
         )
         self.ports = None
