@@ -1,0 +1,228 @@
+"""Timestamped transcripts of recordings of any length, as faster-whisper makes them (`WhisperModel.segments`).
+
+A 30-second window starts at `seek`; the model writes `<|t0|> text <|t1|>` pairs (`generation.speech`'s timestamp
+rules); the window's complete segments are yielded and the next window starts at the last complete segment's end
+(or after the window, when it ends with a lone timestamp: nothing more was said). Each window is conditioned on the
+text so far (`<|startofprev|>` + at most `max_sequence_length // 2 - 1` previous tokens), and decoded again at
+higher temperatures when its text repeats itself (zlib compression ratio above `compression_ratio_threshold`) or
+its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time.
+"""
+
+import dataclasses
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfformer.checks import check_int, check_number
+from tfformer.data import audio as audio_io
+from tfformer.generation import samplers, speech
+from tfformer.tokens import cut_at_end
+
+FRAMES_PER_TOKEN = 2  # the encoder's stride-2 convolution: one timestamp step (20 ms) is two 10 ms frames
+SECONDS_PER_FRAME = audio_io.HOP_LENGTH / audio_io.SAMPLE_RATE
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of a transcript: `start` and `end` in seconds from the start of the recording, and its `text`."""
+    start: float
+    end: float
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TranscriptOptions:
+    """faster-whisper's long-form options (its defaults), checked.
+
+    Args:
+        condition_on_previous_text: bool. Prompt each window with the text so far.
+        temperature: float or tuple of floats >= 0. Decoding temperatures tried in turn (0: greedy).
+        compression_ratio_threshold: float or None. A window whose text compresses better is decoded again.
+        log_prob_threshold: float or None. A window whose mean token log-probability is lower is decoded again.
+        no_speech_threshold: float or None. A window whose `<|nospeech|>` probability is higher (and whose mean
+            log-probability is below `log_prob_threshold`) is skipped as silence.
+        prompt_reset_on_temperature: float. After a window decoded above this temperature the prompt starts over.
+        max_initial_timestamp: float. The first timestamp of a window is at most this many seconds.
+        best_of: int. Samples drawn at a temperature above 0; the one with the best mean log-probability wins.
+        max_new_tokens: int or None. Tokens per window (None: `max_sequence_length // 2`, CTranslate2's limit).
+        seed: int. Seed of the draws at temperatures above 0.
+    """
+    condition_on_previous_text: bool = True
+    temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    compression_ratio_threshold: float = 2.4
+    log_prob_threshold: float = -1.0
+    no_speech_threshold: float = 0.6
+    prompt_reset_on_temperature: float = 0.5
+    max_initial_timestamp: float = 1.0
+    best_of: int = 5
+    max_new_tokens: int = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.condition_on_previous_text, bool):
+            raise ValueError("`condition_on_previous_text` must be a bool. Received: "
+                             f"condition_on_previous_text={self.condition_on_previous_text!r}")
+        temperatures = self.temperature if isinstance(self.temperature, (list, tuple)) else (self.temperature,)
+        for value in temperatures:
+            check_number("temperature", value, at_least=0, expected="a number >= 0 or a tuple of them")
+        if not temperatures:
+            raise ValueError("`temperature` must hold at least one temperature. Received: temperature=()")
+        object.__setattr__(self, "temperature", tuple(float(t) for t in temperatures))
+        for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
+            check_number(name, getattr(self, name), allow_none=True)
+        check_number("prompt_reset_on_temperature", self.prompt_reset_on_temperature)
+        check_number("max_initial_timestamp", self.max_initial_timestamp, at_least=0)
+        check_int("best_of", self.best_of)
+        check_int("max_new_tokens", self.max_new_tokens, allow_none=True)
+        check_int("seed", self.seed, minimum=None)
+
+    @classmethod
+    def from_kwargs(cls, **options):
+        """Options by name; an unknown name is a ValueError naming it."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"Unknown transcription option(s) {unknown}; the options are {names}.")
+        return cls(**options)
+
+
+def compression_ratio(text):
+    """Bytes of `text` (UTF-8) over bytes of its zlib compression: high for text that repeats itself."""
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data))
+
+
+def timestamp_ids(model):
+    """`speech.TimestampIds` of a Whisper `model`, from its tokenizer's special tokens."""
+    vocabulary = getattr(model.preprocessor, "token_to_id", None) or {}
+    no_speech = vocabulary.get("<|nospeech|>", vocabulary.get("<|nocaptions|>"))
+    needed = ("<|notimestamps|>", "<|startofprev|>", "<|startoftranscript|>")
+    if no_speech is None or any(token not in vocabulary for token in needed):
+        raise ValueError(f"Timestamps need a Whisper tokenizer with the tokens {list(needed)} and <|nospeech|> or "
+                         "<|nocaptions|> (`model.preprocessor`).")
+    no_timestamps = vocabulary["<|notimestamps|>"]
+    return speech.TimestampIds(no_timestamps, no_timestamps + 1, no_speech)
+
+
+def decode_text(model, tokens):
+    """The text of `tokens` (a list of ids; special tokens and timestamps, ids >= `end_id`, left out), unstripped."""
+    text_ids = [i for i in tokens if i < model.end_id]
+    ragged = tf.ragged.constant([text_ids], dtype=tf.int32, ragged_rank=1)  # (1, None)
+    return model.preprocessor.detokenize(ragged).numpy()[0].decode("utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """One decoding of a window: its tokens (without the end), mean log-probability, temperature, compression ratio,
+    and the probability of <|nospeech|>."""
+    tokens: list
+    avg_logprob: float
+    temperature: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+def _decode_once(model, features, prompt, ids, options, temperature):
+    """The window decoded at `temperature` (greedy at 0, else the best of `best_of` draws by mean log-probability)."""
+    limit = model.config.max_sequence_length
+    new_tokens = min(limit // 2, limit + 1 - len(prompt))
+    if options.max_new_tokens is not None:
+        new_tokens = min(new_tokens, options.max_new_tokens)
+    rows = 1 if temperature == 0 else options.best_of
+    sampler = None if temperature == 0 else samplers.TemperatureSampler(temperature, seed=options.seed)
+    tokens, sums, no_speech = speech.transcribe_timestamp_ids(
+        model, np.repeat(features, rows, axis=0), np.array([prompt] * rows, np.int32), ids, new_tokens,
+        suppress_ids=model.suppress_ids, suppress_ids_begin=model.suppress_ids_begin, end_id=model.end_id,
+        sampler=sampler, max_initial_timestamp=options.max_initial_timestamp)
+    candidates = []
+    for row, total in zip(tokens.tolist(), sums.tolist()):
+        row = cut_at_end(row, model.end_id)
+        # CTranslate2 ranks hypotheses by score / length; faster-whisper's mean counts the end token too.
+        candidates.append((total / max(len(row), 1), total / (len(row) + 1), row))
+    _, avg_logprob, row = max(candidates, key=lambda candidate: candidate[0])
+    text = decode_text(model, row).strip()
+    return Decoded(row, avg_logprob, temperature, compression_ratio(text), float(no_speech[0]))
+
+
+def decode_with_fallback(model, features, prompt, ids, options):
+    """faster-whisper's `generate_with_fallback`: the first temperature whose text passes the thresholds; when none
+    does, the best mean log-probability among those under the compression threshold (or all), at the last
+    temperature (which decides the prompt reset)."""
+    tried, passed = [], []
+    for temperature in options.temperature:
+        result = _decode_once(model, features, prompt, ids, options, temperature)
+        tried.append(result)
+        fallback = False
+        if options.compression_ratio_threshold is not None:
+            if result.compression_ratio > options.compression_ratio_threshold:
+                fallback = True  # too repetitive
+            else:
+                passed.append(result)
+        low = options.log_prob_threshold is not None and result.avg_logprob < options.log_prob_threshold
+        fallback = fallback or low
+        if options.no_speech_threshold is not None and result.no_speech_prob > options.no_speech_threshold and low:
+            fallback = False  # silence
+        if not fallback:
+            return result
+    best = max(passed or tried, key=lambda result: result.avg_logprob)
+    return dataclasses.replace(best, temperature=options.temperature[-1])
+
+
+def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
+    """faster-whisper's cut of a window's `tokens` into `(start, end, tokens)` pieces (seconds), and the next `seek`.
+
+    Pieces end at each pair of consecutive timestamps; an unfinished piece after the last pair is dropped and the
+    next window starts at its last timestamp, unless the tokens end with a lone timestamp (nothing more was said:
+    the next window starts after this one). Without a pair, the whole window is one piece up to its last timestamp.
+    """
+    offset = seek * SECONDS_PER_FRAME
+    is_ts = [token >= timestamp_begin for token in tokens]
+    single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
+    pairs = [i for i in range(1, len(tokens)) if is_ts[i] and is_ts[i - 1]]
+    if not pairs:
+        duration = window_frames * SECONDS_PER_FRAME
+        stamps = [token for token in tokens if token >= timestamp_begin]
+        if stamps and stamps[-1] != timestamp_begin:
+            duration = (stamps[-1] - timestamp_begin) * speech.TIME_PRECISION
+        return [(offset, offset + duration, list(tokens))], seek + window_frames
+    cuts = pairs + [len(tokens)] if single_ending else pairs
+    pieces, first = [], 0
+    for cut in cuts:
+        piece = list(tokens[first:cut])
+        start, end = ((piece[i] - timestamp_begin) * speech.TIME_PRECISION + offset for i in (0, -1))
+        pieces.append((start, end, piece))
+        first = cut
+    if single_ending:
+        return pieces, seek + window_frames
+    return pieces, seek + (tokens[first - 1] - timestamp_begin) * FRAMES_PER_TOKEN
+
+
+def segments(model, waveform, options):
+    """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy) as each window is decoded."""
+    ids, sot = timestamp_ids(model), model.prompt[0]
+    start_of_prev = model.preprocessor.token_to_id["<|startofprev|>"]
+    content_frames = len(waveform) // audio_io.HOP_LENGTH
+    context = model.config.max_sequence_length // 2 - 1
+    seek, history, reset_at = 0, [], 0
+    while seek < content_frames:
+        window_frames = min(audio_io.NUM_FRAMES, content_frames - seek)
+        samples = waveform[seek * audio_io.HOP_LENGTH:(seek + window_frames) * audio_io.HOP_LENGTH]
+        features, _ = audio_io.log_mel_spectrogram(samples[None, :])  # (1, 3000, num_mel_bins)
+        previous = history[reset_at:][-context:]
+        prompt = ([start_of_prev, *previous] if previous else []) + [sot]
+        result = decode_with_fallback(model, features.numpy(), prompt, ids, options)
+        if (options.no_speech_threshold is not None and result.no_speech_prob > options.no_speech_threshold
+                and not (options.log_prob_threshold is not None
+                         and result.avg_logprob > options.log_prob_threshold)):
+            seek += window_frames  # silence: on to the next window
+            continue
+        pieces, seek = split_by_timestamps(result.tokens, ids.timestamp_begin, seek, window_frames)
+        for start, end, tokens in pieces:
+            text = decode_text(model, tokens).strip()
+            if start == end or not text:
+                continue
+            history.extend(tokens)
+            yield Segment(round(start, 3), round(end, 3), text)
+        if not options.condition_on_previous_text or result.temperature > options.prompt_reset_on_temperature:
+            reset_at = len(history)
