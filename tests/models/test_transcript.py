@@ -87,6 +87,8 @@ def test_bad_timestamp_arguments_name_the_argument(asr):
         asr.transcribe(clip, timestamps=True, beam_size=5)
     with pytest.raises(ValueError, match="timestamps=True"):
         asr.transcribe(clip, condition_on_previous_text=False)
+    with pytest.raises(ValueError, match=r"`word_timestamps=True` needs `timestamps=True`"):
+        asr.transcribe(clip, word_timestamps=True)
     with pytest.raises(ValueError, match="no_such_option"):
         asr.transcribe(clip, timestamps=True, no_such_option=1)
     with pytest.raises(ValueError, match="`audio`"):

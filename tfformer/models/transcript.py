@@ -47,6 +47,7 @@ class TranscriptOptions:
         best_of: int. Samples drawn at a temperature above 0; the one with the best mean log-probability wins.
         max_new_tokens: int or None. Tokens per window (None: `max_sequence_length // 2`, CTranslate2's limit).
         seed: int. Seed of the draws at temperatures above 0.
+        word_timestamps: bool. Word times from cross-attention alignment (not implemented yet: a ValueError).
     """
     condition_on_previous_text: bool = True
     temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -58,6 +59,7 @@ class TranscriptOptions:
     best_of: int = 5
     max_new_tokens: int = None
     seed: int = 0
+    word_timestamps: bool = False
 
     def __post_init__(self):
         if not isinstance(self.condition_on_previous_text, bool):
@@ -76,6 +78,10 @@ class TranscriptOptions:
         check_int("best_of", self.best_of)
         check_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         check_int("seed", self.seed, minimum=None)
+        if not isinstance(self.word_timestamps, bool):
+            raise ValueError(f"`word_timestamps` must be a bool. Received: word_timestamps={self.word_timestamps!r}")
+        if self.word_timestamps:
+            raise ValueError("`word_timestamps=True` is not implemented yet: segments carry their start and end only.")
 
     @classmethod
     def from_kwargs(cls, **options):
@@ -226,3 +232,38 @@ def segments(model, waveform, options):
             yield Segment(round(start, 3), round(end, 3), text)
         if not options.condition_on_previous_text or result.temperature > options.prompt_reset_on_temperature:
             reset_at = len(history)
+
+
+# === Transcript files ===
+FORMATS = ("txt", "srt", "vtt", "json")
+
+
+def _clock(seconds, decimal):
+    """`HH:MM:SS<decimal>mmm` of `seconds` >= 0, rounded to the millisecond."""
+    millis = int(round(seconds * 1000))
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{millis // 1000:02d}{decimal}{millis % 1000:03d}"
+
+
+def format_transcript(segments, format):
+    """The text of a transcript file of `segments` (`Segment`s) in `format`: "txt" (a line per segment), "srt"
+    (SubRip: numbered cues, `00:00:01,000 --> 00:00:02,500`), "vtt" (WebVTT: a `WEBVTT` header, cues with `.`
+    milliseconds) or "json" (`{"segments": [{"start", "end", "text"}]}`, seconds)."""
+    if format not in FORMATS:
+        raise ValueError(f"`format` must be one of {FORMATS}. Received: format={format!r}")
+    segments = list(segments)
+    if format == "txt":
+        return "".join(f"{s.text}\n" for s in segments)
+    if format == "json":
+        import json  # noqa: PLC0415 (only for this format)
+
+        items = [{"start": s.start, "end": s.end, "text": s.text} for s in segments]
+        return json.dumps({"segments": items}, indent=2, ensure_ascii=False) + "\n"
+    # A cue's text must not hold an empty line (it would end the cue), nor "-->".
+    texts = [" ".join(s.text.replace("-->", "->").split()) for s in segments]
+    if format == "srt":
+        return "".join(f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{text}\n\n"
+                       for i, (s, text) in enumerate(zip(segments, texts), start=1))
+    return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{text}\n\n"
+                                  for s, text in zip(segments, texts))

@@ -286,6 +286,9 @@ class WhisperModel(Seq2SeqTransformer):
 
     def _transcribe_segments(self, audio, sample_rate, max_new_tokens, beam_size, timestamps, options):
         """`transcribe(..., timestamps=True, **options)`: each input's `segments` as a list."""
+        if options.get("word_timestamps") and timestamps is not True:
+            raise ValueError("`word_timestamps=True` needs `timestamps=True`: word times belong to timestamped "
+                             f"segments. Received: timestamps={timestamps!r}")
         if timestamps is not True:
             raise ValueError("`timestamps` must be True or False; the options "
                              f"{sorted(options)} apply with timestamps=True. Received: timestamps={timestamps!r}")
