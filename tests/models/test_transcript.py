@@ -135,3 +135,80 @@ def test_long_recording_segments_stream_and_match_faster_whispers(asr, manifest,
     assert ours <= theirs
     assert len(windows) >= 7  # 186 s in windows of at most 30 s
     assert all(a.end <= b.start + 1e-6 for a, b in zip(found, found[1:]))  # in order, not overlapping
+
+
+@needs_wheel
+def test_windows_seek_condition_on_the_text_reset_and_skip_silence(asr, monkeypatch):
+    """The long-form loop on canned window decodings (the model's decoding replaced): where each window starts,
+    the prompt it gets (the previous windows' tokens after <|startofprev|>, none after a window decoded above
+    `prompt_reset_on_temperature`), and a window skipped as silence."""
+    t = lambda seconds: BEGIN + int(round(seconds / 0.02))  # noqa: E731
+    sot, prev = asr.prompt[0], asr.preprocessor.token_to_id["<|startofprev|>"]
+    the, quick = 383, 2068  # "The", " quick"
+    canned = [  # (tokens, avg_logprob, temperature, no_speech_prob) per window
+        ([t(0.0), the, t(2.0), t(3.0), quick, t(4.0)], -0.3, 0.0, 0.01),  # ends with a lone timestamp: next at 30 s
+        ([t(0.0), the, t(1.0)], -0.9, 0.8, 0.01),  # no pair: next window after this one; decoded hot: reset
+        ([t(0.0), quick, t(1.0)], -2.0, 0.0, 0.9),  # silence: skipped
+    ]
+    calls = []
+
+    def fake(model, features, prompt, ids, options):
+        assert features.shape == (1, 3000, 80)
+        calls.append(list(prompt))
+        tokens, avg, temperature, no_speech = canned[len(calls) - 1]
+        return transcript.Decoded(tokens, avg, temperature, 1.0, no_speech)
+
+    monkeypatch.setattr(transcript, "decode_with_fallback", fake)
+    found = list(asr.segments(np.zeros(70 * 16000, np.float32), sample_rate=16000))
+    assert found == [transcript.Segment(0.0, 2.0, "The"), transcript.Segment(3.0, 4.0, "quick"),
+                     transcript.Segment(30.0, 31.0, "The")]
+    assert calls == [[sot], [prev, *canned[0][0], sot], [sot]]
+    # Without conditioning, every window starts from <|startoftranscript|> alone.
+    calls.clear()
+    list(asr.segments(np.zeros(70 * 16000, np.float32), sample_rate=16000, condition_on_previous_text=False))
+    assert calls == [[sot], [sot], [sot]]
+
+
+@needs_wheel
+def test_fallback_tries_temperatures_until_the_thresholds_pass(asr, monkeypatch):
+    """faster-whisper's fallback on canned decodings: the first temperature that passes wins; when none does, the
+    best mean log-probability among those under the compression threshold, reported at the last temperature."""
+    results = {0.0: (-1.5, 1.2), 0.2: (-0.8, 2.9), 0.4: (-1.2, 1.1), 0.6: (-0.5, 1.3)}  # avg_logprob, compression
+    tried = []
+
+    def fake(model, features, prompt, ids, options, temperature):
+        tried.append(temperature)
+        avg, ratio = results[temperature]
+        return transcript.Decoded([BEGIN], avg, temperature, ratio, 0.01)
+
+    monkeypatch.setattr(transcript, "_decode_once", fake)
+    options = transcript.TranscriptOptions(temperature=(0.0, 0.2, 0.4, 0.6))
+    best = transcript.decode_with_fallback(asr, None, [0], None, options)
+    assert tried == [0.0, 0.2, 0.4, 0.6] and best.temperature == 0.6 and best.avg_logprob == -0.5
+    tried.clear()
+    options = transcript.TranscriptOptions(temperature=(0.0, 0.2, 0.4))  # none passes
+    best = transcript.decode_with_fallback(asr, None, [0], None, options)
+    # 0.2 has the best mean log-probability but repeats itself (2.9 > 2.4): 0.4's result, at the last temperature.
+    assert tried == [0.0, 0.2, 0.4] and best.avg_logprob == -1.2 and best.temperature == 0.4
+    tried.clear()
+    best = transcript.decode_with_fallback(asr, None, [0], None, transcript.TranscriptOptions(log_prob_threshold=None))
+    assert tried == [0.0] and best.avg_logprob == -1.5
+
+
+@needs_wheel
+def test_sampled_decoding_keeps_the_timestamp_rules(asr, waveforms):
+    """A window decoded at temperature 1.0 (best of 2 draws, in-graph): whatever is drawn obeys Whisper's rules:
+    it starts with a timestamp of at most 1 s, timestamps never decrease, and no three come in a row."""
+    from tfformer.data import audio
+
+    features, _ = audio.log_mel_spectrogram(waveforms[3][None, :])  # (1, 3000, 80)
+    ids = transcript.timestamp_ids(asr)
+    for seed in (0,):
+        options = transcript.TranscriptOptions(temperature=1.0, seed=seed, best_of=2)
+        result = transcript._decode_once(asr, features.numpy(), [asr.prompt[0]], ids, options, 1.0)
+        tokens = result.tokens
+        stamps = [token for token in tokens if token >= ids.timestamp_begin]
+        assert tokens and ids.timestamp_begin <= tokens[0] <= ids.timestamp_begin + 50
+        assert stamps == sorted(stamps) and ids.no_timestamps not in tokens
+        assert not any(all(token >= ids.timestamp_begin for token in tokens[i:i + 3]) for i in range(len(tokens) - 2))
+        assert result.temperature == 1.0 and result.avg_logprob < 0
