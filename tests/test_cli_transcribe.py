@@ -146,6 +146,12 @@ def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys):
             assert cue.content == caption.text == segment["text"] == text
     assert cli.main(["transcribe", paths[0], "--format", "txt"]) == 0
     assert capsys.readouterr().out == "".join(f"{e[2]}\n" for e in reference["clip_00.wav"]["segments"])
+    # --word-timestamps: the JSON's words are faster-whisper's (recorded with word_timestamps=True), within 0.3 s.
+    assert cli.main(["transcribe", str(SPEECH / "clip_05.wav"), "--format", "json", "--word-timestamps"]) == 0
+    words = [w for s in json.loads(capsys.readouterr().out)["segments"] for w in s["words"]]
+    expected = [w for s in reference["clip_05.wav"]["word_segments"] for w in s["words"]]
+    assert [w["word"] for w in words] == [e[0] for e in expected]
+    assert all(abs(w["start"] - e[1]) <= 0.3 and abs(w["end"] - e[2]) <= 0.3 for w, e in zip(words, expected))
 
 
 def test_transcript_argument_errors_name_the_argument(tmp_path, capsys):

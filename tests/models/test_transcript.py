@@ -212,3 +212,32 @@ def test_sampled_decoding_keeps_the_timestamp_rules(asr, waveforms):
         assert stamps == sorted(stamps) and ids.no_timestamps not in tokens
         assert not any(all(token >= ids.timestamp_begin for token in tokens[i:i + 3]) for i in range(len(tokens) - 2))
         assert result.temperature == 1.0 and result.avg_logprob < 0
+
+
+def word_agreement(found, expected, tolerance=0.3):
+    """The share of faster-whisper's words `[word, start, end, probability]` with a found `Word` of the same text
+    whose start and end are both within `tolerance` seconds of theirs."""
+    words = [w for s in found for w in (s.words or ())]
+    hits = sum(any(w.word.strip() == e[0].strip() and abs(w.start - e[1]) <= tolerance
+                   and abs(w.end - e[2]) <= tolerance for w in words) for s in expected for e in s["words"])
+    return hits / sum(len(s["words"]) for s in expected)
+
+
+@needs_wheel
+def test_word_timestamps_match_faster_whispers(asr, manifest, waveforms, reference):
+    """`word_timestamps=True` on the long recording: words within 0.3 s of faster-whisper's on at least 90%, the
+    segments (moved to their words, windows ended at the last word) within 0.5 s on at least 90%; one clip's
+    words exactly as faster-whisper's texts."""
+    audio, _ = recording(reference, waveforms, manifest)
+    start = time.perf_counter()
+    found = list(asr.segments(audio, sample_rate=16000, word_timestamps=True))
+    seconds = time.perf_counter() - start
+    expected = reference["long"]["word_segments"]
+    words, share = word_agreement(found, expected), agreement(found, [[s["start"], s["end"]] for s in expected])
+    print(f"\n{sum(len(s.words) for s in found)} words in {len(found)} segments, {seconds:.1f} s; words within 0.3 s: "
+          f"{words:.1%}; segments within 0.5 s: {share:.1%}")
+    assert words >= 0.9 and share >= 0.9
+    assert all(s.start <= w.start <= w.end <= s.end + 1e-6 for s in found for w in s.words)
+    clip = asr.transcribe(str(SPEECH / "clip_05.wav"), timestamps=True, word_timestamps=True)
+    assert [w.word for s in clip for w in s.words] == [e[0] for s in reference["clips"]["clip_05.wav"][
+        "word_segments"] for e in s["words"]]

@@ -25,10 +25,12 @@ SECONDS_PER_FRAME = audio_io.HOP_LENGTH / audio_io.SAMPLE_RATE
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A stretch of a transcript: `start` and `end` in seconds from the start of the recording, and its `text`."""
+    """A stretch of a transcript: `start` and `end` in seconds from the start of the recording, its `text`, and with
+    word timestamps its `words` (a tuple of `Word`)."""
     start: float
     end: float
     text: str
+    words: tuple = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,8 @@ class TranscriptOptions:
         best_of: int. Samples drawn at a temperature above 0; the one with the best mean log-probability wins.
         max_new_tokens: int or None. Tokens per window (None: `max_sequence_length // 2`, CTranslate2's limit).
         seed: int. Seed of the draws at temperatures above 0.
-        word_timestamps: bool. Word times from cross-attention alignment (not implemented yet: a ValueError).
+        word_timestamps: bool. Word times from cross-attention alignment (`Segment.words`); a window then
+            ends at its last word rather than its last timestamp, as faster-whisper's.
     """
     condition_on_previous_text: bool = True
     temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -80,8 +83,6 @@ class TranscriptOptions:
         check_int("seed", self.seed, minimum=None)
         if not isinstance(self.word_timestamps, bool):
             raise ValueError(f"`word_timestamps` must be a bool. Received: word_timestamps={self.word_timestamps!r}")
-        if self.word_timestamps:
-            raise ValueError("`word_timestamps=True` is not implemented yet: segments carry their start and end only.")
 
     @classmethod
     def from_kwargs(cls, **options):
@@ -207,10 +208,13 @@ def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
 def segments(model, waveform, options):
     """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy) as each window is decoded."""
     ids, sot = timestamp_ids(model), model.prompt[0]
+    if options.word_timestamps and not model.alignment_heads:
+        raise ValueError("`word_timestamps=True` needs the model's `alignment_heads` (a checkpoint's cross-attention "
+                         "heads for word timing); this model has none.")
     start_of_prev = model.preprocessor.token_to_id["<|startofprev|>"]
     content_frames = len(waveform) // audio_io.HOP_LENGTH
     context = model.config.max_sequence_length // 2 - 1
-    seek, history, reset_at = 0, [], 0
+    seek, history, reset_at, last_speech = 0, [], 0, 0.0
     while seek < content_frames:
         window_frames = min(audio_io.NUM_FRAMES, content_frames - seek)
         samples = waveform[seek * audio_io.HOP_LENGTH:(seek + window_frames) * audio_io.HOP_LENGTH]
@@ -223,13 +227,16 @@ def segments(model, waveform, options):
                          and result.avg_logprob > options.log_prob_threshold)):
             seek += window_frames  # silence: on to the next window
             continue
-        pieces, seek = split_by_timestamps(result.tokens, ids.timestamp_begin, seek, window_frames)
-        for start, end, tokens in pieces:
+        window_seek, (pieces, seek) = seek, split_by_timestamps(result.tokens, ids.timestamp_begin, seek, window_frames)
+        if options.word_timestamps:
+            pieces, seek, last_speech = _words_and_seek(model, features.numpy(), pieces, window_frames, window_seek,
+                                                        seek, result.tokens, ids.timestamp_begin, last_speech)
+        for start, end, tokens, *words in pieces:
             text = decode_text(model, tokens).strip()
             if start == end or not text:
                 continue
             history.extend(tokens)
-            yield Segment(round(start, 3), round(end, 3), text)
+            yield Segment(round(start, 3), round(end, 3), text, words[0] if words else None)
         if not options.condition_on_previous_text or result.temperature > options.prompt_reset_on_temperature:
             reset_at = len(history)
 
@@ -249,7 +256,8 @@ def _clock(seconds, decimal):
 def format_transcript(segments, format):
     """The text of a transcript file of `segments` (`Segment`s) in `format`: "txt" (a line per segment), "srt"
     (SubRip: numbered cues, `00:00:01,000 --> 00:00:02,500`), "vtt" (WebVTT: a `WEBVTT` header, cues with `.`
-    milliseconds) or "json" (`{"segments": [{"start", "end", "text"}]}`, seconds)."""
+    milliseconds) or "json" (`{"segments": [{"start", "end", "text"}]}`, seconds; with word timestamps each
+    segment's `"words": [{"start", "end", "word"}]` too)."""
     if format not in FORMATS:
         raise ValueError(f"`format` must be one of {FORMATS}. Received: format={format!r}")
     segments = list(segments)
@@ -259,6 +267,9 @@ def format_transcript(segments, format):
         import json  # noqa: PLC0415 (only for this format)
 
         items = [{"start": s.start, "end": s.end, "text": s.text} for s in segments]
+        for item, s in zip(items, segments):
+            if s.words is not None:
+                item["words"] = [{"start": w.start, "end": w.end, "word": w.word} for w in s.words]
         return json.dumps({"segments": items}, indent=2, ensure_ascii=False) + "\n"
     # A cue's text must not hold an empty line (it would end the cue), nor "-->".
     texts = [" ".join(s.text.replace("-->", "->").split()) for s in segments]
@@ -267,3 +278,112 @@ def format_transcript(segments, format):
                        for i, (s, text) in enumerate(zip(segments, texts), start=1))
     return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{text}\n\n"
                                   for s, text in zip(segments, texts))
+
+
+# === Word timestamps (faster-whisper's add_word_timestamps) ===
+PREPEND_PUNCTUATIONS = "\"'“¿([{-"
+APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
+SENTENCE_ENDS = ".。!！?？"
+
+
+@dataclasses.dataclass(frozen=True)
+class Word:
+    """A word of a `Segment`: `start` and `end` in seconds from the start of the recording, and its text (with its
+    leading space and attached punctuation, as faster-whisper's)."""
+    start: float
+    end: float
+    word: str
+
+
+def merge_punctuations(alignment):
+    """Opening punctuation joins the word after it, closing punctuation the word before (in place)."""
+    i, j = len(alignment) - 2, len(alignment) - 1
+    while i >= 0:
+        previous, following = alignment[i], alignment[j]
+        if previous["word"].startswith(" ") and previous["word"].strip() in PREPEND_PUNCTUATIONS:
+            following["word"], following["tokens"] = previous["word"] + following["word"], previous["tokens"] + \
+                following["tokens"]
+            previous["word"], previous["tokens"] = "", []
+        else:
+            j = i
+        i -= 1
+    i, j = 0, 1
+    while j < len(alignment):
+        previous, following = alignment[i], alignment[j]
+        if not previous["word"].endswith(" ") and following["word"] in APPEND_PUNCTUATIONS:
+            previous["word"], previous["tokens"] = previous["word"] + following["word"], previous["tokens"] + \
+                following["tokens"]
+            following["word"], following["tokens"] = "", []
+        else:
+            i = j
+        j += 1
+
+
+def _aligned_words(model, features, pieces, window_frames):
+    """The window's words as dicts (word, start, end, tokens; seconds from the window's start), long words at
+    sentence ends cut to twice the median word duration, punctuation merged; and that median (at most 0.7 s)."""
+    from tfformer.models import alignment  # noqa: PLC0415 (only with word timestamps)
+
+    text_tokens = [token for _, _, tokens in pieces for token in tokens if token < model.end_id]
+    found = alignment.word_times(model, features, text_tokens, window_frames, model.alignment_heads,
+                                 lambda ids: decode_text(model, ids))
+    words = [dict(word=w, start=s, end=e, tokens=list(t)) for w, s, e, t in found]
+    durations = np.array([w["end"] - w["start"] for w in words])
+    durations = durations[durations.nonzero()]
+    median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
+    longest = median * 2
+    if len(durations):
+        for i in range(1, len(words)):
+            if words[i]["end"] - words[i]["start"] > longest:
+                if words[i]["word"] in SENTENCE_ENDS:
+                    words[i]["end"] = words[i]["start"] + longest
+                elif words[i - 1]["word"] in SENTENCE_ENDS:
+                    words[i]["start"] = words[i]["end"] - longest
+    merge_punctuations(words)
+    return words, median
+
+
+def add_word_timestamps(model, features, pieces, window_frames, seek, last_speech):
+    """faster-whisper's word timestamps of a window's `pieces` `(start, end, tokens)`: returns the pieces as
+    `(start, end, tokens, words)` (a piece's ends moved to its words' unless they stray by over 0.5 s) and the
+    end of the last speech."""
+    words, median = _aligned_words(model, features, pieces, window_frames)
+    longest, offset, index, result = median * 2, seek * SECONDS_PER_FRAME, 0, []
+    for start, end, tokens in pieces:
+        count, saved, chosen = len([t for t in tokens if t < model.end_id]), 0, []
+        while index < len(words) and saved < count:
+            timing = words[index]
+            if timing["word"]:
+                chosen.append(dict(word=timing["word"], start=round(offset + timing["start"], 2),
+                                   end=round(offset + timing["end"], 2)))
+            saved, index = saved + len(timing["tokens"]), index + 1
+        if chosen:
+            first = chosen[0]
+            if first["end"] - last_speech > median * 4 and (first["end"] - first["start"] > longest or (
+                    len(chosen) > 1 and chosen[1]["end"] - first["start"] > longest * 2)):
+                if len(chosen) > 1 and chosen[1]["end"] - chosen[1]["start"] > longest:
+                    first["end"] = chosen[1]["start"] = max(chosen[1]["end"] / 2, chosen[1]["end"] - longest)
+                first["start"] = max(0, first["end"] - longest)
+            if start < first["end"] and start - 0.5 > first["start"]:
+                first["start"] = max(0, min(first["end"] - median, start))
+            else:
+                start = first["start"]
+            if end > chosen[-1]["start"] and end + 0.5 < chosen[-1]["end"]:
+                chosen[-1]["end"] = max(chosen[-1]["start"] + median, end)
+            else:
+                end = chosen[-1]["end"]
+            last_speech = end
+        result.append((start, end, tokens, tuple(Word(w["start"], w["end"], w["word"]) for w in chosen)))
+    return result, last_speech
+
+
+def _words_and_seek(model, features, pieces, window_frames, seek, next_seek, tokens, timestamp_begin, last_speech):
+    """With word timestamps: the pieces with their words, the next window's start (the last word's end unless the
+    window ended with a lone timestamp) and the end of the last speech."""
+    pieces, _ = add_word_timestamps(model, features, pieces, window_frames, seek, last_speech)
+    single_ending = len(tokens) >= 2 and tokens[-2] < timestamp_begin <= tokens[-1]
+    last_end = next((w.end for piece in reversed(pieces) for w in reversed(piece[3])),
+                    pieces[-1][1] if pieces else None)
+    if not single_ending and last_end is not None and last_end > seek * SECONDS_PER_FRAME:
+        next_seek = round(last_end / SECONDS_PER_FRAME)
+    return pieces, next_seek, last_speech if last_end is None else last_end

@@ -122,6 +122,8 @@ class WhisperModel(Seq2SeqTransformer):
             `<|startoftranscript|>` `<|notimestamps|>`).
         suppress_ids: list of int. Ids never produced (a checkpoint's `suppress_ids`).
         suppress_ids_begin: list of int. Ids not produced first (blank, end of text).
+        alignment_heads: list of (layer, head). The cross-attention heads word timestamps align with (a
+            checkpoint's `alignment_heads`).
         end_id: int. The end-of-text id; ids at or above it are Whisper's special tokens, not text.
         **kwargs: `keras.Model` arguments (`name`).
 
@@ -135,7 +137,7 @@ class WhisperModel(Seq2SeqTransformer):
     """
 
     def __init__(self, config, prompt=speech.WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
-                 end_id=speech.WHISPER_END_ID, **kwargs):
+                 end_id=speech.WHISPER_END_ID, alignment_heads=(), **kwargs):
         super().__init__(config, **kwargs)
         # Checked against the vocabulary when a decoding function is built (`generation.speech_decode_fn`).
         self.prompt = _int_list("prompt", prompt)
@@ -143,11 +145,17 @@ class WhisperModel(Seq2SeqTransformer):
         self.suppress_ids_begin = _int_list("suppress_ids_begin", suppress_ids_begin)
         check_int("end_id", end_id, minimum=None, numpy=True, expected="an int")
         self.end_id = int(end_id)
+        pairs = [tuple(pair) for pair in alignment_heads] if isinstance(alignment_heads, (list, tuple)) else None
+        if pairs is None or not all(len(p) == 2 and all(is_int(i, numpy=True) for i in p) for p in pairs):
+            raise ValueError("`alignment_heads` must be a list of (layer, head) int pairs. Received: "
+                             f"alignment_heads={alignment_heads!r}")
+        self.alignment_heads = tuple((int(layer), int(head)) for layer, head in pairs)
 
     def get_config(self):
         config = super().get_config()
         config.update(prompt=list(self.prompt), suppress_ids=list(self.suppress_ids),
-                      suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id)
+                      suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id,
+                      alignment_heads=[list(pair) for pair in self.alignment_heads])
         return config
 
     def _build(self, config, dtype):
