@@ -8,6 +8,7 @@ higher temperatures when its text repeats itself (zlib compression ratio above `
 its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time.
 """
 
+import collections
 import dataclasses
 import zlib
 
@@ -213,13 +214,13 @@ def segments(model, waveform, options):
                          "heads for word timing); this model has none.")
     start_of_prev = model.preprocessor.token_to_id["<|startofprev|>"]
     content_frames = len(waveform) // audio_io.HOP_LENGTH
-    context = model.config.max_sequence_length // 2 - 1
-    seek, history, reset_at, last_speech = 0, [], 0, 0.0
+    # The prompt's previous tokens: at most the last `max_sequence_length // 2 - 1`, all that is kept of them.
+    previous = collections.deque(maxlen=model.config.max_sequence_length // 2 - 1)
+    seek, last_speech = 0, 0.0
     while seek < content_frames:
         window_frames = min(audio_io.NUM_FRAMES, content_frames - seek)
         samples = waveform[seek * audio_io.HOP_LENGTH:(seek + window_frames) * audio_io.HOP_LENGTH]
         features, _ = audio_io.log_mel_spectrogram(samples[None, :])  # (1, 3000, num_mel_bins)
-        previous = history[reset_at:][-context:]
         prompt = ([start_of_prev, *previous] if previous else []) + [sot]
         result = decode_with_fallback(model, features.numpy(), prompt, ids, options)
         if (options.no_speech_threshold is not None and result.no_speech_prob > options.no_speech_threshold
@@ -235,10 +236,10 @@ def segments(model, waveform, options):
             text = decode_text(model, tokens).strip()
             if start == end or not text:
                 continue
-            history.extend(tokens)
+            previous.extend(tokens)
             yield Segment(round(start, 3), round(end, 3), text, words[0] if words else None)
         if not options.condition_on_previous_text or result.temperature > options.prompt_reset_on_temperature:
-            reset_at = len(history)
+            previous.clear()
 
 
 # === Transcript files ===
