@@ -46,6 +46,8 @@ setup(
             "jupytext",
             "matplotlib",
             "sacrebleu",
+            "srt",  # the subtitle tests parse `tfformer transcribe --format srt/vtt` files with these
+            "webvtt-py",
             "ruff==0.17.5",
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],

@@ -115,3 +115,64 @@ def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):
         assert cli.main(["export", "whisper-tiny-en", "--format", "tflite", "--out", "unused", option, "1"]) == 2
         err = capsys.readouterr().err
         assert f"{option} fixes model.tflite's token ids; a Whisper TFLite file takes one 30-second window" in err
+
+
+@needs_wheel
+def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys):
+    """--format srt/vtt/json/txt: files `srt` and `webvtt-py` parse, whose cues are faster-whisper's segments
+    (tests/fixtures/speech/segments.json: times within 0.5 s, the same texts) for two fixture clips."""
+    import srt
+    import webvtt
+
+    reference = json.loads((SPEECH / "segments.json").read_text())["clips"]
+    names = ["clip_00", "clip_07"]
+    paths = [str(SPEECH / f"{name}.wav") for name in names]
+    out = tmp_path / "subtitles"  # made by the command
+    for format in ("srt", "vtt", "json"):
+        assert cli.main(["transcribe", *paths, "--format", format, "--out", str(out)]) == 0
+        assert capsys.readouterr().out.split() == [str(out / f"{name}.{format}") for name in names]
+    for name in names:
+        expected = reference[f"{name}.wav"]["segments"]
+        cues = list(srt.parse((out / f"{name}.srt").read_text()))
+        captions = webvtt.read(str(out / f"{name}.vtt")).captions
+        segments = json.loads((out / f"{name}.json").read_text())["segments"]
+        assert len(cues) == len(captions) == len(segments) == len(expected)
+        for cue, caption, segment, (start, end, text) in zip(cues, captions, segments, expected):
+            assert abs(cue.start.total_seconds() - start) <= 0.5 and abs(cue.end.total_seconds() - end) <= 0.5
+            assert cue.start.total_seconds() == pytest.approx(segment["start"], abs=1e-3)
+            assert cue.end.total_seconds() == pytest.approx(segment["end"], abs=1e-3)
+            assert caption.start_in_seconds + caption.start_time.milliseconds / 1000 == pytest.approx(
+                segment["start"], abs=1e-3)
+            assert cue.content == caption.text == segment["text"] == text
+    assert cli.main(["transcribe", paths[0], "--format", "txt"]) == 0
+    assert capsys.readouterr().out == "".join(f"{e[2]}\n" for e in reference["clip_00.wav"]["segments"])
+    # --word-timestamps: the JSON's words are faster-whisper's (recorded with word_timestamps=True), within 0.3 s.
+    assert cli.main(["transcribe", str(SPEECH / "clip_05.wav"), "--format", "json", "--word-timestamps"]) == 0
+    words = [w for s in json.loads(capsys.readouterr().out)["segments"] for w in s["words"]]
+    expected = [w for s in reference["clip_05.wav"]["word_segments"] for w in s["words"]]
+    assert [w["word"] for w in words] == [e[0] for e in expected]
+    assert all(abs(w["start"] - e[1]) <= 0.3 and abs(w["end"] - e[2]) <= 0.3 for w, e in zip(words, expected))
+
+
+def test_transcript_argument_errors_name_the_argument(tmp_path, capsys):
+    good = str(SPEECH / "clip_00.wav")
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["transcribe", good, "--format", "doc"])
+    assert exit.value.code == 2 and "argument --format: invalid choice: 'doc'" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    truncated = tmp_path / "truncated.wav"
+    truncated.write_bytes((SPEECH / "clip_00.wav").read_bytes()[:30])  # cut inside the header
+    for argv, message in (
+        ([good, "--word-timestamps"], r"`--word-timestamps` needs a timestamped format"),
+        ([good, "--format", "txt", "--word-timestamps"], r"`--word-timestamps` needs a timestamped format"),
+        ([good, "--format", "srt", "--out", str(blocker / "sub")], r"`--out` '.*a-file/sub' cannot be made"),
+        ([good, "--format", "srt", "--out", str(blocker)], r"`--out` '.*a-file' is not a writable directory"),
+        ([good, "--format", "srt", "--beam-size", "5"], r"`--beam-size` must be 1 with --format"),
+        ([str(truncated), "--format", "srt"], r"truncated.wav is not a readable WAV file"),
+        ([str(truncated)], r"truncated.wav is not a readable WAV file"),
+    ):
+        assert cli.main(["transcribe", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1, err
+        assert re.search(message, err), err

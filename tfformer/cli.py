@@ -318,20 +318,63 @@ def _serving_predict(args):
     return 0
 
 
+def _output_directory(out):
+    """`--out` made if needed and checked writable, before the model loads."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"`--out` {out!r} is not a writable directory (it is a file).")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"`--out` {out!r} cannot be made: {error.strerror or error}") from None
+    if not os.path.isdir(out) or not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"`--out` {out!r} is not a writable directory.")
+    return out
+
+
+def _transcribe_files(asr, args):
+    """`--format`: each file's timestamped segments as a transcript file in `--out` (DIR/<name>.<format>), or on
+    standard output."""
+    from tfformer.files import write_atomic
+    from tfformer.models import transcript
+
+    options = {"word_timestamps": True} if args.word_timestamps else {}
+    for path in args.files:
+        segments = asr.segments(path, max_new_tokens=args.max_new_tokens, **options)
+        text = transcript.format_transcript(segments, args.format)
+        if args.out is None:
+            print(text, end="")
+            continue
+        name = os.path.splitext(os.path.basename(path))[0] + "." + args.format
+        print(write_atomic(os.path.join(args.out, name), text))
+    return 0
+
+
 def _transcribe(args):
     from tfformer import models
     from tfformer.data import audio
 
-    # Every file is read and checked before the model loads, so a bad one fails fast.
+    if args.out is not None and args.format is None:
+        args.format = "txt"
+    if args.word_timestamps and args.format in (None, "txt"):
+        raise ValueError("`--word-timestamps` needs a timestamped format: pass --format srt, vtt or json. Received: "
+                         f"--format {args.format}")
+    if args.beam_size != 1 and args.format is not None:
+        raise ValueError(f"`--beam-size` must be 1 with --format (timestamped decoding is greedy). Received: "
+                         f"--beam-size {args.beam_size}")
+    # Every file is read (or, with --format, opened) and checked before the model loads, so a bad one fails fast.
     waveforms = []
     for path in args.files:
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no such file.")
-        waveforms.append(audio.read_wav(path))
+        waveforms.append(audio.read_wav(path) if args.format is None else audio.open_wav(path))
+    if args.out is not None:
+        _output_directory(args.out)
     asr = models.from_preset(args.preset)
     if not isinstance(asr, models.WhisperModel):
         raise ValueError(f"`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'. Received: "
                          f"{args.preset!r}")
+    if args.format is not None:
+        return _transcribe_files(asr, args)
     texts = asr.transcribe(waveforms, sample_rate=audio.SAMPLE_RATE, max_new_tokens=args.max_new_tokens,
                            batch_size=args.batch_size, beam_size=args.beam_size)
     for path, text in zip(args.files, texts):
@@ -505,6 +548,12 @@ COMMANDS = {
         _argument("--batch-size", type=int, default=8, help="30-second windows per model call"),
         _argument("--beam-size", type=int, default=1, help="beam search over N hypotheses, as "
                   "faster-whisper's (its default is 5); 1 is greedy (default: %(default)s)"),
+        _argument("--format", choices=["txt", "srt", "vtt", "json"], help="write a timestamped transcript per file "
+                  "(faster-whisper's long-form decoding: windows moved by the timestamps, conditioned on the "
+                  "previous text) instead of PATH<TAB>TEXT lines"),
+        _argument("--word-timestamps", action="store_true", help="word times from cross-attention (srt, vtt, "
+                  "json)"),
+        _argument("--out", metavar="DIR", help="write DIR/<name>.<format> per file (default: standard output)"),
     ]),
 }
 

@@ -294,3 +294,24 @@ def test_split_windows_errors():
         audio.split_windows(np.zeros(10), search_samples=0)
     with pytest.raises(ValueError, match="search_samples <= window_samples"):
         audio.split_windows(np.zeros(10), window_samples=100, search_samples=200)
+
+
+def test_open_wav_reads_windows_as_read_wav_and_checks_the_file(tmp_path):
+    path = str(SPEECH / "clip_00.wav")
+    windows, whole = audio.open_wav(path), audio.read_wav(path)
+    assert isinstance(windows, audio.WavWindows) and len(windows) == len(whole)
+    for start, stop in ((0, 16000), (12345, 30000), (40000, len(whole) + 500)):
+        np.testing.assert_array_equal(windows[start:stop], whole[start:stop])
+    stereo = tmp_path / "stereo.wav"
+    soundfile.write(stereo, np.stack([np.full(800, 0.25), np.full(800, -0.75)], axis=1), 16000, subtype="FLOAT")
+    with pytest.warns(UserWarning, match="2 channels"):
+        np.testing.assert_allclose(audio.open_wav(str(stereo))[100:200], np.full(100, -0.25), atol=1e-7)
+    tone = tmp_path / "tone_8k.wav"
+    soundfile.write(tone, np.zeros(8000), 8000)
+    assert isinstance(audio.open_wav(str(tone)), np.ndarray) and len(audio.open_wav(str(tone))) == 16000
+    truncated = tmp_path / "truncated.wav"
+    truncated.write_bytes((SPEECH / "clip_00.wav").read_bytes()[:30])  # cut inside the header
+    with pytest.raises(ValueError, match="truncated.wav is not a readable WAV file"):
+        audio.open_wav(str(truncated))
+    with pytest.raises(FileNotFoundError, match="missing.wav"):
+        audio.open_wav(str(tmp_path / "missing.wav"))

@@ -155,7 +155,8 @@ def from_ctranslate2_whisper(path, name="whisper", dtype=None):
         prompt = [tokenizer.token_to_id[START_TOKEN], tokenizer.token_to_id[NO_TIMESTAMPS_TOKEN]]
         end_id = tokenizer.token_to_id[END_TOKEN]
     model = WhisperModel(whisper_config(ct2_config), prompt=prompt, suppress_ids=ct2_config["suppress_ids"],
-                         suppress_ids_begin=ct2_config["suppress_ids_begin"], end_id=end_id, name=name,
+                         suppress_ids_begin=ct2_config["suppress_ids_begin"], end_id=end_id,
+                         alignment_heads=ct2_config.get("alignment_heads", []), name=name,
                          dtype=dtype)
     load_weights(model, arrays, path)
     model.preprocessor = tokenizer

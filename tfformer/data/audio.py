@@ -257,3 +257,52 @@ def split_windows(waveform, window_samples=WINDOW_SAMPLES, search_samples=5 * SA
         start = cut
     bounds.append((start, total))
     return bounds
+
+
+class WavWindows:
+    """A 16 kHz mono WAV file read a window at a time, so that memory stays flat with the recording's length.
+
+    `len(windows)` is its number of samples; `windows[start:stop]` reads those samples as float32 (channels
+    averaged, with the warning `read_wav` gives; NaN or infinite samples are a ValueError naming the file). Files at
+    other sample rates cannot be sliced before resampling: use `read_wav` for them (`open_wav` chooses).
+    """
+
+    def __init__(self, path, info):
+        self.path, self.info = path, info
+        if info.channels > 1:
+            warnings.warn(f"{path} has {info.channels} channels; mixing down to mono by averaging them.", stacklevel=3)
+
+    def __len__(self):
+        return self.info.frames
+
+    def __getitem__(self, window):
+        import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+
+        if not isinstance(window, slice) or window.step not in (None, 1):
+            raise ValueError(f"WavWindows take a slice [start:stop]. Received: {window!r}")
+        start, stop, _ = window.indices(len(self))
+        with soundfile.SoundFile(self.path) as f:
+            f.seek(start)
+            samples = f.read(max(stop - start, 0), dtype="float32", always_2d=True)  # (samples, channels)
+        if not np.isfinite(samples).all():
+            raise ValueError(f"{self.path} has NaN or infinite samples; samples must be finite floats in [-1, 1].")
+        return samples.mean(axis=1, dtype=np.float32)
+
+
+def open_wav(path):
+    """A WAV file as something `len()` and `[start:stop]` read at 16 kHz mono: `WavWindows` for a 16 kHz file (read
+    window by window), else `read_wav`'s resampled waveform. A file that is not a readable WAV is a ValueError naming
+    it, before any audio is read."""
+    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
+    try:
+        info = soundfile.info(path)
+    except (RuntimeError, TypeError) as error:  # soundfile.LibsndfileError is a RuntimeError
+        raise ValueError(f"{path} is not a readable WAV file: {error}") from None
+    if info.format not in WAV_FORMATS:
+        raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
+    if info.frames == 0:
+        raise ValueError(f"{path} is empty: there is no audio to transcribe.")
+    return WavWindows(path, info) if info.samplerate == SAMPLE_RATE else read_wav(path)

@@ -26,15 +26,20 @@ class Sampler:
         seed = tf.stack([tf.constant(self.seed, tf.int32), tf.cast(step, tf.int32)])
         return tf.cast(tf.random.stateless_categorical(logits, 1, seed=seed)[:, 0], tf.int32)
 
-    def run(self, next, tokens, cache, index, end_id, max_new_tokens, column=None, ids=None, logits=None,
-            prompt_lengths=None, fill=PAD_ID, plan=None, prefix=0):
-        """Fill `tokens` `(B, T)` int32 from column `column` (default `index`) on, and return it.
+    def run(self, next, tokens, cache, index, end_id, max_new_tokens, **options):
+        """`run_with_cache`'s `tokens` `(B, T)` alone."""
+        return self.run_with_cache(next, tokens, cache, index, end_id, max_new_tokens, **options)[0]
+
+    def run_with_cache(self, next, tokens, cache, index, end_id, max_new_tokens, column=None, ids=None, logits=None,
+                       prompt_lengths=None, fill=PAD_ID, plan=None, prefix=0):
+        """Fill `tokens` `(B, T)` int32 from column `column` (default `index`) on; returns it and the last `cache`.
 
         Step `i` feeds ids `(B, 1)` at cache index `index + i` to `next(ids, cache, index, plan=plan) -> (logits
         (B, V), hidden, cache)`; the token chosen from the logits goes to the next column. The first step feeds `ids`,
         or the token chosen from a prefill's `logits` (written to `column`). A row ends at `end_id` (-1: never; `fill`
         after it) or `max_new_tokens` columns past its `prompt_lengths` `(B,)`, whose columns keep the prompt. A `plan`
         runs `plan.segmented_loop` over caches that grow from `prefix + plan.first_segment(max_new_tokens)` slots.
+        `cache` may carry a task's own per-row state beside its key/value caches (`next` reads and returns it).
         """
         column, written, stop = self._columns(index, column, ids, logits, prompt_lengths, max_new_tokens)
 
@@ -66,7 +71,8 @@ class Sampler:
             return i + 1, chosen, tokens, cache, now_done, done
 
         state = (index, ids, tokens, cache, done, done)
-        return self._loop(cond, body, state, plan, prefix, max_new_tokens)[2]
+        _, _, tokens, cache, _, _ = self._loop(cond, body, state, plan, prefix, max_new_tokens)
+        return tokens, cache
 
     @staticmethod
     def _loop(cond, body, state, plan, prefix, max_new_tokens):

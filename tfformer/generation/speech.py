@@ -1,10 +1,12 @@
 """Decoding for speech encoder-decoders (Whisper) as faster-whisper/CTranslate2 decode them: from a prompt of special
 tokens, with `suppress_ids` masked at every step and `suppress_ids_begin` (blank, end of text) at the first."""
 
+import collections
+
 import numpy as np
 import tensorflow as tf
 
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_number
 from tfformer.generation import samplers
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.decode import cached_function, decode_next
@@ -91,3 +93,133 @@ def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PR
         raise ValueError(f"`input_features` must be (batch, frames, num_mel_bins={model.config.num_mel_bins}). "
                          f"Received: shape={tuple(features.shape)}")
     return cached_function(model, key, make)(features).numpy()
+
+
+# === Timestamps (Whisper's rules, as CTranslate2's ApplyTimestampRules applies them for faster-whisper) ===
+TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ... <|30.00|>
+# The ids timestamp decoding needs: `no_timestamps` (never produced), `timestamp_begin` (<|0.00|>; the timestamps run
+# to the last id of the vocabulary), `no_speech` (whose probability at the start of the transcript tells silence).
+TimestampIds = collections.namedtuple("TimestampIds", "no_timestamps timestamp_begin no_speech")
+_NONE = -1  # no token yet, in the timestamp rules' state
+
+
+def first_step_bias(vocabulary_size, ids, max_initial_timestamp=1.0):
+    """`(V,)` float32 added to the first step's logits: only timestamps up to `max_initial_timestamp` seconds."""
+    check_number("max_initial_timestamp", max_initial_timestamp, at_least=0)
+    last = ids.timestamp_begin + int(round(max_initial_timestamp / TIME_PRECISION))
+    bias = np.full([vocabulary_size], -np.inf, np.float32)  # (V,)
+    bias[ids.timestamp_begin:last + 1] = 0.0
+    return bias
+
+
+def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
+    """Whisper's timestamp rules after the first generated token, on `logits` `(B, V)` (suppressions applied).
+
+    `last`, `penultimate` `(B,)`: the last two generated tokens (`penultimate` is `last` after one token);
+    `last_timestamp` `(B,)`: the latest timestamp generated. `<|notimestamps|>` never comes; timestamps come in pairs
+    (after a pair, text or the end; after a lone timestamp, a timestamp or the end) and never decrease; and when the
+    timestamps' total probability beats every other token's, a timestamp must come. Returns the logits with what
+    these rules forbid at -inf.
+    """
+    vocab = tf.range(tf.shape(logits)[-1])[None, :]  # (1, V)
+    is_timestamp = vocab >= ids.timestamp_begin
+    last_ts = (last >= ids.timestamp_begin)[:, None]  # (B, 1)
+    pair = last_ts & (penultimate >= ids.timestamp_begin)[:, None]
+    forbid = tf.equal(vocab, ids.no_timestamps) | (pair & is_timestamp) | (last_ts & ~pair & (vocab < end_id))
+    forbid |= is_timestamp & (vocab < last_timestamp[:, None])
+    logits = tf.where(forbid, -np.inf, logits)
+    log_probs = tf.nn.log_softmax(logits)  # (B, V)
+    timestamp = tf.reduce_logsumexp(tf.where(is_timestamp, log_probs, -np.inf), axis=-1, keepdims=True)  # (B, 1)
+    text = tf.reduce_max(tf.where(is_timestamp, -np.inf, log_probs), axis=-1, keepdims=True)  # (B, 1)
+    return tf.where(~pair & (timestamp > text) & ~is_timestamp, -np.inf, logits)
+
+
+def _timestamp_next(model, cross, bias, end_id, ids):
+    """`Sampler.run`'s `next` with the timestamp rules. The cache holds the layers' caches, then the rules' state:
+    the last token, the one before, the latest timestamp, the previous step's log-probabilities `(B, V)`, the sum of
+    the chosen tokens' log-probabilities and whether a row has ended `(B,)`. Returns log-probabilities as logits
+    (the same choice and draws as the logits)."""
+    layers = len(model.decoder_blocks)
+
+    def next(token_ids, cache, index, plan=None):
+        last, penultimate, last_timestamp, previous, score, ended = cache[layers:]
+        token = token_ids[:, 0]  # (B,): the token just chosen
+        score += tf.where(ended, 0.0, tf.gather(previous, token, batch_dims=1))
+        ended |= tf.equal(token, end_id)
+        penultimate = tf.where(tf.equal(last, _NONE), token, last)
+        last_timestamp = tf.where(token >= ids.timestamp_begin, token, last_timestamp)
+        logits, layer_caches = model.decode_step(token_ids, cache[:layers], index, cross, None, plan=plan)
+        logits = timestamp_rules(logits[:, -1, :] + bias, token, penultimate, last_timestamp, end_id, ids)
+        log_probs = tf.nn.log_softmax(logits)  # (B, V)
+        return log_probs, None, (*layer_caches, token, penultimate, last_timestamp, log_probs, score, ended)
+
+    return next
+
+
+def timestamp_decode_fn(model, max_new_tokens, ids, suppress_ids=(), suppress_ids_begin=(), end_id=WHISPER_END_ID,
+                        sampler=None, max_initial_timestamp=1.0):
+    """The (untraced) timestamped decoding `(input_features (B, F, M), prompt_ids (B, P)) -> (ids (B, N), sum_logprobs
+    (B,), no_speech_prob (B,))`, N = `max_new_tokens`, as CTranslate2 decodes for faster-whisper.
+
+    The prompt (`<|startofprev|>` previous text ... `<|startoftranscript|>`, without `<|notimestamps|>`) goes through
+    the decoder in one step; `suppress_ids` are masked at every step, `suppress_ids_begin` and every token but the
+    timestamps up to `max_initial_timestamp` at the first, then `timestamp_rules`. `sum_logprobs` sums the chosen
+    tokens' log-probabilities (of the masked logits), the end's included (not the last token's when a row fills all
+    N). `no_speech_prob`: the probability of `ids.no_speech` at `<|startoftranscript|>`, the prompt's last token. A
+    row stops at `end_id`, which fills the slots after it. `sampler`: greedy (None) or a temperature `Sampler`.
+    """
+    vocabulary_size = model.config.vocabulary_size
+    check_int("max_new_tokens", max_new_tokens)
+    sampler = samplers.get(sampler)
+    if sampler.beams > 1:
+        raise ValueError(f"Timestamped decoding takes beam_size=1 (greedy or sampled). Received: {sampler!r}")
+    every_step = np.zeros([vocabulary_size], np.float32)  # (V,), added to the logits
+    every_step[_check_ids("suppress_ids", suppress_ids, vocabulary_size)] = -np.inf
+    first_step = every_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
+    first_step[_check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size)] = -np.inf
+
+    def run(input_features, prompt_ids):
+        batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
+        encoder_outputs, _ = model.encode(input_features)  # (B, S, D)
+        cross = tuple(tf.unstack(model.cross_attention_caches(encoder_outputs)))  # L x (B, 2, K, S, H)
+        cache = tuple(tf.unstack(model.empty_cache(batch, prompt_length + max_new_tokens, cross[0].dtype)))
+        logits, cache = model.decode_step(prompt_ids, cache, 0, cross, None)  # (B, P, V)
+        logits = tf.cast(logits[:, -1, :], tf.float32)  # (B, V) at <|startoftranscript|>
+        no_speech = tf.nn.softmax(logits)[:, ids.no_speech]  # (B,)
+        log_probs = tf.nn.log_softmax(logits + first_step)  # (B, V)
+        none = tf.fill([batch], _NONE)
+        state = (none, none, none, log_probs, tf.zeros([batch]), tf.zeros([batch], tf.bool))
+        tokens, final = sampler.run_with_cache(
+            _timestamp_next(model, cross, every_step, end_id, ids), tf.fill([batch, max_new_tokens], end_id),
+            (*cache, *state), prompt_length, end_id, max_new_tokens, column=0, logits=log_probs, fill=end_id)
+        return tokens, final[-2], no_speech
+
+    return run
+
+
+def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tokens, suppress_ids=(),
+                             suppress_ids_begin=(), end_id=WHISPER_END_ID, sampler=None, max_initial_timestamp=1.0,
+                             jit_compile=False):
+    """`timestamp_decode_fn`'s `(ids (B, N), sum_logprobs (B,), no_speech_prob (B,))` as numpy for log-mel features
+    `(B, F, M)` and prompts `(B, P)`, compiled once per set of options."""
+    sampler = samplers.get(sampler)
+    key = ("speech_timestamps", max_new_tokens, tuple(ids), tuple(suppress_ids), tuple(suppress_ids_begin), end_id,
+           sampler.key(), float(max_initial_timestamp), bool(jit_compile))
+
+    def make():
+        run = timestamp_decode_fn(model, max_new_tokens, ids, suppress_ids, suppress_ids_begin, end_id, sampler,
+                                  max_initial_timestamp)
+        spec = [tf.TensorSpec([None, None, model.config.num_mel_bins], tf.float32), tf.TensorSpec([None, None],
+                                                                                                  tf.int32)]
+        return tf.function(run, input_signature=spec, jit_compile=bool(jit_compile))
+
+    prompt, limit = np.asarray(prompt_ids), model.config.max_sequence_length
+    # The last new token is never fed back: a prompt of P ids and N new tokens use positions up to P + N - 2.
+    if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[1] + max_new_tokens > limit + 1:
+        raise ValueError(f"`prompt_ids` must be int ids (batch, length) with length + max_new_tokens <= "
+                         f"max_sequence_length + 1 = {limit + 1}. Received: shape {prompt.shape}, dtype "
+                         f"{prompt.dtype}, max_new_tokens={max_new_tokens}")
+    _check_ids("prompt_ids", prompt.ravel(), model.config.vocabulary_size)
+    outputs = cached_function(model, key, make)(tf.convert_to_tensor(input_features, tf.float32),
+                                                tf.convert_to_tensor(prompt, tf.int32))
+    return tuple(output.numpy() for output in outputs)

@@ -7,15 +7,18 @@ from tfformer.models.presets import build_model, from_preset, get_preset, list_p
 from tfformer.models.regressor import SequenceRegressor, build_regressor
 from tfformer.models.sentence_encoder import SentenceEncoder, cosine_similarity
 from tfformer.models.seq2seq import Seq2SeqTransformer, build_seq2seq
+from tfformer.models.transcript import Segment, TranscriptOptions
 from tfformer.models.whisper import WhisperModel, build_whisper
 
 __all__ = [
     "CausalLM",
+    "Segment",
     "SentenceEncoder",
     "SequenceRegressor",
     "Seq2SeqTransformer",
     "TransformerConfig",
     "TransformerEncoder",
+    "TranscriptOptions",
     "WhisperModel",
     "build_causal_lm",
     "build_encoder",

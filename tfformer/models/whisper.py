@@ -12,7 +12,7 @@ from tfformer import layers
 from tfformer.checks import check_int, is_int
 from tfformer.data import audio as audio_io
 from tfformer.generation import speech
-from tfformer.models import base
+from tfformer.models import base, transcript
 from tfformer.models.seq2seq import Seq2SeqTransformer
 from tfformer.tokens import cut_at_end
 
@@ -122,6 +122,8 @@ class WhisperModel(Seq2SeqTransformer):
             `<|startoftranscript|>` `<|notimestamps|>`).
         suppress_ids: list of int. Ids never produced (a checkpoint's `suppress_ids`).
         suppress_ids_begin: list of int. Ids not produced first (blank, end of text).
+        alignment_heads: list of (layer, head). The cross-attention heads word timestamps align with (a
+            checkpoint's `alignment_heads`).
         end_id: int. The end-of-text id; ids at or above it are Whisper's special tokens, not text.
         **kwargs: `keras.Model` arguments (`name`).
 
@@ -135,7 +137,7 @@ class WhisperModel(Seq2SeqTransformer):
     """
 
     def __init__(self, config, prompt=speech.WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
-                 end_id=speech.WHISPER_END_ID, **kwargs):
+                 end_id=speech.WHISPER_END_ID, alignment_heads=(), **kwargs):
         super().__init__(config, **kwargs)
         # Checked against the vocabulary when a decoding function is built (`generation.speech_decode_fn`).
         self.prompt = _int_list("prompt", prompt)
@@ -143,11 +145,17 @@ class WhisperModel(Seq2SeqTransformer):
         self.suppress_ids_begin = _int_list("suppress_ids_begin", suppress_ids_begin)
         check_int("end_id", end_id, minimum=None, numpy=True, expected="an int")
         self.end_id = int(end_id)
+        pairs = [tuple(pair) for pair in alignment_heads] if isinstance(alignment_heads, (list, tuple)) else None
+        if pairs is None or not all(len(p) == 2 and all(is_int(i, numpy=True) for i in p) for p in pairs):
+            raise ValueError("`alignment_heads` must be a list of (layer, head) int pairs. Received: "
+                             f"alignment_heads={alignment_heads!r}")
+        self.alignment_heads = tuple((int(layer), int(head)) for layer, head in pairs)
 
     def get_config(self):
         config = super().get_config()
         config.update(prompt=list(self.prompt), suppress_ids=list(self.suppress_ids),
-                      suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id)
+                      suppress_ids_begin=list(self.suppress_ids_begin), end_id=self.end_id,
+                      alignment_heads=[list(pair) for pair in self.alignment_heads])
         return config
 
     def _build(self, config, dtype):
@@ -210,8 +218,12 @@ class WhisperModel(Seq2SeqTransformer):
 
     # === Speech in, text out ===
     def transcribe(self, audio, sample_rate=None, max_new_tokens=None, batch_size=8, beam_size=1,
-                   length_penalty=1.0, patience=1.0, jit_compile=False):
-        """Transcribe WAV files or waveforms, greedily or with beam search.
+                   length_penalty=1.0, patience=1.0, jit_compile=False, timestamps=False, **options):
+        """Transcribe WAV files or waveforms, greedily or with beam search; with `timestamps`, into `Segment`s.
+
+        `timestamps=True` returns, per input, the list of `segments(...)`: faster-whisper's long-form
+        transcription (windows moved by the last timestamp, conditioned on the previous text, with its fallback;
+        greedy, `beam_size=1`), `options` as `segments`'. Without it, the plain transcription below.
 
         Audio longer than 30 seconds is cut into windows of at most 30 seconds by
         `tfformer.data.audio.split_windows`, each cut in the quietest stretch of the window's last 5 seconds
@@ -241,9 +253,12 @@ class WhisperModel(Seq2SeqTransformer):
             length_penalty: float. Exponent of the length in the beam score's normalization.
             patience: float > 0. Beam search stops after `round(beam_size * patience)` hypotheses ended.
             jit_compile: bool. Decode with XLA.
+            timestamps: bool. Return segments with start and end times instead of strings.
+            **options: with `timestamps`, `tfformer.models.transcript.TranscriptOptions` by name.
 
         Returns:
-            str for a single path or array, list of str for a list.
+            str for a single path or array, list of str for a list; with `timestamps`, a list of `Segment` for a
+            single input, a list of such lists for a list.
 
         Raises:
             FileNotFoundError: a path that is not a file.
@@ -256,6 +271,8 @@ class WhisperModel(Seq2SeqTransformer):
                              "`tfformer.models.from_preset`.")
         check_int("batch_size", batch_size)
         sampler = speech.whisper_sampler(beam_size, length_penalty, patience)
+        if timestamps is not False or options:
+            return self._transcribe_segments(audio, sample_rate, max_new_tokens, beam_size, timestamps, options)
         waveforms, single = _as_waveforms(audio, sample_rate)
         windows = [(index, waveform[start:end]) for index, waveform in enumerate(waveforms)
                    for start, end in audio_io.split_windows(waveform)]
@@ -274,6 +291,41 @@ class WhisperModel(Seq2SeqTransformer):
                 texts[index].append(text)
         results = [" ".join(text for text in parts if text) for parts in texts]
         return results[0] if single else results
+
+    def _transcribe_segments(self, audio, sample_rate, max_new_tokens, beam_size, timestamps, options):
+        """`transcribe(..., timestamps=True, **options)`: each input's `segments` as a list."""
+        if options.get("word_timestamps") and timestamps is not True:
+            raise ValueError("`word_timestamps=True` needs `timestamps=True`: word times belong to timestamped "
+                             f"segments. Received: timestamps={timestamps!r}")
+        if timestamps is not True:
+            raise ValueError("`timestamps` must be True or False; the options "
+                             f"{sorted(options)} apply with timestamps=True. Received: timestamps={timestamps!r}")
+        if beam_size != 1:
+            raise ValueError(f"Timestamped transcription decodes greedily: `beam_size` must be 1. Received: "
+                             f"beam_size={beam_size!r}")
+        options = transcript.TranscriptOptions.from_kwargs(max_new_tokens=max_new_tokens, **options)
+        sources, single = _sources(audio, sample_rate)
+        results = [list(transcript.segments(self, source, options)) for source in sources]
+        return results[0] if single else results
+
+    def segments(self, audio, sample_rate=None, **options):
+        """Yield the timestamped `Segment(start, end, text)`s of one recording as each 30-second window is decoded
+        (faster-whisper's `transcribe` with `beam_size=1`, no VAD; `tfformer.models.transcript`).
+
+        Args:
+            audio: a WAV path or a waveform array, as `transcribe`'s (one recording).
+            sample_rate: int. The waveform's rate (required with an array, as `transcribe`'s).
+            **options: `tfformer.models.transcript.TranscriptOptions` by name: `condition_on_previous_text`
+                (True), `temperature` ((0.0, 0.2, ..., 1.0)), `compression_ratio_threshold` (2.4),
+                `log_prob_threshold` (-1.0), `no_speech_threshold` (0.6), `prompt_reset_on_temperature` (0.5),
+                `max_initial_timestamp` (1.0), `best_of` (5), `max_new_tokens`, `seed`.
+        """
+        if isinstance(audio, (list, tuple)):
+            raise ValueError("`audio` must be one WAV path or waveform array for `segments`; call it per recording "
+                             f"or use transcribe(..., timestamps=True). Received: a {type(audio).__name__}")
+        options = transcript.TranscriptOptions.from_kwargs(**options)
+        sources, _ = _sources(audio, sample_rate)
+        yield from transcript.segments(self, sources[0], options)
 
     def generate(self, inputs, **kwargs):
         """`transcribe(inputs, **kwargs)`: Whisper generates text from audio, not from source texts."""
@@ -349,6 +401,21 @@ def _as_waveforms(audio, sample_rate):
                              "more channels than samples. Pass a batch of waveforms as a list of 1-D arrays.")
         waveforms.append(audio_io.prepare_waveform(array, sample_rate, name=name))
     return waveforms, single
+
+
+def _sources(audio, sample_rate):
+    """`_as_waveforms`' inputs, with WAV files only opened (`audio_io.open_wav`: a 16 kHz file is read a window at a
+    time, so memory stays flat with a recording's length); every file is checked before any is decoded."""
+    single = isinstance(audio, (str, os.PathLike))
+    items = [audio] if single else audio
+    if not (isinstance(items, (list, tuple)) and items and sample_rate is None
+            and all(isinstance(item, (str, os.PathLike)) for item in items)):
+        return _as_waveforms(audio, sample_rate)
+    for i, item in enumerate(items):
+        if not os.path.isfile(os.fspath(item)):
+            name = "`audio`" if single else f"`audio[{i}]`"
+            raise FileNotFoundError(f"{name} is not a file. Received: {os.fspath(item)!r}")
+    return [audio_io.open_wav(os.fspath(item)) for item in items], single
 
 
 def build_whisper(config, dtype=None):
