@@ -49,6 +49,9 @@ setup(
             "ruff==0.17.5",
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
+        # `tfformer.export.litertlm`: the bundle builder, the HF tokenizer writer, int4/int8 weights, and Google's
+        # LiteRT-LM runtime that runs the bundles (tests, benchmarks). None of them changes the core stack's pins.
+        "litertlm": ["litert-lm-api", "litert-lm-builder", "litert-quantizer", "tokenizers"],
     },
     # The command's entry point sits outside the package: it sets TensorFlow's log level before TensorFlow loads.
     py_modules=["tfformer_command"],
