@@ -1,18 +1,22 @@
 """`export.litertlm`: bundles that Google's LiteRT-LM runtime runs, checked in that runtime against tfformer itself."""
 
+import importlib
 import io
 import json
 import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
-from tfformer import export, models
+from tfformer import export, models, training
 
-from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
+from tests.export.byte_pair_lm import LLAMA, byte_pair_tokenizer, llama_lm
 from tests.export.conftest import CFG
+
+litertlm_module = importlib.import_module("tfformer.export.litertlm")  # `export.litertlm` is the function
 
 pytest.importorskip("litert_lm")
 pytest.importorskip("litert_lm_builder")
@@ -62,6 +66,68 @@ def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm):
         assert ids == np.asarray(lm.tokenize([prompt]))[0].tolist()  # the tokenizer.json's ids are ours
         assert text == greedy_text(lm, prompt, steps), prompt
     assert len(result["ids"][-1]) + steps == 60  # the last prompt fills the context
+
+
+SENTENCES = [" open the file and close the folder.", " close a file and open the folder.",
+             " the folder and the file."]
+
+
+@pytest.fixture(scope="module")
+def trained_lm():
+    """A small Llama-style LM (widths of multiples of 32, for int4 blocks) trained on three sentences, so that its
+    greedy continuations have margins that 4-bit weights keep; one block of a matrix is zeroed after training: its
+    float16 scale underflows to 0, which XNNPACK refuses unless clamped."""
+    keras.utils.set_random_seed(0)
+    tokenizer = byte_pair_tokenizer(ascii_only=True)
+    config = dict(LLAMA, hidden_dim=64, num_heads=4, num_key_value_heads=2, intermediate_dim=64)
+    model = models.build_causal_lm(models.TransformerConfig(vocabulary_size=tokenizer.vocabulary_size, **config))
+    ids = np.asarray(tokenizer.tokenize("".join(SENTENCES) * 8)).astype("int32")  # (N,)
+    windows = np.stack([ids[i : i + 25] for i in range(0, len(ids) - 25)])  # (W, 25)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=training.MaskedSparseCrossEntropy(0.0))
+    model.fit({"token_ids": windows[:, :-1]}, windows[:, 1:], batch_size=16, epochs=30, verbose=0)
+    kernel = model.decoder_blocks[0].feedforward.down_kernel  # (in, out): FULLY_CONNECTED filter (out, in)
+    value = kernel.numpy()
+    value[:32, 0] = 0.0  # the filter's row 0, inputs 0..31: one block
+    kernel.assign(value)
+    model.preprocessor = tokenizer
+    return model
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
+    q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
+    # In the TFLite files, the dense matrices shrink from 4 bytes a weight to 1/2 + 2/32 (int4: a float16 scale a
+    # block) or 1 + 2 * 12/in (int8: a float32 scale and an int64 zero point a row, in each of the 2 signatures);
+    # the float32 embedding table (stored twice) stays.
+    sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
+                                                                 [8], kind)) for kind in ("none", quantize)}
+    weights = sum(int(np.prod(k.shape)) for k in litertlm_module.dense_kernels(trained_lm).values())
+    per_weight = 0.5 + 2 / 32 if quantize == "int4" else 1 + 2 * 12 / 64
+    assert abs(sizes["none"] - sizes[quantize] - weights * (4 - per_weight)) < 0.02 * 4 * weights, (sizes, weights)
+    prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
+    texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
+    for prompt, sentence, text in zip(prompts, SENTENCES, texts):
+        expected = greedy_text(trained_lm, prompt, 6)
+        assert sentence[len(prompt):].startswith(expected[:8]), expected  # the model learned its sentences
+        assert text == expected, (quantize, prompt)
+
+
+def test_int4_blocks_round_trip():
+    """`int4_blocks` against numpy: weights within half a step of their block's scale, two a byte (low nibble
+    first), and a block of zeros stored with the smallest normal float16 scale."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=(3, 64)).astype(np.float32)
+    weights[1, 32:] = 0.0  # a block of zeros: max / 7 underflows to a float16 0
+    packed, scales, zeroed = litertlm_module.int4_blocks(weights)
+    assert packed.shape == (3, 32) and packed.dtype == np.uint8 and scales.shape == (3, 2) and zeroed == 1
+    nibbles = np.stack([packed & 15, packed >> 4], -1).reshape(3, 64).astype(np.int8)
+    q = np.where(nibbles > 7, nibbles - 16, nibbles)
+    assert q.min() >= -7 and q.max() <= 7 and not q[1, 32:].any()
+    expected_scales = np.abs(weights.reshape(3, 2, 32)).max(-1) / 7
+    expected_scales[1, 1] = np.finfo(np.float16).tiny
+    np.testing.assert_allclose(scales.astype(np.float32), expected_scales, rtol=1e-3)
+    step = scales.astype(np.float32).repeat(32, axis=1)  # (3, 64)
+    assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
 
 
 def test_bad_arguments_name_the_argument(tmp_path, lm):

@@ -20,6 +20,12 @@ DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a prefill writes with a sele
 padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots left, but a
 DYNAMIC_UPDATE_SLICE would move such a window back over cached positions.)
 
+Memory: TensorFlow's converter holds many copies of the constants it folds (6.5 GB for SmolLM2-135M's 0.54 GB of
+float32 weights, one signature). So the matrices of the model's dense layers reach it as signature inputs `(units,
+in)` (the `FULLY_CONNECTED` filter layout, read by `tf.matmul(..., transpose_b=True)`, which needs no transpose),
+and `bind_kernels` then turns those inputs into constant tensors of the written file, one buffer per matrix shared by
+every signature. The converter keeps only the embedding table and the norms.
+
 The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
 (`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model. The metadata holds the stop tokens (the
 preset's `end_ids`), the chat template (as `jinja_prompt_template`), the context length and greedy sampling. No
@@ -30,14 +36,17 @@ import os
 import tempfile
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfformer.checks import check_int
 from tfformer.files import atomic_path, write_atomic
 from tfformer.layers.decode_forms import DecodeForms
+from tfformer.layers.layer_utils import dense
 from tfformer.models.causal_lm import CausalLM
 
 QUANTIZE = ("none", "int8", "int4")
+INT4_BLOCK = 32  # int4 weights in blocks of 32 inputs, each with a float16 scale
 # What a chat app ships (the issue's acceptance measures at least this), cut to the model's max_sequence_length.
 DEFAULT_CONTEXT_LENGTH = 2048
 # A short chat turn takes prefill_32; a long prompt goes through prefill_128 in chunks.
@@ -51,7 +60,10 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
         task: a `tfformer.models.CausalLM` with a `preprocessor` (`BytePairTokenizer` or `SubwordTokenizer`), e.g.
             `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run.
         path: the output file, e.g. `"model.litertlm"`.
-        quantize: `"none"` (float32 weights), `"int8"` or `"int4"` (weights quantized by `litert_quantizer`).
+        quantize: `"none"` (float32 weights), `"int8"` (the dense layers' matrices per channel) or `"int4"` (in
+            blocks of 32 inputs; `bind_kernels`). The embedding table stays float32 (its lookup is a `GATHER`);
+            a tied table is stored twice, for the lookup and (times the final norm's scale, which the converter
+            folds in) for the logits, float32 both.
         context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
             `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
             step attends over all of them.
@@ -71,12 +83,11 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
     ```
     """
     context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths)
-    if quantize != "none":
-        raise ValueError(f"quantize={quantize!r} is not implemented yet; use quantize='none'.")
     from litert_lm_builder import litertlm_builder
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = _write_tflite(task, os.path.join(tmp, "model.tflite"), context_length, prefill_lengths)
+        model_path = _write_tflite(task, os.path.join(tmp, "model.tflite"), context_length, prefill_lengths,
+                                   quantize)
         builder = litertlm_builder.LitertLmFileBuilder()
         builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
         tokenizer = task.preprocessor
@@ -103,6 +114,10 @@ def _check_arguments(task, quantize, context_length, prefill_lengths):
                          "`tfformer.models.from_preset(...)` or set `task.preprocessor`.")
     if quantize not in QUANTIZE:
         raise ValueError(f"`quantize` must be one of {QUANTIZE}. Received: quantize={quantize!r}")
+    widths = sorted({int(kernel.shape[0]) for kernel in dense_kernels(task).values()})
+    if quantize == "int4" and any(width % INT4_BLOCK for width in widths):
+        raise ValueError(f"quantize='int4' quantizes blocks of {INT4_BLOCK} inputs: every dense layer's input width "
+                         f"must be a multiple of {INT4_BLOCK}. Received input widths {widths}; use quantize='int8'.")
     limit = config.max_sequence_length
     check_int("context_length", context_length, maximum=limit, allow_none=True,
               expected=f"an integer in [1, max_sequence_length={limit}]")
@@ -118,7 +133,36 @@ def _check_arguments(task, quantize, context_length, prefill_lengths):
     return context_length, lengths
 
 
-def _step_function(task, length, context_length):
+class _FedKernels(DecodeForms):
+    """The decode forms of a bundle's steps, whose dense layers read their matrices from the tensors `fed`
+    (`{id(kernel): (units, in) tensor}`) instead of the kernels: the converter never holds them (module docstring)."""
+
+    def __init__(self, fed, in_place_cache_writes):
+        super().__init__(in_place_cache_writes=in_place_cache_writes)
+        self.fed = fed
+
+    def uses(self, x, kernel, bias=None):
+        return id(kernel) in self.fed
+
+    def dense(self, x, kernel, bias=None, start=0, stop=None):
+        stop = kernel.shape[-1] if stop is None else stop
+        if id(kernel) not in self.fed or (start, stop) != (0, kernel.shape[-1]):
+            return dense(x, kernel, bias, start, stop)  # a slice of a fused kernel: not in a causal LM's steps
+        flat = tf.reshape(tf.cast(x, tf.float32), [-1, kernel.shape[0]])  # (B*T, in)
+        y = tf.matmul(flat, self.fed[id(kernel)], transpose_b=True)  # (B*T, units): FULLY_CONNECTED, no transpose
+        if bias is not None:
+            y = y + tf.cast(bias, tf.float32)
+        return tf.cast(tf.reshape(y, list(x.shape[:-1]) + [kernel.shape[-1]]), x.dtype)  # (B, T, units)
+
+
+def dense_kernels(task):
+    """The matrices of `task`'s dense layers, `{name: kernel}` with names `weight_<i>`, that reach the converter as
+    inputs (module docstring)."""
+    kernels = [w for w in task.weights if len(w.shape) == 2 and w.path.endswith("kernel")]
+    return {f"weight_{i}": kernel for i, kernel in enumerate(kernels)}
+
+
+def _step_function(task, length, context_length, kernels):
     """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs."""
     config = task.config
     layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
@@ -128,12 +172,14 @@ def _step_function(task, length, context_length):
     for pair in names:
         for name in pair:
             specs[name] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=name)  # (1, K, S, H)
+    for name, kernel in kernels.items():
+        specs[name] = tf.TensorSpec([kernel.shape[1], kernel.shape[0]], tf.float32, name=name)  # (units, in)
     decode = length == 1
-    # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
-    forms = DecodeForms(in_place_cache_writes=decode)
 
     def step(inputs):
-        caches = tuple((inputs[k][0], inputs[v][0]) for k, v in names)
+        # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
+        forms = _FedKernels({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode)
+        caches = tuple((inputs[k][0], inputs[v][0]) for k, v in names)  # (K, S, H) pairs
         logits, caches = task.decode_step(inputs["tokens"], caches, inputs["input_pos"][0], last_only=True,
                                           plan=forms)
         outputs = {name: half[None] for pair, cache in zip(names, caches) for name, half in zip(pair, cache)}
@@ -144,18 +190,135 @@ def _step_function(task, length, context_length):
     return step, [specs]
 
 
-def _write_tflite(task, path, context_length, prefill_lengths):
-    """The prefill and decode signatures as one float32 TFLite file at `path` (builtin ops only)."""
+def _write_tflite(task, path, context_length, prefill_lengths, quantize="none"):
+    """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
+    in `quantize`."""
+    kernels = dense_kernels(task)
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
         names = [f"prefill_{length}" for length in prefill_lengths] + ["decode"]
         for name, length in zip(names, list(prefill_lengths) + [1]):
-            fn, specs = _step_function(task, length, context_length)
+            fn, specs = _step_function(task, length, context_length, kernels)
             archive.add_endpoint(name, fn, input_signature=specs)
         archive.write_out(tmp, verbose=False)
         converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
-        return write_atomic(path, converter.convert())
+        content = converter.convert()
+    arrays = {name: np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
+              for name, kernel in kernels.items()}
+    return write_atomic(path, bind_kernels(content, arrays, quantize))
+
+
+def bind_kernels(content, arrays, quantize="none"):
+    """The TFLite flatbuffer `content` with the signature inputs named in `arrays` (`{name: float32 array}`) made
+    constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
+    `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
+    activations quantized at run time); one set of buffers each, shared by every signature. Returns the new bytes.
+
+    Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
+    """
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromPackedBuf(content, 0)
+    stored = {}  # name -> (buffer, tensor type, quantization of the filter, scales buffer or None)
+    for signature in model.signatureDefs:
+        graph = model.subgraphs[signature.subgraphIndex]
+        bound = {item.tensorIndex: _name(item.name) for item in signature.inputs if _name(item.name) in arrays}
+        missing = set(arrays) - set(bound.values())
+        if missing:
+            raise ValueError(f"Signature {_name(signature.signatureKey)} does not read the matrices {sorted(missing)}")
+        _check_filters(schema, model, graph, bound)
+        for index, name in bound.items():
+            tensor = graph.tensors[index]
+            if list(tensor.shape) != list(arrays[name].shape):
+                raise ValueError(f"{name}: tensor {list(tensor.shape)}, array {list(arrays[name].shape)}")
+            if name not in stored:
+                stored[name] = _store(schema, model, arrays[name], quantize)
+            tensor.buffer, tensor.type, tensor.quantization, scales = stored[name]
+            if scales is not None:  # the int4 block scales: a float16 tensor of this graph on the shared buffer
+                scale_tensor = schema.TensorT()
+                scale_tensor.name, scale_tensor.type, scale_tensor.buffer = tensor.name + b"_scales", 1, scales
+                scale_tensor.shape = [arrays[name].shape[0], arrays[name].shape[1] // INT4_BLOCK]
+                tensor.quantization = _blockwise(schema, len(graph.tensors))
+                graph.tensors.append(scale_tensor)
+        graph.inputs = [i for i in graph.inputs if i not in bound]
+        signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
+    builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return builder.Output()
+
+
+def _check_filters(schema, model, graph, bound):
+    """Raise unless every tensor of `bound` is read only as a `FULLY_CONNECTED` filter."""
+    for op in graph.operators:
+        code = model.operatorCodes[op.opcodeIndex]
+        for position, index in enumerate(op.inputs):
+            if index in bound and (max(code.builtinCode, code.deprecatedBuiltinCode)
+                                   != schema.BuiltinOperator.FULLY_CONNECTED or position != 1):
+                raise ValueError(f"{bound[index]} is read by an op other than a FULLY_CONNECTED filter")
+
+
+def _buffer(schema, model, data):
+    """Append a buffer holding the bytes of `data`; returns its index."""
+    buffer = schema.BufferT()
+    buffer.data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    model.buffers.append(buffer)
+    return len(model.buffers) - 1
+
+
+def _store(schema, model, weights, quantize):
+    """`(buffer, tensor type, quantization, scales buffer or None)` of one filter `(units, in)` in `quantize`."""
+    if quantize == "int4":
+        packed, scales, _ = int4_blocks(weights)
+        return _buffer(schema, model, packed), schema.TensorType.INT4, None, _buffer(schema, model, scales)
+    if quantize == "int8":
+        q, scales = int8_channels(weights)
+        quantization = schema.QuantizationParametersT()
+        quantization.scale, quantization.zeroPoint = scales.tolist(), [0] * len(scales)
+        quantization.quantizedDimension = 0
+        return _buffer(schema, model, q), schema.TensorType.INT8, quantization, None
+    return _buffer(schema, model, weights), schema.TensorType.FLOAT32, None, None
+
+
+def _blockwise(schema, scales_tensor):
+    """The quantization of an int4 filter whose block scales are the tensor `scales_tensor` of its graph."""
+    details = schema.BlockwiseQuantizationT()
+    details.scales, details.zeroPoints, details.blockSize = scales_tensor, -1, INT4_BLOCK
+    quantization = schema.QuantizationParametersT()
+    quantization.detailsType, quantization.details = schema.QuantizationDetails.BlockwiseQuantization, details
+    return quantization
+
+
+def _name(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def int4_blocks(weights):
+    """Symmetric int4 weights in blocks of `INT4_BLOCK` inputs: `(packed, scales, zeroed)` for a float32 filter
+    `(units, in)`: the weights `q` in -7..7 two a byte (the even input in the low nibble) `(units, in/2)` uint8, the
+    float16 block scales `(units, in/B)` with `w ~ q * scale` (`scale = max|w| / 7`), and how many blocks were
+    zeroed. A block whose scale is below the smallest normal float16 (all its weights about 0: the float16 scale
+    would underflow to 0, and XNNPACK refuses a whole model with a zero scale, google-ai-edge/ai-edge-quantizer#678)
+    gets that smallest scale and zero weights, within 1e-7 of its values."""
+    units, width = weights.shape
+    blocks = weights.reshape(units, width // INT4_BLOCK, INT4_BLOCK)  # (units, in/B, B)
+    scales = (np.abs(blocks).max(-1) / 7.0).astype(np.float16)  # (units, in/B)
+    small = scales < np.finfo(np.float16).tiny
+    scales[small] = np.finfo(np.float16).tiny
+    q = np.clip(np.rint(blocks / scales[..., None].astype(np.float32)), -7, 7).astype(np.int8)
+    q[small] = 0
+    q = q.reshape(units, width).astype(np.uint8) & 15
+    return q[:, 0::2] | (q[:, 1::2] << 4), scales, int(small.sum())
+
+
+def int8_channels(weights):
+    """Symmetric int8 weights per output channel: `(q, scales)` for a float32 filter `(units, in)`, `q` `(units, in)`
+    int8 in -127..127 and float32 `scales` `(units,)` with `w ~ q * scale` (`scale = max|w| / 127`, 1 for a row
+    of zeros)."""
+    scales = np.abs(weights).max(-1) / 127.0
+    scales[scales == 0] = 1.0
+    return np.clip(np.rint(weights / scales[:, None]), -127, 127).astype(np.int8), scales.astype(np.float32)
 
 
 def tokenizer_json(tokenizer, path):
@@ -183,6 +346,20 @@ def tokenizer_json(tokenizer, path):
     return write_atomic(path, hf.to_str())
 
 
+# LiteRT-LM hands a chat template each message's content as a list of parts (`{"type": "text", "text": ...}`);
+# the presets' templates (Hugging Face's) add it to strings. The preamble joins the text parts into a string first.
+TEMPLATE_PREAMBLE = (
+    "{%- set ns = namespace(messages=[]) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text')"
+    " | join('') -%}{%- endif -%}"
+    "{%- set ns.messages = ns.messages + [{'role': message['role'], 'content': text}] -%}"
+    "{%- endfor -%}"
+    "{%- set messages = ns.messages -%}"
+)
+
+
 def llm_metadata(task, context_length):
     """The bundle's `LlmMetadata` proto, serialized: stop tokens, chat template, context length, greedy sampling."""
     from litert_lm_builder.runtime.proto import llm_metadata_pb2, sampler_params_pb2
@@ -197,5 +374,5 @@ def llm_metadata(task, context_length):
     sampler.k, sampler.p, sampler.temperature, sampler.seed = 1, 0.0, 1.0, 0
     template = getattr(task.preprocessor, "chat_template", None)
     if template:
-        metadata.jinja_prompt_template = template
+        metadata.jinja_prompt_template = TEMPLATE_PREAMBLE + template
     return metadata.SerializeToString()
