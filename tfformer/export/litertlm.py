@@ -7,10 +7,11 @@ template, tokenizer, prefill, decode, sampling, stop tokens. The TFLite model fo
 - signatures `prefill_<T>` (one per prefill length `T`; the runtime covers a prompt with the longest ones, then the
   shortest that holds the rest) and `decode` (`T` = 1);
 - inputs `tokens` `(1, T)` int32, `input_pos` `(T,)` int32 (the positions `input_pos[0]...`; the runtime pads a
-  short chunk with token 0 at position 0), and one cache tensor per layer and half, `kv_cache_k_<i>` and
-  `kv_cache_v_<i>` `(1, K, S, H)` float32 (`K` key/value heads, `S` = `context_length` slots): the split caches
-  of `tfformer.layers.layer_utils.split_cache` with a leading axis of one, where the runtime reads the context
-  length (axis 2; a 3-D `(K, S, H)` cache made it take `H` as the context);
+  short chunk with token 0 at position 0), and one cache tensor per layer and half: keys `kv_cache_k_<i>`
+  `(1, K, S, H)` and values `kv_cache_v_<i>` transposed, `(1, K, H, S)` (`K` key/value heads, `S` =
+  `context_length` slots; the runtime reads the context length from axis 2 of the keys: a 3-D `(K, S, H)` cache
+  made it take `H`). Both are read by batched matmuls as they are, `q k^T` and `w v_t^T`, one per group of query
+  heads, with no transposed or repeated copy of the cache;
 - outputs: the same cache tensors (the runtime binds each to one buffer, in and out), and from `decode` `logits`
   `(1, 1, V)`.
 
@@ -28,8 +29,9 @@ every signature. The converter keeps only the embedding table and the norms.
 
 The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
 (`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model. The metadata holds the stop tokens (the
-preset's `end_ids`), the chat template (as `jinja_prompt_template`), the context length and greedy sampling. No
-start token: SmolLM2's chat template begins with `<|im_start|>`, which the runtime would then refuse in a prompt.
+preset's `end_ids` and the padding id), the chat template (as `jinja_prompt_template`, after `TEMPLATE_PREAMBLE`),
+the context length and greedy sampling. No start token: SmolLM2's chat template begins with `<|im_start|>`, which
+the runtime would then refuse in a prompt.
 """
 
 import os
@@ -42,8 +44,9 @@ import tensorflow as tf
 from tfformer.checks import check_int
 from tfformer.files import atomic_path, write_atomic
 from tfformer.layers.decode_forms import DecodeForms
-from tfformer.layers.layer_utils import dense
+from tfformer.layers.layer_utils import SplitCache, dense, write_cache
 from tfformer.models.causal_lm import CausalLM
+from tfformer.tokens import PAD_ID
 
 QUANTIZE = ("none", "int8", "int4")
 INT4_BLOCK = 32  # int4 weights in blocks of 32 inputs, each with a float16 scale
@@ -133,9 +136,12 @@ def _check_arguments(task, quantize, context_length, prefill_lengths):
     return context_length, lengths
 
 
-class _FedKernels(DecodeForms):
-    """The decode forms of a bundle's steps, whose dense layers read their matrices from the tensors `fed`
-    (`{id(kernel): (units, in) tensor}`) instead of the kernels: the converter never holds them (module docstring)."""
+class _BundleForms(DecodeForms):
+    """The forms of a bundle's steps (module docstring): dense layers read their matrices from the tensors `fed`
+    (`{id(kernel): (units, in) tensor}`) instead of the kernels; the caches are the signature's own tensors, keys
+    `(1, K, S, H)` and values transposed `(1, K, H, S)`, which the attention reads in place: each group of `N / K`
+    query heads is one batched matmul against its key/value head (no repeated copy of the cache), and a step writes
+    its slots in place (`in_place_cache_writes`, decode) or by a select over the cache (prefill)."""
 
     def __init__(self, fed, in_place_cache_writes):
         super().__init__(in_place_cache_writes=in_place_cache_writes)
@@ -154,6 +160,38 @@ class _FedKernels(DecodeForms):
             y = y + tf.cast(bias, tf.float32)
         return tf.cast(tf.reshape(y, list(x.shape[:-1]) + [kernel.shape[-1]]), x.dtype)  # (B, T, units)
 
+    def update_cache(self, cache, k, v, cache_index):
+        keys, values = (cache.keys, cache.values) if isinstance(cache, SplitCache) else cache
+        keys = write_cache(keys, tf.cast(k, keys.dtype), cache_index, self.in_place_cache_writes)  # (1, K, S, H)
+        new = tf.transpose(tf.cast(v, values.dtype), [0, 1, 3, 2])  # (1, K, T, H) -> (1, K, H, T)
+        if self.in_place_cache_writes:
+            zero = tf.zeros((), tf.int32)
+            start = [zero, zero, zero, tf.cast(cache_index, tf.int32)]
+            values = keras.ops.slice_update(values, start, new)  # (1, K, H, S): DYNAMIC_UPDATE_SLICE
+        else:
+            offset = tf.range(values.shape[-1]) - cache_index  # slot s takes new[..., s - index]
+            written = tf.logical_and(offset >= 0, offset < new.shape[-1])
+            spread = tf.gather(new, tf.clip_by_value(offset, 0, new.shape[-1] - 1), axis=3)  # (1, K, H, S)
+            values = tf.where(written, spread, values)
+        return keys, values, (keys, values)
+
+    def shared_heads(self, x, q, groups):
+        return x  # `dot` and `mix` read each key/value head for its group of query heads
+
+    def dot(self, q, k):
+        b, heads, t, head_dim = q.shape
+        groups = heads // k.shape[1]
+        q = tf.reshape(tf.cast(q, k.dtype), [b, k.shape[1], groups * t, head_dim])  # (1, K, G*T, H)
+        scores = tf.matmul(q, k, transpose_b=True)  # (1, K, G*T, S)
+        return tf.reshape(scores, [b, heads, t, k.shape[2]])  # (1, N, T, S)
+
+    def mix(self, weights, v, dtype):
+        b, heads, t, slots = weights.shape
+        groups = heads // v.shape[1]
+        weights = tf.reshape(tf.cast(weights, v.dtype), [b, v.shape[1], groups * t, slots])  # (1, K, G*T, S)
+        x = tf.matmul(weights, v, transpose_b=True)  # (1, K, G*T, H): values (1, K, H, S) read in place
+        return tf.cast(tf.reshape(x, [b, heads, t, v.shape[2]]), dtype)  # (1, N, T, H)
+
 
 def dense_kernels(task):
     """The matrices of `task`'s dense layers, `{name: kernel}` with names `weight_<i>`, that reach the converter as
@@ -169,20 +207,20 @@ def _step_function(task, length, context_length, kernels):
     specs = {"tokens": tf.TensorSpec([1, length], tf.int32, name="tokens"),
              "input_pos": tf.TensorSpec([length], tf.int32, name="input_pos")}
     names = [(f"kv_cache_k_{i}", f"kv_cache_v_{i}") for i in range(layers)]
-    for pair in names:
-        for name in pair:
-            specs[name] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=name)  # (1, K, S, H)
+    for keys, values in names:
+        specs[keys] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=keys)  # (1, K, S, H)
+        specs[values] = tf.TensorSpec([1, heads, head_dim, context_length], tf.float32, name=values)  # (1, K, H, S)
     for name, kernel in kernels.items():
         specs[name] = tf.TensorSpec([kernel.shape[1], kernel.shape[0]], tf.float32, name=name)  # (units, in)
     decode = length == 1
 
     def step(inputs):
         # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
-        forms = _FedKernels({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode)
-        caches = tuple((inputs[k][0], inputs[v][0]) for k, v in names)  # (K, S, H) pairs
+        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode)
+        caches = tuple((inputs[k], inputs[v]) for k, v in names)
         logits, caches = task.decode_step(inputs["tokens"], caches, inputs["input_pos"][0], last_only=True,
                                           plan=forms)
-        outputs = {name: half[None] for pair, cache in zip(names, caches) for name, half in zip(pair, cache)}
+        outputs = {name: half for pair, cache in zip(names, caches) for name, half in zip(pair, cache)}
         if decode:
             outputs["logits"] = logits  # (1, 1, V)
         return outputs
@@ -361,12 +399,14 @@ TEMPLATE_PREAMBLE = (
 
 
 def llm_metadata(task, context_length):
-    """The bundle's `LlmMetadata` proto, serialized: stop tokens, chat template, context length, greedy sampling."""
+    """The bundle's `LlmMetadata` proto, serialized: stop tokens (`end_ids` and the padding id 0), chat template,
+    context length, greedy sampling."""
     from litert_lm_builder.runtime.proto import llm_metadata_pb2, sampler_params_pb2
 
     metadata = llm_metadata_pb2.LlmMetadata()
-    for token in task.end_ids:
-        metadata.stop_tokens.add().token_ids.ids.append(int(token))
+    # The preset's end ids, and the padding id, which a tfformer model never continues from (as tfformer.edge).
+    for token in dict.fromkeys([int(i) for i in task.end_ids] + [PAD_ID]):
+        metadata.stop_tokens.add().token_ids.ids.append(token)
     metadata.max_num_tokens = context_length
     # Greedy: the runtime takes top-p with k = 1 (its GREEDY and TOP_K types are not implemented on CPU).
     sampler = metadata.sampler_params
