@@ -17,6 +17,7 @@ from tfformer.tokens import PAD_ID
 
 from tests.export.byte_pair_lm import LLAMA, byte_pair_tokenizer, llama_lm
 from tests.export.conftest import CFG
+from tests.harness import spread
 
 litertlm_module = importlib.import_module("tfformer.export.litertlm")  # `export.litertlm` is the function
 
@@ -59,7 +60,7 @@ def greedy_text(lm, prompt, max_new_tokens):
     new = np.asarray(lm.generate(lm.tokenize([prompt]), max_new_tokens=max_new_tokens, jit_compile=False))[0]
     new = new.tolist()
     cut = min([new.index(i) for i in list(lm.end_ids) + [PAD_ID] if i in new] + [len(new)])
-    return lm.preprocessor.detokenize(np.array(new[:cut], np.int32)).numpy().decode("utf-8")
+    return lm.detokenize(np.array([new[:cut]], np.int32))[0]
 
 
 def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm):
@@ -70,6 +71,20 @@ def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm):
         assert ids == np.asarray(lm.tokenize([prompt]))[0].tolist()  # the tokenizer.json's ids are ours
         assert text == greedy_text(lm, prompt, steps), prompt
     assert len(result["ids"][-1]) + steps == 60  # the last prompt fills the context
+
+
+def test_sentencepiece_bundle_greedy_equals_tfformer(tmp_path, tokenizer):
+    """A GPT-style LM (LayerNorm with biases, learned positions, untied output projection) with a SentencePiece
+    `SubwordTokenizer`, as the `gpt-mini` runs have: the bundle carries the SentencePiece model itself."""
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=tokenizer.vocabulary_size, **CFG)
+    model = spread(models.build_causal_lm(config), seed=1)
+    model.preprocessor = tokenizer
+    bundle = export.litertlm(model, str(tmp_path / "model.litertlm"), prefill_lengths=(8,))
+    prompts = ["open the file", "Datei", "close a folder and save the file"]
+    result = run_engine(bundle, tmp_path, prompts=prompts, max_new_tokens=5)
+    for prompt, ids, text in zip(prompts, result["ids"], result["texts"]):
+        assert ids == np.asarray(model.tokenize([prompt]))[0].tolist()
+        assert text == greedy_text(model, prompt, 5), prompt
 
 
 SENTENCES = [" open the file and close the folder.", " close a file and open the folder.",
