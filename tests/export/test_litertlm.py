@@ -115,14 +115,21 @@ def trained_lm():
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
-    # In the TFLite files, the dense matrices shrink from 4 bytes a weight to 1/2 + 2/32 (int4: a float16 scale a
-    # block) or 1 + 2 * 12/in (int8: a float32 scale and an int64 zero point a row, in each of the 2 signatures);
-    # the float32 embedding table (stored twice) stays.
+    # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
+    # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
+    # that holds it: the dense layers' (both signatures) and the tied logits projection (decode). The float32
+    # embedding table of the lookup stays.
     sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
                                                                  [8], kind)) for kind in ("none", quantize)}
-    weights = sum(int(np.prod(k.shape)) for k in litertlm_module.dense_kernels(trained_lm).values())
-    per_weight = 0.5 + 2 / 32 if quantize == "int4" else 1 + 2 * 12 / 64
-    assert abs(sizes["none"] - sizes[quantize] - weights * (4 - per_weight)) < 0.02 * 4 * weights, (sizes, weights)
+    config = trained_lm.config
+    matrices = [(k.shape[1], k.shape[0], 2) for k in litertlm_module.dense_kernels(trained_lm).values()]
+    matrices.append((config.vocabulary_size, config.hidden_dim, 1))  # (rows, inputs, signatures)
+    if quantize == "int4":
+        expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
+    else:
+        expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices)
+    total = sum(4 * rows * inputs for rows, inputs, _ in matrices)
+    assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
     prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
     texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
     for prompt, sentence, text in zip(prompts, SENTENCES, texts):

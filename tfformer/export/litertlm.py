@@ -63,10 +63,10 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
         task: a `tfformer.models.CausalLM` with a `preprocessor` (`BytePairTokenizer` or `SubwordTokenizer`), e.g.
             `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run.
         path: the output file, e.g. `"model.litertlm"`.
-        quantize: `"none"` (float32 weights), `"int8"` (the dense layers' matrices per channel) or `"int4"` (in
-            blocks of 32 inputs; `bind_kernels`). The embedding table stays float32 (its lookup is a `GATHER`);
-            a tied table is stored twice, for the lookup and (times the final norm's scale, which the converter
-            folds in) for the logits, float32 both.
+        quantize: `"none"` (float32 weights), `"int8"` (every `FULLY_CONNECTED` filter per channel) or `"int4"`
+            (in blocks of 32 inputs; `bind_kernels`), the output projection included. The embedding table for the
+            lookup stays float32 (a `GATHER`); a tied table is stored twice, float32 for the lookup and quantized
+            (times the final norm's scale, which the converter folds in) for the logits.
         context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
             `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
             step attends over all of them.
@@ -251,7 +251,8 @@ def bind_kernels(content, arrays, quantize="none"):
     """The TFLite flatbuffer `content` with the signature inputs named in `arrays` (`{name: float32 array}`) made
     constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
     `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
-    activations quantized at run time); one set of buffers each, shared by every signature. Returns the new bytes.
+    activations quantized at run time); one set of buffers each, shared by every signature. Quantized, the
+    converter's own constant filters are quantized too (`_quantize_constant_filters`). Returns the new bytes.
 
     Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
     """
@@ -273,18 +274,54 @@ def bind_kernels(content, arrays, quantize="none"):
                 raise ValueError(f"{name}: tensor {list(tensor.shape)}, array {list(arrays[name].shape)}")
             if name not in stored:
                 stored[name] = _store(schema, model, arrays[name], quantize)
-            tensor.buffer, tensor.type, tensor.quantization, scales = stored[name]
-            if scales is not None:  # the int4 block scales: a float16 tensor of this graph on the shared buffer
-                scale_tensor = schema.TensorT()
-                scale_tensor.name, scale_tensor.type, scale_tensor.buffer = tensor.name + b"_scales", 1, scales
-                scale_tensor.shape = [arrays[name].shape[0], arrays[name].shape[1] // INT4_BLOCK]
-                tensor.quantization = _blockwise(schema, len(graph.tensors))
-                graph.tensors.append(scale_tensor)
+            _set_filter(schema, graph, tensor, stored[name])
         graph.inputs = [i for i in graph.inputs if i not in bound]
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
+    if quantize != "none":
+        _quantize_constant_filters(schema, model, quantize)
     builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return builder.Output()
+
+
+def _set_filter(schema, graph, tensor, stored):
+    """Point the filter `tensor` of `graph` at its stored buffer (`_store`), with the int4 block scales as a float16
+    tensor of this graph on the shared scales buffer."""
+    tensor.buffer, tensor.type, tensor.quantization, scales = stored
+    if scales is not None:
+        scale_tensor = schema.TensorT()
+        scale_tensor.name, scale_tensor.type, scale_tensor.buffer = tensor.name + b"_scales", 1, scales
+        scale_tensor.shape = [int(tensor.shape[0]), int(tensor.shape[1]) // INT4_BLOCK]
+        tensor.quantization = _blockwise(schema, len(graph.tensors))
+        graph.tensors.append(scale_tensor)
+
+
+def _quantize_constant_filters(schema, model, quantize):
+    """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
+    matrices are: a tied embedding's logits projection (the table times the final norm's scale, which the converter
+    folds in; the lookup's `GATHER` keeps the float32 table). Buffers no tensor reads any more are emptied."""
+    fully_connected = schema.BuiltinOperator.FULLY_CONNECTED
+    stored = {}  # float32 buffer -> `_store`'s result, one per buffer for every graph
+    for graph in model.subgraphs:
+        filters = set()
+        for op in graph.operators:
+            code = model.operatorCodes[op.opcodeIndex]
+            if max(code.builtinCode, code.deprecatedBuiltinCode) == fully_connected and len(op.inputs) > 1:
+                filters.add(op.inputs[1])
+        for index in sorted(filters):
+            tensor = graph.tensors[index]
+            data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
+            if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
+                    or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
+                continue
+            if tensor.buffer not in stored:
+                weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
+                stored[tensor.buffer] = _store(schema, model, weights, quantize)
+            _set_filter(schema, graph, tensor, stored[tensor.buffer])
+    read = {tensor.buffer for graph in model.subgraphs for tensor in graph.tensors}
+    for index in stored:
+        if index not in read:
+            model.buffers[index].data = None
 
 
 def _check_filters(schema, model, graph, bound):
