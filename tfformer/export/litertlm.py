@@ -253,6 +253,8 @@ def bind_kernels(content, arrays, quantize="none"):
     `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
     activations quantized at run time); one set of buffers each, shared by every signature. Quantized, the
     converter's own constant filters are quantized too (`_quantize_constant_filters`). Returns the new bytes.
+    (litert_quantizer 0.11 itself, run on the bound file, quantized a shared buffer for one signature's tensor and
+    left the other signatures' tensors on it float32: a file the runtime refuses.)
 
     Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
     """
