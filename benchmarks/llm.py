@@ -17,6 +17,11 @@ system). Systems:
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
   fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
+- LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm --quantize int4` writes
+  (`tfformer.export.litertlm`, context 2048), timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
+  cores) in a process without TensorFlow: decode tokens/s of 128 new tokens after a 64-token prompt, and the
+  512-token prefill's tokens/s, as its runtime reports them; the process's peak memory and the file's size beside
+  them. Smoke runs skip it (the random model has no tokenizer to bundle).
 - llama.cpp: its own `llama-bench` on the same GGUF file (Q4_1, its quantized kernels), after the others: the
   binary that `make peers` builds from the llama-cpp-python source distribution into `.venv-peers/bin/`
   (`benchmarks.peers`; PyPI has no wheel for this platform), or `--llama-bench PATH`; else a "skipped" record
@@ -160,6 +165,54 @@ def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quant
                 "export_seconds": round(export_seconds, 1), "ids": new_ids}, None
 
 
+# Runs in a process of its own, without TensorFlow: argv = bundle, threads, prompt, new tokens, prefill length.
+LITERT_LM_SCRIPT = """
+import json, sys
+import litert_lm
+def peak_mb():  # VmHWM: ru_maxrss can carry the parent's peak over fork + exec
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
+path, (threads, prompt, new_tokens, prefill) = sys.argv[1], map(int, sys.argv[2:6])
+def run(prefill_tokens, decode_tokens):
+    return litert_lm.Benchmark(path, backend=litert_lm.Backend.CPU(thread_count=threads),
+                               prefill_tokens=prefill_tokens, decode_tokens=decode_tokens).run()
+decode, long_prompt = run(prompt, new_tokens), run(prefill, 1)
+print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
+                  "decode_tokens": decode.last_decode_token_count,
+                  "prompt_tokens_per_s": decode.last_prefill_tokens_per_second,
+                  "prefill_tokens_per_s": long_prompt.last_prefill_tokens_per_second,
+                  "prefill_tokens": long_prompt.last_prefill_token_count,
+                  "time_to_first_token_s": long_prompt.time_to_first_token_in_second,
+                  "peak_rss_mb": peak_mb()}))
+"""
+
+
+def litert_lm(model, prompt_len, new_tokens, prefill_len, threads):
+    """LiteRT-LM's own timings of the int4 bundle `tfformer export --format litertlm --quantize int4` writes, or
+    the reason there are none."""
+    from tfformer import export
+    from tfformer.export.litertlm import DEFAULT_CONTEXT_LENGTH
+
+    if getattr(model, "preprocessor", None) is None:
+        return None, "the model has no tokenizer to bundle (the smoke run's random model)"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.litertlm")
+        start = time.perf_counter()
+        try:
+            export.litertlm(model, path, quantize="int4")
+        except Exception as error:  # noqa: BLE001  (any failure of the export is the reason for the skip)
+            return None, f"tfformer.export.litertlm failed: {type(error).__name__}: {str(error)[:300]}"
+        export_seconds = time.perf_counter() - start
+        done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
+                               str(new_tokens), str(prefill_len)], capture_output=True, text=True, timeout=1800,
+                              cwd=tmp)  # the runtime writes its XNNPACK cache beside the bundle
+        if done.returncode:
+            return None, f"litert_lm.Benchmark failed: {done.stderr[-500:]}"
+        result = json.loads(done.stdout.splitlines()[-1])
+        return {**result, "file_bytes": os.path.getsize(path), "export_seconds": round(export_seconds, 1),
+                "context_length": min(DEFAULT_CONTEXT_LENGTH, model.config.max_sequence_length)}, None
+
+
 def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
     """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench` (`binary`,
     else the peers'), or the reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone;
@@ -286,6 +339,7 @@ def main(argv=None):
     # The GGUF's own blocks in int8 (`quantize="gguf"`): float32's logits, weights rebuilt at each step.
     exact, exact_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads,
                                     quantize="gguf")
+    litert, litert_skip = litert_lm(ours["float32"], prompt_len, new_tokens, prefill_len, threads)
     llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats)
 
     rows, goals = [], []
@@ -342,6 +396,12 @@ def main(argv=None):
                                     "threads": threads, "prefill": "one token per step",
                                     "leading_ids_equal_tfformer_float32": leading_equal(
                                         result["ids"], last_ids[("tfformer float32", new_tokens)])})
+    if litert is None:
+        common.emit({"bench": "skipped", "system": "litert-lm int4", "reason": litert_skip})
+    else:
+        rows.append(common.emit({"bench": "llm_litertlm", "system": "litert-lm int4", "prompt_length": prompt_len,
+                                 "new_tokens": new_tokens, "prefill_length": prefill_len, "threads": threads,
+                                 **litert}))
     if isinstance(llama, str):
         common.emit({"bench": "skipped", "system": "llama.cpp", "reason": llama})
     else:

@@ -154,11 +154,29 @@ def _export_speech(args, model):
     return 0
 
 
+def _export_litertlm(args, model):
+    """A causal LM as one .litertlm bundle (model, tokenizer, metadata) for Google's LiteRT-LM runtime."""
+    from tfformer import export
+
+    path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=args.quantize or "none",
+                           context_length=args.max_length)
+    print(f"LiteRT-LM: {path} (litert_lm.Engine({path!r}), or LiteRT-LM's Android/iOS/desktop APIs)")
+    return 0
+
+
 def _export(args):
     from tfformer import export, models
 
+    litert_lm = args.format == "litertlm"
+    tflite_quantize = ("dynamic", "float16", "gguf")
+    if args.quantize is not None and (args.quantize in tflite_quantize) == litert_lm:
+        allowed = ("none", "int8", "int4") if litert_lm else tflite_quantize
+        raise ValueError(f"--quantize {args.quantize} is not for --format {args.format}; use one of {allowed}.")
     # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
     model = models.from_preset(args.run)
+    if litert_lm:
+        os.makedirs(args.out, exist_ok=True)
+        return _export_litertlm(args, model)
     if isinstance(model, models.WhisperModel):  # speech in, text out
         return _export_speech(args, model)
     tokenizer = model.preprocessor
@@ -464,23 +482,26 @@ COMMANDS = {
         _argument("--system", help="a system message before each chat prompt"),
         _argument("--replicas", type=int, help="MirroredStrategy over N logical CPU devices"),
     ]),
-    "export": (_export, "write a trained run or a pretrained preset as a TF Serving SavedModel and/or TFLite", [
+    "export": (_export, "write a trained run or a pretrained preset as a TF Serving SavedModel and/or TFLite, "
+               "or as a LiteRT-LM bundle", [
         _argument("run", help="a run directory, or a pretrained preset name (all-minilm-l6-v2, "
                   "smollm2-135m-instruct, whisper-tiny-en)"),
-        _argument("--format", choices=["saved_model", "tflite", "all"], default="saved_model"),
+        _argument("--format", choices=["saved_model", "tflite", "litertlm", "all"], default="saved_model",
+                  help="litertlm: a causal LM as one bundle for Google's LiteRT-LM runtime (not part of all)"),
         _argument("--out", required=True, help="the model's base path, e.g. export/models/en-de"),
         _argument("--version", type=int, help="default: one more than the highest existing version"),
         _argument("--max-new-tokens", type=int, help="the SavedModel's generation length (default: 64; "
                   "for Whisper every position after the prompt, 446)"),
         _argument("--beam-size", type=int, help="beams in the SavedModel (default: 4 for a translator, "
                   "greedy for a language model)"),
-        _argument("--quantize", choices=["dynamic", "float16", "gguf"], help="TFLite quantization (gguf: "
-                  "a model converted from a GGUF, e.g. smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks "
-                  "exactly as int8)"),
+        _argument("--quantize", choices=["dynamic", "float16", "gguf", "none", "int8", "int4"], help="TFLite "
+                  "quantization: dynamic, float16 or gguf (a model converted from a GGUF, e.g. "
+                  "smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks exactly as int8); litertlm: none (default), "
+                  "int8 or int4"),
         _argument("--sequence-length", type=int, help="fix model.tflite's sequence length"),
         _argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
                   "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "
-                  "small LLM on a device)"),
+                  "small LLM on a device); litertlm: the context length (default 2048, at most the model's)"),
         _argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                   "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)"),
         _argument("--warmup-batch-sizes", type=_batch_sizes, default=(1, 8), help="batch sizes of the SavedModel's "

