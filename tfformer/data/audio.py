@@ -179,6 +179,21 @@ def prepare_waveform(waveform, sample_rate, name="waveform"):
     return waveform
 
 
+def _wav_info(path):
+    """`soundfile.info` of `path`, checked: a file, readable, a WAV (a ValueError naming the file otherwise)."""
+    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
+    try:
+        info = soundfile.info(path)
+    except (RuntimeError, TypeError) as error:  # soundfile.LibsndfileError is a RuntimeError
+        raise ValueError(f"{path} is not a readable WAV file: {error}") from None
+    if info.format not in WAV_FORMATS:
+        raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
+    return info
+
+
 def read_wav(path):
     """A WAV file as a 16 kHz mono float32 waveform.
 
@@ -191,14 +206,7 @@ def read_wav(path):
     """
     import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
-    try:
-        info = soundfile.info(path)
-    except (RuntimeError, TypeError) as error:  # soundfile.LibsndfileError is a RuntimeError
-        raise ValueError(f"{path} is not a readable WAV file: {error}") from None
-    if info.format not in WAV_FORMATS:
-        raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
+    _wav_info(path)
     waveform, sample_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (samples, channels)
     return prepare_waveform(waveform, sample_rate, name=str(path))
 
@@ -293,16 +301,7 @@ def open_wav(path):
     """A WAV file as something `len()` and `[start:stop]` read at 16 kHz mono: `WavWindows` for a 16 kHz file (read
     window by window), else `read_wav`'s resampled waveform. A file that is not a readable WAV is a ValueError naming
     it, before any audio is read."""
-    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
-    try:
-        info = soundfile.info(path)
-    except (RuntimeError, TypeError) as error:  # soundfile.LibsndfileError is a RuntimeError
-        raise ValueError(f"{path} is not a readable WAV file: {error}") from None
-    if info.format not in WAV_FORMATS:
-        raise ValueError(f"{path} is a {info.format} file ({info.format_info}); only WAV files are supported.")
+    info = _wav_info(path)
     if info.frames == 0:
         raise ValueError(f"{path} is empty: there is no audio to transcribe.")
     return WavWindows(path, info) if info.samplerate == SAMPLE_RATE else read_wav(path)
