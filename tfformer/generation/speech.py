@@ -31,6 +31,16 @@ def _check_ids(name, ids, vocabulary_size, allow_empty=True):
     return ids
 
 
+def _suppression_biases(vocabulary_size, suppress_ids, suppress_ids_begin):
+    """`(V,)` float32 biases added to the logits, checked ids at -inf: `suppress_ids` at every step, and also
+    `suppress_ids_begin` at the first."""
+    every_step = np.zeros([vocabulary_size], np.float32)  # (V,)
+    every_step[_check_ids("suppress_ids", suppress_ids, vocabulary_size)] = -np.inf
+    first_step = every_step.copy()
+    first_step[_check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size)] = -np.inf
+    return every_step, first_step
+
+
 def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
                      end_id=WHISPER_END_ID, sampler=None):
     """The (untraced) decoding function `input_features (B, F, M) -> ids (B, max_new_tokens)` of a Whisper `model`.
@@ -47,10 +57,7 @@ def speech_decode_fn(model, max_new_tokens, prompt=WHISPER_PROMPT, suppress_ids=
     check_int("end_id", end_id, minimum=0, maximum=vocabulary_size - 1, numpy=True,
               expected=f"an id in [0, vocabulary_size={vocabulary_size})")
     end_id, sampler, prompt_length = int(end_id), samplers.get(sampler), len(prompt)
-    every_step = np.zeros([vocabulary_size], np.float32)  # (V,), added to the logits
-    every_step[_check_ids("suppress_ids", suppress_ids, vocabulary_size)] = -np.inf
-    first_step = every_step.copy()
-    first_step[_check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size)] = -np.inf
+    every_step, first_step = _suppression_biases(vocabulary_size, suppress_ids, suppress_ids_begin)
     beams = sampler.beams
 
     def run(input_features):
@@ -173,10 +180,8 @@ def timestamp_decode_fn(model, max_new_tokens, ids, suppress_ids=(), suppress_id
     sampler = samplers.get(sampler)
     if sampler.beams > 1:
         raise ValueError(f"Timestamped decoding takes beam_size=1 (greedy or sampled). Received: {sampler!r}")
-    every_step = np.zeros([vocabulary_size], np.float32)  # (V,), added to the logits
-    every_step[_check_ids("suppress_ids", suppress_ids, vocabulary_size)] = -np.inf
-    first_step = every_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
-    first_step[_check_ids("suppress_ids_begin", suppress_ids_begin, vocabulary_size)] = -np.inf
+    every_step, first_step = _suppression_biases(vocabulary_size, suppress_ids, suppress_ids_begin)
+    first_step = first_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
 
     def run(input_features, prompt_ids):
         batch, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
