@@ -48,6 +48,7 @@ setup(
             "sacrebleu",
             "srt",  # the subtitle tests parse `tfformer transcribe --format srt/vtt` files with these
             "webvtt-py",
+            "scipy",  # independent references in tests (the timestamp aligner's median filter)
             "ruff==0.17.5",
         ],
         "gpu": ["tensorflow[and-cuda]>=2.18,<3"],
