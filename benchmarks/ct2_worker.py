@@ -23,7 +23,7 @@ import time
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import torch_worker  # noqa: E402  (standard library only)
+from benchmarks import torch_worker  # standard library only
 
 MODULES = ("ctranslate2", "faster_whisper")
 LABEL = "faster-whisper"  # how a skip is announced: "faster-whisper rows skipped: ..."

@@ -20,7 +20,7 @@ import time
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, torch_worker  # noqa: E402
+from benchmarks import common, torch_worker
 
 
 def worker_main(system, spec):

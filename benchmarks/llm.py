@@ -151,7 +151,7 @@ def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quant
         start = time.perf_counter()
         try:
             export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens, quantize=quantize)
-        except Exception as error:  # noqa: BLE001  (any failure of the export is the reason for the skip)
+        except Exception as error:  # any failure of the export is the reason for the skip
             return None, f"tfformer.export.tflite_decoder failed on this model: {type(error).__name__}: " \
                          f"{str(error)[:300]}"
         export_seconds = time.perf_counter() - start
@@ -200,7 +200,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads):
         start = time.perf_counter()
         try:
             export.litertlm(model, path, quantize="int4")
-        except Exception as error:  # noqa: BLE001  (any failure of the export is the reason for the skip)
+        except Exception as error:  # any failure of the export is the reason for the skip
             return None, f"tfformer.export.litertlm failed: {type(error).__name__}: {str(error)[:300]}"
         export_seconds = time.perf_counter() - start
         done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),

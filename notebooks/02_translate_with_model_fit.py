@@ -29,7 +29,7 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-from tfformer import training  # noqa: E402
+from tfformer import training
 
 strategy = training.get_strategy(replicas=2)
 print("replicas in sync:", strategy.num_replicas_in_sync)

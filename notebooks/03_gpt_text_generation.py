@@ -24,14 +24,14 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import time  # noqa: E402
+import time
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from IPython.display import display  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from IPython.display import display
 
-from tfformer import data, generation, models, training, viz  # noqa: E402
+from tfformer import data, generation, models, training, viz
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 if QUICK:

@@ -24,18 +24,18 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_text  # noqa: E402,F401  (registers the tokenizer ops the SavedModel uses)
+import keras
+import numpy as np
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the tokenizer ops the SavedModel uses)
 
-from tfformer import data, export, models, training  # noqa: E402
+from tfformer import data, export, models, training
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 if QUICK:

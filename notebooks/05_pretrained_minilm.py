@@ -22,15 +22,15 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import json  # noqa: E402
-import time  # noqa: E402
+import json
+import time
 
-import numpy as np  # noqa: E402
-from IPython.display import display  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import numpy as np
+from IPython.display import display
+from matplotlib.figure import Figure
 
-import tfformer  # noqa: E402
-from tfformer import models  # noqa: E402
+import tfformer
+from tfformer import models
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 t = time.monotonic()

@@ -32,18 +32,18 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import hashlib  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import hashlib
+import shutil
+import tempfile
+import time
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from IPython.display import display  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from IPython.display import display
+from matplotlib.figure import Figure
 
-from tfformer import data, edge, export, generation, models, training  # noqa: E402
+from tfformer import data, edge, export, generation, models, training
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 NEW_TOKENS = 24  # the longest reply asked for

@@ -18,7 +18,7 @@ def gradient_recording():
     IdentityN ops sit between ops that grappler fuses. TensorFlow has no public way to ask whether a tape is
     active (`tf.autodiff` exposes tapes, not whether one is recording).
     """
-    from tensorflow.python.eager import record  # noqa: PLC0415 (no public equivalent)
+    from tensorflow.python.eager import record  # no public equivalent
 
     return bool(record.could_possibly_record())
 
@@ -29,7 +29,7 @@ def optimization_barrier(*tensors):
     Why: a decode loop carries loop-invariant narrow (bfloat16) weights through it, so that XLA does not hoist
     their conversion to float32 out of the loop. TensorFlow exposes the op only under `tensorflow.compiler`.
     """
-    from tensorflow.compiler.tf2xla.python import xla  # noqa: PLC0415 (no public name)
+    from tensorflow.compiler.tf2xla.python import xla  # no public name
 
     return tuple(xla.optimization_barrier(*tensors))
 

@@ -32,10 +32,10 @@ import polib
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from edge_parity import PRINTF, cpu_model, kept, work_dir  # noqa: E402
+from edge_parity import PRINTF, cpu_model, kept, work_dir
 
-from tfformer.data import corpora  # noqa: E402
-from tfformer.recipes import rundir, translation  # noqa: E402
+from tfformer.data import corpora
+from tfformer.recipes import rundir, translation
 
 
 def catalogs_by_test_messages(language, order="messages", locale_dir=corpora.DEFAULT_LOCALE_DIR):

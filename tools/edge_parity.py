@@ -34,9 +34,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tfformer import edge, export, training  # noqa: E402
-from tfformer.data import placeholders  # noqa: E402
-from tfformer.recipes import rundir, translation  # noqa: E402
+from tfformer import edge, export, training
+from tfformer.data import placeholders
+from tfformer.recipes import rundir, translation
 
 QUANTIZATIONS = {"float32": None, "int8": "dynamic"}
 

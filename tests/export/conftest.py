@@ -1,6 +1,6 @@
 import pytest
 
-from tests.harness import spread  # noqa: F401  (re-exported for the export tests)
+from tests.harness import spread  # re-exported for the export tests
 from tfformer import data, models
 
 PAIRS = [("open the file", "Datei öffnen"), ("close the file", "Datei schließen"),

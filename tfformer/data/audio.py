@@ -173,7 +173,7 @@ def prepare_waveform(waveform, sample_rate, name="waveform"):
                           stacklevel=2)
         waveform = waveform.mean(axis=1, dtype=np.float32)
     if sample_rate != SAMPLE_RATE:
-        import soxr  # noqa: PLC0415 (only needed off the 16 kHz path)
+        import soxr  # only needed off the 16 kHz path
 
         waveform = soxr.resample(waveform, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
     return waveform
@@ -181,7 +181,7 @@ def prepare_waveform(waveform, sample_rate, name="waveform"):
 
 def _wav_info(path):
     """`soundfile.info` of `path`, checked: a file, readable, a WAV (a ValueError naming the file otherwise)."""
-    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+    import soundfile  # keeps `tfformer.data` importable without libsndfile
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"`path` is not a file. Received: path={path!r}")
@@ -204,7 +204,7 @@ def read_wav(path):
         float32 array `(samples,)` at 16 kHz, samples in [-1, 1]. Stereo and multichannel files are mixed
         down to mono by averaging the channels, with a warning; other sample rates are resampled.
     """
-    import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+    import soundfile  # keeps `tfformer.data` importable without libsndfile
 
     _wav_info(path)
     waveform, sample_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (samples, channels)
@@ -284,7 +284,7 @@ class WavWindows:
         return self.info.frames
 
     def __getitem__(self, window):
-        import soundfile  # noqa: PLC0415 (keeps `tfformer.data` importable without libsndfile)
+        import soundfile  # keeps `tfformer.data` importable without libsndfile
 
         if not isinstance(window, slice) or window.step not in (None, 1):
             raise ValueError(f"WavWindows take a slice [start:stop]. Received: {window!r}")

@@ -265,7 +265,7 @@ def format_transcript(segments, format):
     if format == "txt":
         return "".join(f"{s.text}\n" for s in segments)
     if format == "json":
-        import json  # noqa: PLC0415 (only for this format)
+        import json  # only for this format
 
         items = [{"start": s.start, "end": s.end, "text": s.text} for s in segments]
         for item, s in zip(items, segments):
@@ -323,7 +323,7 @@ def merge_punctuations(alignment):
 def _aligned_words(model, features, pieces, window_frames):
     """The window's words as dicts (word, start, end, tokens; seconds from the window's start), long words at
     sentence ends cut to twice the median word duration, punctuation merged; and that median (at most 0.7 s)."""
-    from tfformer.models import alignment  # noqa: PLC0415 (only with word timestamps)
+    from tfformer.models import alignment  # only with word timestamps
 
     text_tokens = [token for _, _, tokens in pieces for token in tokens if token < model.end_id]
     found = alignment.word_times(model, features, text_tokens, window_frames, model.alignment_heads,

@@ -371,7 +371,7 @@ def _run_group(servable, key, selected, options, metrics, tasks):
         for task in tasks:
             task.future.set_exception(error)
         return
-    except Exception as error:  # noqa: BLE001  (every request of the batch must get an answer)
+    except Exception as error:  # every request of the batch must get an answer
         log.exception("Batch of %d requests to %s version %d failed", len(tasks), servable.name, servable.version)
         for task in tasks:
             task.future.set_exception(internal(f"{type(error).__name__}: {error}"))

@@ -82,7 +82,7 @@ def from_tensor_proto(alias, proto):
     """`TensorProto` -> numpy (`Tensor::FromProto`); INVALID_ARGUMENT `tensor parsing error: <alias>`."""
     try:
         return tf.make_ndarray(proto)
-    except Exception:  # noqa: BLE001  (any malformed proto is a client error)
+    except Exception:  # any malformed proto is a client error
         raise invalid_argument(f"tensor parsing error: {alias}") from None
 
 
@@ -127,7 +127,7 @@ class _Base:
             error = ServingError(Code.DEADLINE_EXCEEDED, TIMEOUT_MESSAGE)
         except ServingError as caught:
             error = caught
-        except Exception as caught:  # noqa: BLE001
+        except Exception as caught:
             log.exception("Error in %s", api)
             error = ServingError(Code.INTERNAL, f"{type(caught).__name__}: {caught}")
         if self.access_log is not None:

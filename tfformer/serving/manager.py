@@ -309,7 +309,7 @@ class ModelManager:
                 if self.enable_model_warmup:  # still LOADING: no request reaches it before it is warm
                     warmup.run_warmup(servable, version.path, max(self.num_request_iterations_for_warmup, 1))
                 break
-            except Exception as exc:  # noqa: BLE001  (any load failure is reported in the version's status)
+            except Exception as exc:  # any load failure is reported in the version's status
                 servable, error = None, exc
                 log.error("Loading servable %s version %d failed (attempt %d): %s", version.model.name,
                           version.version, attempt + 1, exc)

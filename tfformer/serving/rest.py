@@ -105,7 +105,7 @@ class RestApiHandler:
             error = invalid_argument("JSON Value: nested too deeply to be processed")
         except ServingError as caught:
             error = caught
-        except Exception as caught:  # noqa: BLE001  (a bug must still answer with a JSON error)
+        except Exception as caught:  # a bug must still answer with a JSON error
             log.exception("Error processing %s %s", method, path)
             error = ServingError(Code.INTERNAL, f"{type(caught).__name__}: {caught}")
         info["error"] = error.message
@@ -282,7 +282,7 @@ class RestApp:
         if isinstance(result, Deferred):
             try:
                 await asyncio.wrap_future(result.future)
-            except Exception:  # noqa: BLE001  (`finish` reports the request's error)
+            except Exception:  # `finish` reports the request's error
                 pass
             result = await asyncio.get_running_loop().run_in_executor(self.executor, self.handler.finish, result,
                                                                       info)

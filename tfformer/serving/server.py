@@ -281,7 +281,7 @@ class Server:
                     log.info("Reloading %s", self.model_config_file)
                     self.manager.reload_config(new)
                     current = new.SerializeToString()
-            except Exception as error:  # noqa: BLE001  (a bad edit must not stop the server)
+            except Exception as error:  # a bad edit must not stop the server
                 log.error("Could not apply %s: %s", self.model_config_file, error)
 
     # ---------------------------------------------------------------------------------------
