@@ -49,6 +49,18 @@ def check_number(name, value, above=None, at_least=None, below=None, at_most=Non
         _fail(name, value, expected or " ".join(["a number", " and ".join(bounds)]).strip(), allow_none)
 
 
+def check_messages(messages):
+    """`messages` must be a non-empty list of `{"role": str, "content": str}` dicts."""
+    if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError('`messages` must be a non-empty list of {"role": ..., "content": ...} dicts. '
+                         f"Received: messages={messages!r:.120}")
+    for i, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise ValueError(f'`messages[{i}]` must be a dict with str "role" and "content". Received: '
+                             f"{message!r:.120}")
+
+
 def _int_range(minimum, maximum):
     if maximum is not None:
         return f"an integer <= {maximum}" if minimum is None else f"an integer in [{minimum}, {maximum}]"

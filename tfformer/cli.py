@@ -109,9 +109,9 @@ def _finetune(args):
 
 
 def _chat(args):
-    from tfformer import models
+    from tfformer import edge, models
 
-    lm = models.from_preset(args.run or args.preset)
+    lm = edge.Chat(args.litertlm) if args.litertlm else models.from_preset(args.run or args.preset)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = not args.message and sys.stdin.isatty()
     lines = iter(args.message or sys.stdin)
@@ -457,6 +457,8 @@ COMMANDS = {
         _one_of(
             _argument("--preset", default="smollm2-135m-instruct", help="default: %(default)s"),
             _argument("--run", help="a preset directory of a chat model"),
+            _argument("--litertlm", help="a .litertlm bundle (`tfformer export --format litertlm`), run by "
+                      "LiteRT-LM's runtime"),
         ),
         _argument("--message", action="append", help="a user turn; repeat for several (default: read stdin)"),
         _argument("--system", help="a system message before the first turn"),

@@ -223,3 +223,28 @@ def test_135m_bundles_answer_in_litert_lm(tmp_path):
             new = greedy[:16]
             new = new[: min([new.index(i) for i in (0, 2) if i in new] + [len(new)])]
             assert text == tokenizer.detokenize(np.array(new, np.int32)).numpy().decode("utf-8")
+
+
+def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):
+    """`tfformer.edge.Chat` and `tfformer chat --litertlm`: LiteRT-LM renders the bundle's chat template and decodes
+    greedily, giving `CausalLM.chat`'s reply (the history included), streamed or whole."""
+    from tfformer import cli, edge
+
+    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, prefill_lengths=(4, 16))
+    turn = {"role": "user", "content": "open the file"}
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": " the"},
+               {"role": "user", "content": "and"}]  # 48 tokens with the template: 6 more fit the context of 60
+    with edge.Chat(bundle) as chat:
+        for messages in ([turn], [{"role": "system", "content": "a"}, turn], history):
+            reply = lm.chat(messages, max_new_tokens=6, jit_compile=False)
+            assert chat.chat(messages, max_new_tokens=6) == reply, messages
+            assert "".join(chat.chat(messages, max_new_tokens=6, stream=True)) == reply
+        with pytest.raises(ValueError, match="`messages` must end with a"):
+            chat.chat(history[:2])
+        with pytest.raises(ValueError, match="`max_new_tokens` must be a positive integer"):
+            chat.chat([turn], max_new_tokens=0)
+    with pytest.raises(FileNotFoundError, match="`path` must be a .litertlm file"):
+        edge.Chat(str(tmp_path / "missing.litertlm"))
+    capsys.readouterr()
+    assert cli.main(["chat", "--litertlm", bundle, "--message", "open the file", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == lm.chat([turn], max_new_tokens=6, jit_compile=False) + "\n"

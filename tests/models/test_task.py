@@ -170,7 +170,7 @@ def test_bad_input_is_named(code_tokenizer, tmp_path):
 
 @pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]])
 def test_malformed_chat_messages_are_named(messages):
-    from tfformer.models.causal_lm import check_messages
+    from tfformer.checks import check_messages
 
     with pytest.raises(ValueError, match="messages"):
         check_messages(messages)

@@ -4,7 +4,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfformer import generation, layers
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_messages
 from tfformer.generation.decode import cached_function
 from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base, task
@@ -201,18 +201,6 @@ def _embed(token_embedding, position, token_ids, start_index=0):
     if position is None:
         return token_embedding(token_ids)
     return base.embed_tokens(token_embedding, position, token_ids, start_index=start_index)
-
-
-def check_messages(messages):
-    """`messages` must be a non-empty list of `{"role": str, "content": str}` dicts."""
-    if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError('`messages` must be a non-empty list of {"role": ..., "content": ...} dicts. '
-                         f"Received: messages={messages!r:.120}")
-    for i, message in enumerate(messages):
-        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)):
-            raise ValueError(f'`messages[{i}]` must be a dict with str "role" and "content". Received: '
-                             f"{message!r:.120}")
 
 
 def build_causal_lm(config, dtype=None):
