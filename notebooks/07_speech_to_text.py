@@ -27,23 +27,23 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import json
+import shutil
+import subprocess
+import tempfile
+import time
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_text  # noqa: E402,F401  (registers the tokenizer ops the SavedModel uses)
-from IPython.display import display  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the tokenizer ops the SavedModel uses)
+from IPython.display import display
+from matplotlib.figure import Figure
 
-import tfformer  # noqa: E402
-from tfformer import edge, export, models  # noqa: E402
-from tfformer.data import audio  # noqa: E402
-from tfformer.generation import speech  # noqa: E402
-from tfformer.models import base  # noqa: E402
+import tfformer
+from tfformer import edge, export, models
+from tfformer.data import audio
+from tfformer.generation import speech
+from tfformer.models import base
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"
 work_dir = tempfile.mkdtemp(prefix="tfformer-07-")
