@@ -349,15 +349,16 @@ def _output_directory(out):
     return out
 
 
-def _transcribe_files(asr, args):
-    """`--format`: each file's timestamped segments as a transcript file in `--out` (DIR/<name>.<format>), or on
-    standard output."""
+def _transcribe_files(asr, args, sources):
+    """`--format`: each file's timestamped segments (from its `audio.open_wav` source, opened once) as a transcript
+    file in `--out` (DIR/<name>.<format>), or on standard output."""
     from tfformer.files import write_atomic
     from tfformer.models import transcript
 
-    options = {"word_timestamps": True} if args.word_timestamps else {}
-    for path in args.files:
-        segments = asr.segments(path, max_new_tokens=args.max_new_tokens, **options)
+    options = transcript.TranscriptOptions.from_kwargs(max_new_tokens=args.max_new_tokens,
+                                                       word_timestamps=args.word_timestamps)
+    for path, source in zip(args.files, sources):
+        segments = transcript.segments(asr, source, options)
         text = transcript.format_transcript(segments, args.format)
         if args.out is None:
             print(text, end="")
@@ -392,7 +393,7 @@ def _transcribe(args):
         raise ValueError(f"`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'. Received: "
                          f"{args.preset!r}")
     if args.format is not None:
-        return _transcribe_files(asr, args)
+        return _transcribe_files(asr, args, waveforms)
     texts = asr.transcribe(waveforms, sample_rate=audio.SAMPLE_RATE, max_new_tokens=args.max_new_tokens,
                            batch_size=args.batch_size, beam_size=args.beam_size)
     for path, text in zip(args.files, texts):
