@@ -14,6 +14,12 @@ clip, one after another, per round; "seconds per audio second" is a round's time
   features made beforehand (no feature extraction, no faster-whisper pipeline): the engine's own floor.
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Transcriber`
   (log-mel features in numpy, the tokenizer on the host), with the same thread count.
+- Long-form (issue 53), once per round as well: the 186-s recording of tests/fixtures/speech/segments.json (the
+  clips with pauses of 0.3-3 s between them), transcribed with timestamps as faster-whisper does by default:
+  `tfformer ... .segments(waveform, sample_rate=16000)` (windows moved by the last timestamp, each conditioned on
+  the text before it, temperature fallback) against faster-whisper float32's `transcribe(beam_size=1,
+  condition_on_previous_text=True, vad_filter=False)`. Its rows (`asr_long`) give the word error rate against the
+  sentences spoken and the share of faster-whisper's segments whose start and end ours match within 0.5 s.
 The transcripts are checked too: each system's word error rate against the manifest's texts (`word_error_rate`,
 corpus-level as jiwer computes it, on the manifest's normalization) and how many transcripts equal the manifest's
 CTranslate2 float32 reference. Peak memory: this process's (tfformer; VmHWM) and the worker's, after loading and
@@ -28,6 +34,8 @@ import json
 import os
 import tempfile
 
+import numpy as np
+
 from benchmarks import common, ct2_worker, peers
 from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 
@@ -40,6 +48,8 @@ SPEEDUP_TARGET = 1.0  # tfformer float32 at least as fast as faster-whisper floa
 TFLITE_INT8_TARGET = 1.5  # TFLite int8 time within 1.5x of CTranslate2 int8's
 TFLITE = "tflite int8 (tfformer.edge)"
 TFFORMER = ("tfformer float32", "tfformer float32 xla")  # this process's rows, with TFLITE; the rest: the worker's
+LONG = ("tfformer float32 long-form", "faster-whisper float32 long-form")  # timestamped, previous text as prompt
+LONG_TARGET = 1.0  # tfformer's long-form at least as fast as faster-whisper float32's
 
 
 def load_clips(count=None):
@@ -56,6 +66,51 @@ def load_clips(count=None):
             raise ValueError(f"{clip['file']}: expected 16 kHz mono, got {rate} Hz, shape {audio.shape}")
         waveforms.append(audio)
     return clips, waveforms
+
+
+def long_recording(count=None):
+    """`(waveform, the sentences spoken)` of the long recording in tests/fixtures/speech/segments.json, rebuilt as
+    tools/make_whisper_segments_fixture.py built it (each clip after its pause of zeros): its first `count` pieces
+    (all: 186 s)."""
+    import soundfile
+
+    with open(os.path.join(SPEECH_DIR, "segments.json"), encoding="utf-8") as f:
+        plan = json.load(f)["recording"]["pieces"][:count]
+    with open(os.path.join(SPEECH_DIR, "manifest.json"), encoding="utf-8") as f:
+        spoken = {clip["file"]: clip["text"] for clip in json.load(f)["clips"]}
+    pieces = []
+    for name, pause in plan:
+        audio, _ = soundfile.read(os.path.join(SPEECH_DIR, name), dtype="float32")
+        pieces += [np.zeros(pause, np.float32), audio]
+    return np.concatenate(pieces), " ".join(spoken[name] for name, _ in plan)
+
+
+def boundary_agreement(found, expected, tolerance=0.5):
+    """The share of `expected` segments `[start, end, text]` that a `found` one matches, start and end each within
+    `tolerance` seconds (issue 53's measure)."""
+    hits = sum(any(abs(a[0] - b[0]) <= tolerance and abs(a[1] - b[1]) <= tolerance for a in found)
+               for b in expected)
+    return hits / max(len(expected), 1)
+
+
+def long_form_rows(times, texts, segments, spoken, audio_seconds, worker, load_peak):
+    """The `asr_long` rows of the long recording: speed, word error rate against `spoken`, and (with the worker)
+    how many of faster-whisper's segment boundaries ours match within 0.5 s."""
+    rows = []
+    for name in (n for n in LONG if n in times):
+        seconds = common.median(times[name])
+        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
+        if name == LONG[1]:
+            extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"]}
+        elif LONG[1] in segments:
+            extra["boundaries_within_0_5s"] = round(boundary_agreement(segments[name], segments[LONG[1]]), 4)
+        rows.append(common.emit({
+            "bench": "asr_long", "system": name, "audio_seconds": round(audio_seconds, 2),
+            "seconds": common.significant(seconds),
+            "seconds_per_audio_second": common.significant(seconds / audio_seconds),
+            "segments": len(segments[name]),
+            "wer": round(word_error_rate([normalize(spoken)], [normalize(texts[name][0])]), 4), **extra}))
+    return rows
 
 
 def model_dir():
@@ -86,6 +141,8 @@ def main(argv=None):
     if not common.set_tf_threads(threads):
         print(f"note: TensorFlow's runtime was already up with another intra-op thread count than {threads}")
     clips, waveforms = load_clips(2 if args.smoke else None)
+    long_audio, spoken = long_recording(3 if args.smoke else None)
+    long_seconds = len(long_audio) / SAMPLE_RATE
     repeats = 1 if args.smoke else 3
     audio_seconds = sum(len(w) for w in waveforms) / SAMPLE_RATE
     directory = model_dir()
@@ -96,12 +153,12 @@ def main(argv=None):
     from tfformer import models
 
     spec = {"model_dir": directory, "threads": threads, "compute_types": ["float32", "int8"]}
-    arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)}
+    arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)} | {"long": long_audio}
     with ct2_worker.start(spec, arrays, args.ct2_python) as pending:
         asr = models.from_preset(PRESET)
         load_peak = common.peak_rss_mb()
         worker = pending.ready()
-        texts = {}
+        texts, segments = {}, {}
 
         def ours(jit):
             def call():
@@ -123,7 +180,19 @@ def main(argv=None):
         def tflite_call():
             texts[TFLITE] = [transcriber.transcribe(w, sample_rate=SAMPLE_RATE) for w in waveforms]
         calls[TFLITE] = common.timed(tflite_call)
+
+        def long_call():
+            found = list(asr.segments(long_audio, sample_rate=SAMPLE_RATE))  # the generator decodes here
+            segments[LONG[0]] = [[s.start, s.end, s.text] for s in found]
+            texts[LONG[0]] = [" ".join(s.text for s in found)]
+        calls[LONG[0]] = common.timed(long_call)
+
+        def long_theirs():
+            seconds = worker.run("float32 long")
+            texts[LONG[1]], segments[LONG[1]] = worker.last_reply["texts"], worker.last_reply["segments"]
+            return seconds
         if worker is not None:
+            calls[LONG[1]] = long_theirs
             for compute_type in spec["compute_types"]:
                 calls[f"faster-whisper {compute_type}"] = theirs(compute_type, f"faster-whisper {compute_type}")
                 calls[f"ctranslate2 {compute_type} model only"] = theirs(f"{compute_type} model",
@@ -135,6 +204,8 @@ def main(argv=None):
     reference_transcripts = [c["transcript"] for c in clips]
     rows = []
     for name, values in times.items():
+        if name in LONG:
+            continue
         seconds = common.median(values)
         extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
         if name not in (*TFFORMER, TFLITE):  # a faster-whisper row: the worker's process
@@ -176,12 +247,19 @@ def main(argv=None):
         goals.append(common.goal(f"asr TFLite int8 time <= {TFLITE_INT8_TARGET}x faster-whisper int8's",
                                  1 / tflite_ratio, TFLITE_INT8_TARGET, at_least=False,
                                  rows=[TFLITE, "faster-whisper int8"], reading="TFLite seconds / faster-whisper's"))
+        goals.append(common.goal(f"asr long-form timestamped tfformer >= {LONG_TARGET}x faster-whisper float32",
+                                 ratio(*LONG), LONG_TARGET, rows=list(LONG), reading="long-form rows"))
+    long_rows = long_form_rows(times, texts, segments, spoken, long_seconds, worker, load_peak)
     print()
     print(common.table(rows, ["system", "seconds_per_audio_second", "seconds", "wer", "same_as_reference",
                               "peak_rss_mb", "load_peak_rss_mb"]))
     reference_wer = word_error_rate(references, [normalize(t) for t in reference_transcripts])
     print(f"{len(clips)} clips, {audio_seconds:.1f} s of audio; {threads} threads per system; the manifest's "
           f"CTranslate2 float32 transcripts: WER {reference_wer:.4f}")
+    print()
+    print(common.table(long_rows, ["system", "seconds_per_audio_second", "seconds", "segments", "wer",
+                                   "boundaries_within_0_5s", "peak_rss_mb"]))
+    print(f"long-form: one recording of {long_seconds:.1f} s, timestamps, conditioned on the previous text")
     if ratio_rows:
         print()  # > 1: tfformer faster
         print(common.table(ratio_rows, ["tfformer", "versus", "ratio", "per round"]))

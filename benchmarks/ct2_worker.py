@@ -10,7 +10,9 @@ compute type on load) and prints `{"ready": ...}` with its peak memory after loa
 after another, and it prints the seconds, its peak memory and the texts; `float32 model` / `int8 model` time the
 model alone: CTranslate2's `encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures
 were recorded: greedy (`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`,
-`condition_on_previous_text=False`, no VAD.
+`condition_on_previous_text=False`, no VAD. `float32 long` / `int8 long` transcribe the spec's `long` array (the
+long recording) as issue 53's reference was recorded: timestamps on, `condition_on_previous_text=True`, greedy with
+faster-whisper's temperature fallback, no VAD; it prints the seconds, the text and the segments `[start, end, text]`.
 
     python benchmarks/ct2_worker.py whisper '{"model_dir": ..., "threads": 2, "compute_types": [...], ...}'
 """
@@ -30,6 +32,8 @@ LABEL = "faster-whisper"  # how a skip is announced: "faster-whisper rows skippe
 # faster-whisper's `transcribe` options that match the fixtures' reference decoding.
 TRANSCRIBE_OPTIONS = {"beam_size": 1, "temperature": 0.0, "without_timestamps": True,
                       "condition_on_previous_text": False, "vad_filter": False}
+# Long-form, timestamped: tools/make_whisper_segments_fixture.py's options (the rest: faster-whisper's defaults).
+LONG_OPTIONS = {"beam_size": 1, "condition_on_previous_text": True, "vad_filter": False, "language": "en"}
 # The same decoding as one CTranslate2 call (tools/make_whisper_fixture.py's, which checks the two agree).
 GENERATE_OPTIONS = {"beam_size": 1, "max_length": 448, "suppress_blank": True, "suppress_tokens": [-1]}
 
@@ -43,7 +47,8 @@ def worker_main(system, spec):
     from faster_whisper.audio import pad_or_trim
     from faster_whisper.tokenizer import Tokenizer
 
-    waveforms = [audio for _, audio in sorted(torch_worker._load(spec["arrays"]).items())]
+    arrays = torch_worker._load(spec["arrays"])
+    waveforms = [audio for name, audio in sorted(arrays.items()) if name.startswith("clip_")]
     models = {compute_type: faster_whisper.WhisperModel(spec["model_dir"], device="cpu", compute_type=compute_type,
                                                         cpu_threads=spec["threads"], num_workers=1)
               for compute_type in spec["compute_types"]}
@@ -62,11 +67,17 @@ def worker_main(system, spec):
         command = line.strip()
         if command == "quit":
             break
-        compute_type, *model_only = command.split()
+        compute_type, *kind = command.split()
         model = models[compute_type]
         start = time.perf_counter()
         texts = []
-        if model_only:
+        if kind == ["long"]:
+            segments, _ = model.transcribe(arrays["long"], **LONG_OPTIONS)
+            segments = [[s.start, s.end, s.text.strip()] for s in segments]  # the generator decodes here
+            torch_worker.reply(time.perf_counter() - start, texts=[" ".join(s[2] for s in segments)],
+                               segments=segments)
+            continue
+        if kind:
             for feature in features:
                 result = model.model.generate(model.model.encode(feature), [prompt], **GENERATE_OPTIONS)[0]
                 texts.append(tokenizer.decode(result.sequences_ids[0]).strip())
