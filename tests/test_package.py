@@ -36,6 +36,9 @@ ALLOWED = {
 # Modules every package may import: argument checks, the special token ids, atomic file writes. They import no
 # other tfformer module, so they sit below every package of ALLOWED.
 FOUNDATIONS = ("checks.py", "tokens.py", "files.py")
+# Modules the host loops (tfformer.edge) share with the graphs, without TensorFlow: they import numpy and the
+# foundations only.
+TF_FREE = ("timestamps.py",)
 
 
 def _tfformer_imports(path):
@@ -65,6 +68,17 @@ def test_imports_flow_one_way():
 def test_foundations_import_nothing_from_tfformer():
     for name in FOUNDATIONS:
         assert list(_tfformer_imports(ROOT / name)) == [], f"tfformer/{name} must import no tfformer module"
+
+
+def test_tf_free_modules_import_no_tensorflow():
+    foundations = {name.removesuffix(".py") for name in FOUNDATIONS}
+    for name in TF_FREE + FOUNDATIONS:
+        tree = ast.parse((ROOT / name).read_text())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        tops = {module.split(".")[0] for module in modules}
+        assert not tops & {"tensorflow", "keras", "tensorflow_text"}, f"tfformer/{name} imports {sorted(tops)}"
+        assert set(_tfformer_imports(ROOT / name)) <= foundations, f"tfformer/{name} imports more than the foundations"
 
 
 def test_allowed_imports_have_no_cycle():

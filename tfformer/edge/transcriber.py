@@ -2,12 +2,29 @@
 
 The file holds the encoder (log-mel features in) and a KV-cached `decode_step`; the host computes the log-mel
 features in numpy, adds Whisper's token suppression to each step's logits, picks the greedy token, and
-detokenizes with the byte-level BPE (`tfformer.data.BytePairTokenizer`, whose ops are not TFLite ops).
+detokenizes with the byte-level BPE (`tfformer.data.BytePairTokenizer`, whose ops are not TFLite ops). With
+timestamps, the host applies Whisper's timestamp rules and moves its window as the Keras path does, with the same
+TensorFlow-free pieces (`tfformer.timestamps`).
 """
+
+import collections
 
 import numpy as np
 
 from tfformer.checks import check_int
+from tfformer.timestamps import (
+    MAX_INITIAL_TIMESTAMP,
+    NONE,
+    Segment,
+    first_step_bias,
+    is_silence,
+    log_softmax,
+    split_by_timestamps,
+    start_sequence,
+    timestamp_ids,
+    timestamp_rules,
+    window_prompt,
+)
 from tfformer.tokens import cut_at_end
 
 SAMPLE_RATE = 16000
@@ -53,7 +70,9 @@ class Transcriber:
 
     Runs the file's `encode` signature once per 30-second window and its `decode_step` once per token (the
     prompt is fed one id per call: fixed shapes), with greedy choice after Whisper's suppression. The prompt,
-    end id and suppressed ids are read from the file.
+    end id and suppressed ids are read from the file. `transcribe(audio, timestamps=True)` (or `segments`) gives
+    timestamped `tfformer.timestamps.Segment`s: the file's `decode_step` takes any prompt, so the timestamp prompt
+    (and the previous text) goes in as it is.
 
     The caches stay in the interpreter: `decode_step` is the file's main subgraph, whose input tensors keep
     their contents between runs, so each window's cross-attention keys/values are set once, and each step
@@ -72,6 +91,7 @@ class Transcriber:
     tfformer.export.tflite_decoder(asr, "whisper.tflite", quantize="dynamic")
     edge = tfformer.edge.Transcriber("whisper.tflite", tokenizer=asr.preprocessor)
     edge.transcribe("clip.wav")                      # "The quick brown fox ..."
+    edge.transcribe("meeting.wav", timestamps=True)  # [Segment(start=0.0, end=3.0, text="The quick ..."), ...]
     ```
     """
 
@@ -135,35 +155,16 @@ class Transcriber:
     def transcribe_ids(self, input_features, max_new_tokens=None):
         """Greedy ids after the prompt for one window of log-mel features `(1, 3000, 80)` (or `(3000, 80)`),
         ending with `end_id` unless `max_new_tokens` (default: what fits the cache after the prompt) ran out."""
-        features = np.asarray(input_features, np.float32)
-        if features.shape == self.input_shape[1:]:
-            features = features[None]  # (1, F, M)
-        if features.shape != self.input_shape:
-            raise ValueError(f"`input_features` must have shape {self.input_shape} (one window). Received: "
-                             f"shape={np.shape(input_features)}")
+        features = self._check_features(input_features)
         room = self.max_length - len(self.prompt)
         if max_new_tokens is None:
             max_new_tokens = room
         check_int("max_new_tokens", max_new_tokens, maximum=room, numpy=True,
                   expected=f"an integer in [1, {room}] (the file's cache of {self.max_length} positions after the "
                            "prompt)")
-        interpreter = self.interpreter
-        cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
-        for layer, pair in enumerate(self._cross):
-            for half, tensor in enumerate(pair):
-                interpreter.set_tensor(tensor, np.ascontiguousarray(cross_cache[layer, :, half]))  # (1, K, S_src, H)
-        interpreter.tensor(self._cache)().fill(0.0)  # views of the interpreter's buffers live for one statement
-
-        def step(token, index):
-            interpreter.set_tensor(self._token, np.array([[token]], np.int32))
-            interpreter.set_tensor(self._index, np.array(index, np.int32))
-            interpreter.invoke()
-            new_cache = interpreter.get_tensor(self._new_cache)  # (L, 1, 2, K, 1, H)
-            interpreter.tensor(self._cache)()[..., index, :] = new_cache[..., 0, :]
-            return interpreter.get_tensor(self._logits)[0, -1]
-
+        self._start_window(features)
         for index, token in enumerate(self.prompt):  # prefill, one id per call
-            logits = step(token, index)
+            logits = self._step(token, index)
         new = []
         bias = self._first_step
         while True:
@@ -171,8 +172,80 @@ class Transcriber:
             new.append(token)
             if token == self.end_id or len(new) == max_new_tokens:
                 return new
-            logits = step(token, len(self.prompt) + len(new) - 1)
+            logits = self._step(token, len(self.prompt) + len(new) - 1)
             bias = self._every_step
+
+    def _check_features(self, input_features):
+        features = np.asarray(input_features, np.float32)
+        if features.shape == self.input_shape[1:]:
+            features = features[None]  # (1, F, M)
+        if features.shape != self.input_shape:
+            raise ValueError(f"`input_features` must have shape {self.input_shape} (one window). Received: "
+                             f"shape={np.shape(input_features)}")
+        return features
+
+    def _start_window(self, features):
+        """Encodes one window `(1, F, M)`: its cross-attention keys/values into the interpreter, the cache zeroed."""
+        interpreter = self.interpreter
+        cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
+        for layer, pair in enumerate(self._cross):
+            for half, tensor in enumerate(pair):
+                interpreter.set_tensor(tensor, np.ascontiguousarray(cross_cache[layer, :, half]))  # (1, K, S_src, H)
+        interpreter.tensor(self._cache)().fill(0.0)  # views of the interpreter's buffers live for one statement
+
+    def _step(self, token, index):
+        """Feeds `token` at cache position `index`; returns the logits `(V,)` after it."""
+        interpreter = self.interpreter
+        interpreter.set_tensor(self._token, np.array([[token]], np.int32))
+        interpreter.set_tensor(self._index, np.array(index, np.int32))
+        interpreter.invoke()
+        new_cache = interpreter.get_tensor(self._new_cache)  # (L, 1, 2, K, 1, H)
+        interpreter.tensor(self._cache)()[..., index, :] = new_cache[..., 0, :]
+        return interpreter.get_tensor(self._logits)[0, -1]
+
+    def transcribe_timestamp_ids(self, input_features, prompt_ids, ids, max_new_tokens,
+                                 max_initial_timestamp=MAX_INITIAL_TIMESTAMP):
+        """One window decoded greedily with Whisper's timestamp rules, as `generation.speech.timestamp_decode_fn`
+        decodes it in the graph: `(tokens, sum_logprobs, no_speech_prob)`.
+
+        The `prompt_ids` (`<|startofprev|>` previous text ... the start sequence without `<|notimestamps|>`) are fed
+        one id per call; the first step allows only timestamps up to `max_initial_timestamp` seconds (and the file's
+        `suppress_ids_begin`), the next ones `tfformer.timestamps.timestamp_rules` (and `suppress_ids`). `tokens`:
+        the ids chosen, without the end; `sum_logprobs`: the sum of their log-probabilities (of the masked logits),
+        the end's included (not the last token's when `max_new_tokens` ran out); `no_speech_prob`: the probability
+        of `ids.no_speech` after the prompt.
+        """
+        features = self._check_features(input_features)
+        prompt, vocabulary_size = [int(token) for token in prompt_ids], len(self._every_step)
+        if not prompt or not all(0 <= token < vocabulary_size for token in prompt):
+            raise ValueError(f"`prompt_ids` must be a non-empty list of ids in [0, {vocabulary_size}). Received: "
+                             f"prompt_ids={prompt_ids!r}")
+        room = self.max_length + 1 - len(prompt)  # the last new token is never fed back
+        check_int("max_new_tokens", max_new_tokens, maximum=room, numpy=True,
+                  expected=f"an integer in [1, {room}] (the file's cache of {self.max_length} positions after the "
+                           f"prompt of {len(prompt)} ids, plus one)")
+        first = self._first_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
+        self._start_window(features)
+        for index, token in enumerate(prompt):
+            logits = self._step(token, index)  # (V,) float32
+        no_speech_prob = float(np.exp(log_softmax(logits)[ids.no_speech]))
+        log_probs = log_softmax(logits + first)
+        tokens, total, last, penultimate, last_timestamp = [], np.float32(0.0), NONE, NONE, NONE
+        while True:
+            token = int(np.argmax(log_probs))
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                break
+            total += log_probs[token]
+            if token == self.end_id:
+                break
+            penultimate = token if last == NONE else last
+            last = token
+            last_timestamp = token if token >= ids.timestamp_begin else last_timestamp
+            logits = self._step(token, len(prompt) + len(tokens) - 1) + self._every_step
+            logits = timestamp_rules(logits[None], [last], [penultimate], [last_timestamp], self.end_id, ids)[0]
+            log_probs = log_softmax(logits)
+        return cut_at_end(tokens, self.end_id), float(total), no_speech_prob
 
     def ids_to_text(self, ids):
         """The text of generated ids: those before the first `end_id`, without special tokens (ids at or above
@@ -190,18 +263,101 @@ class Transcriber:
         value = value if isinstance(value, (str, bytes)) else np.asarray(value).reshape(-1)[0]
         return (value.decode("utf-8") if isinstance(value, bytes) else str(value)).strip()
 
-    def transcribe(self, audio, sample_rate=None, max_new_tokens=None):
-        """The transcript of a WAV file or a waveform, as `WhisperModel.transcribe` gives it (greedy).
+    def transcribe(self, audio, sample_rate=None, max_new_tokens=None, timestamps=False):
+        """The transcript of a WAV file or a waveform, as `WhisperModel.transcribe` gives it (greedy); with
+        `timestamps=True`, its list of `Segment(start, end, text)` (`segments`).
 
         Audio longer than 30 seconds is cut at pauses (`tfformer.data.audio.split_windows`) and the window
-        texts joined with a space.
+        texts joined with a space (with `timestamps`, windows move by the last complete segment instead).
 
         Args:
             audio: a path to a WAV file (mixed down to mono, resampled), or a waveform array `(samples,)` of
                 float samples in [-1, 1] or integer PCM.
             sample_rate: int. The waveform's rate in Hz (required for an array, resampled to 16 kHz).
             max_new_tokens: int or None. Tokens per window.
+            timestamps: bool. Return the timestamped segments instead of a string.
         """
+        if not isinstance(timestamps, bool):
+            raise ValueError(f"`timestamps` must be True or False. Received: timestamps={timestamps!r}")
+        if timestamps:
+            return list(self.segments(audio, sample_rate, max_new_tokens=max_new_tokens))
+        from tfformer.data import audio as audio_io
+
+        waveform = self._waveform(audio, sample_rate)
+        texts = [self.ids_to_text(self.transcribe_ids(self.features(waveform[start:end]), max_new_tokens))
+                 for start, end in audio_io.split_windows(waveform)]
+        return " ".join(text for text in texts if text)
+
+    def segments(self, audio, sample_rate=None, max_new_tokens=None, condition_on_previous_text=True):
+        """The timestamped `Segment(start, end, text)`s of one recording, yielded as each 30-second window is decoded:
+        `tfformer.models.transcript.segments`' long-form loop on the host, in a reduced form.
+
+        A window starts at `seek`; it is decoded greedily with Whisper's timestamp rules
+        (`transcribe_timestamp_ids`), its complete segments are yielded, and the next window starts at the last
+        complete segment's end (after the window when it ends with a lone timestamp). With
+        `condition_on_previous_text`, each window's prompt holds `<|startofprev|>` and the last `max_length // 2 - 1`
+        tokens so far. A window whose `<|nospeech|>` probability is above 0.6 and whose mean log-probability is not
+        above -1.0 is skipped as silence. Only one window's features are held at a time.
+
+        Reduced against the Keras path (`WhisperModel.segments`) and faster-whisper: greedy only, with no temperature
+        fallback (a window whose text repeats itself or whose mean log-probability is low is kept, as the Keras
+        path's `temperature=0` keeps it), no word timestamps. Per window, at most `max_length // 2` new tokens (the
+        file's cache positions; faster-whisper's limits with a file of the default 448).
+
+        Args:
+            audio: a WAV path or a waveform array, as `transcribe`'s (one recording).
+            sample_rate: int. The waveform's rate (required with an array).
+            max_new_tokens: int or None. Tokens per window at most.
+            condition_on_previous_text: bool. Prompt each window with the text so far.
+        """
+        ids, start_of_prev = self._timestamp_tokens()
+        check_int("max_new_tokens", max_new_tokens, allow_none=True, numpy=True)
+        if not isinstance(condition_on_previous_text, bool):
+            raise ValueError("`condition_on_previous_text` must be True or False. Received: "
+                             f"condition_on_previous_text={condition_on_previous_text!r}")
+        waveform = self._waveform(audio, sample_rate)
+        # The arguments are checked above, before the first window is decoded.
+        return self._segments(waveform, ids, start_of_prev, max_new_tokens, condition_on_previous_text)
+
+    def _segments(self, waveform, ids, start_of_prev, max_new_tokens, condition_on_previous_text):
+        """`segments`' generator over a checked 16 kHz waveform."""
+        num_frames, content_frames = self.input_shape[1], len(waveform) // HOP_LENGTH
+        start_ids = start_sequence(self.prompt, ids)
+        previous = collections.deque(maxlen=max(self.max_length // 2 - 1, 0))  # what a prompt keeps of the text so far
+        seek = 0
+        while seek < content_frames:
+            window_frames = min(num_frames, content_frames - seek)
+            features = self.features(waveform[seek * HOP_LENGTH:(seek + window_frames) * HOP_LENGTH])
+            prompt = window_prompt(start_ids, previous, start_of_prev)
+            budget = min(self.max_length // 2, self.max_length + 1 - len(prompt), max_new_tokens or self.max_length)
+            tokens, total, no_speech_prob = self.transcribe_timestamp_ids(features, prompt, ids, budget)
+            if is_silence(no_speech_prob, total / (len(tokens) + 1)):  # faster-whisper's mean counts the end too
+                seek += window_frames
+                continue
+            pieces, seek = split_by_timestamps(tokens, ids.timestamp_begin, seek, window_frames)
+            for start, end, piece in pieces:
+                text = self.ids_to_text(piece)
+                if start == end or not text:
+                    continue
+                previous.extend(piece)
+                yield Segment(round(start, 3), round(end, 3), text)
+            if not condition_on_previous_text:
+                previous.clear()
+
+    def _timestamp_tokens(self):
+        """`(TimestampIds, <|startofprev|>)` from the tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("Timestamps need the host tokenizer: pass `tokenizer=` (the Whisper BytePairTokenizer) "
+                             "to Transcriber.")
+        vocabulary = getattr(self.tokenizer, "token_to_id", None)
+        ids = timestamp_ids(vocabulary)
+        if not self.end_id < ids.no_timestamps < ids.timestamp_begin < len(self._every_step):
+            raise ValueError(f"The tokenizer's timestamp tokens {ids} do not fit the file's vocabulary of "
+                             f"{len(self._every_step)} ids after end_id={self.end_id}: pass this file's tokenizer.")
+        return ids, vocabulary["<|startofprev|>"]
+
+    def _waveform(self, audio, sample_rate):
+        """The 16 kHz mono float32 waveform of a WAV path or a waveform array, checked."""
         import os
 
         from tfformer.data import audio as audio_io
@@ -213,15 +369,11 @@ class Transcriber:
             path = os.fspath(audio)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"`audio` is not a file. Received: {path!r}")
-            waveform = audio_io.read_wav(path)
-        elif isinstance(audio, np.ndarray):
+            return audio_io.read_wav(path)
+        if isinstance(audio, np.ndarray):
             if sample_rate is None:
                 raise ValueError("`sample_rate` is required with a waveform array: pass the rate in Hz "
                                  "(e.g. sample_rate=16000).")
-            waveform = audio_io.prepare_waveform(audio, sample_rate, name="`audio`")
-        else:
-            raise ValueError(f"`audio` must be a path to a WAV file or a waveform array. Received: "
-                             f"{type(audio).__name__}")
-        texts = [self.ids_to_text(self.transcribe_ids(self.features(waveform[start:end]), max_new_tokens))
-                 for start, end in audio_io.split_windows(waveform)]
-        return " ".join(text for text in texts if text)
+            return audio_io.prepare_waveform(audio, sample_rate, name="`audio`")
+        raise ValueError(f"`audio` must be a path to a WAV file or a waveform array. Received: "
+                         f"{type(audio).__name__}")

@@ -18,7 +18,9 @@ app owns the loop, as the TFLite GPU delegate has no WHILE op:
   log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in numpy), so
   the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400). The logits
   are raw: the host adds Whisper's suppression (`suppress_ids` every step, `suppress_ids_begin` at the first)
-  before its argmax.
+  before its argmax. `prompt_ids` is the plain transcript's prompt; `decode_step` takes any id at any index, so
+  the host feeds other prompts the same way (for timestamps: `<|startofprev|>`, the previous text, and the prompt
+  without `<|notimestamps|>`; `tfformer.edge.Transcriber.segments`).
 
 With `tokenizer=`, the same file also gets `tokenize` (text -> ids) and
 `detokenize` (ids -> text) signatures built only from ops of the TF-Text TFLite

@@ -1,15 +1,14 @@
 """Decoding for speech encoder-decoders (Whisper) as faster-whisper/CTranslate2 decode them: from a prompt of special
 tokens, with `suppress_ids` masked at every step and `suppress_ids_begin` (blank, end of text) at the first."""
 
-import collections
-
 import numpy as np
 import tensorflow as tf
 
-from tfformer.checks import check_int, check_number
+from tfformer.checks import check_int
 from tfformer.generation import samplers
 from tfformer.generation.beam import BeamSampler
 from tfformer.generation.decode import cached_function, decode_next
+from tfformer.timestamps import NONE, TIME_PRECISION, TimestampIds, first_step_bias  # noqa: F401 (re-exported)
 
 # Whisper's <|endoftext|>, and the prompt of the English-only models without timestamps.
 WHISPER_END_ID = 50256
@@ -103,20 +102,8 @@ def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PR
 
 
 # === Timestamps (Whisper's rules, as CTranslate2's ApplyTimestampRules applies them for faster-whisper) ===
-TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ... <|30.00|>
-# The ids timestamp decoding needs: `no_timestamps` (never produced), `timestamp_begin` (<|0.00|>; the timestamps run
-# to the last id of the vocabulary), `no_speech` (whose probability at the start of the transcript tells silence).
-TimestampIds = collections.namedtuple("TimestampIds", "no_timestamps timestamp_begin no_speech")
-_NONE = -1  # no token yet, in the timestamp rules' state
-
-
-def first_step_bias(vocabulary_size, ids, max_initial_timestamp=1.0):
-    """`(V,)` float32 added to the first step's logits: only timestamps up to `max_initial_timestamp` seconds."""
-    check_number("max_initial_timestamp", max_initial_timestamp, at_least=0)
-    last = ids.timestamp_begin + int(round(max_initial_timestamp / TIME_PRECISION))
-    bias = np.full([vocabulary_size], -np.inf, np.float32)  # (V,)
-    bias[ids.timestamp_begin:last + 1] = 0.0
-    return bias
+# TIME_PRECISION, TimestampIds, first_step_bias and the host loop's numpy rules live in tfformer.timestamps (no
+# TensorFlow), shared with tfformer.edge; the names stay reachable here (generation.speech.TimestampIds).
 
 
 def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
@@ -126,7 +113,7 @@ def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
     `last_timestamp` `(B,)`: the latest timestamp generated. `<|notimestamps|>` never comes; timestamps come in pairs
     (after a pair, text or the end; after a lone timestamp, a timestamp or the end) and never decrease; and when the
     timestamps' total probability beats every other token's, a timestamp must come. Returns the logits with what
-    these rules forbid at -inf.
+    these rules forbid at -inf. `tfformer.timestamps.timestamp_rules` is the same in numpy, for a host loop.
     """
     vocab = tf.range(tf.shape(logits)[-1])[None, :]  # (1, V)
     is_timestamp = vocab >= ids.timestamp_begin
@@ -153,7 +140,7 @@ def _timestamp_next(model, cross, bias, end_id, ids):
         token = token_ids[:, 0]  # (B,): the token just chosen
         score += tf.where(ended, 0.0, tf.gather(previous, token, batch_dims=1))
         ended |= tf.equal(token, end_id)
-        penultimate = tf.where(tf.equal(last, _NONE), token, last)
+        penultimate = tf.where(tf.equal(last, NONE), token, last)
         last_timestamp = tf.where(token >= ids.timestamp_begin, token, last_timestamp)
         logits, layer_caches = model.decode_step(token_ids, cache[:layers], index, cross, None, plan=plan)
         logits = timestamp_rules(logits[:, -1, :] + bias, token, penultimate, last_timestamp, end_id, ids)
@@ -192,7 +179,7 @@ def timestamp_decode_fn(model, max_new_tokens, ids, suppress_ids=(), suppress_id
         logits = tf.cast(logits[:, -1, :], tf.float32)  # (B, V) at <|startoftranscript|>
         no_speech = tf.nn.softmax(logits)[:, ids.no_speech]  # (B,)
         log_probs = tf.nn.log_softmax(logits + first_step)  # (B, V)
-        none = tf.fill([batch], _NONE)
+        none = tf.fill([batch], NONE)
         state = (none, none, none, log_probs, tf.zeros([batch]), tf.zeros([batch], tf.bool))
         tokens, final = sampler.run_with_cache(
             _timestamp_next(model, cross, every_step, end_id, ids), tf.fill([batch, max_new_tokens], end_id),

@@ -5,7 +5,9 @@ rules); the window's complete segments are yielded and the next window starts at
 (or after the window, when it ends with a lone timestamp: nothing more was said). Each window is conditioned on the
 text so far (`<|startofprev|>` + at most `max_sequence_length // 2 - 1` previous tokens), and decoded again at
 higher temperatures when its text repeats itself (zlib compression ratio above `compression_ratio_threshold`) or
-its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time.
+its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time. The
+TensorFlow-free pieces (the cut at timestamps, the prompt, the silence test, `Segment`) are `tfformer.timestamps`',
+shared with `tfformer.edge.Transcriber`'s host loop.
 """
 
 import collections
@@ -15,23 +17,23 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from tfformer import timestamps
 from tfformer.checks import check_int, check_number
 from tfformer.data import audio as audio_io
 from tfformer.generation import samplers, speech
+from tfformer.timestamps import (  # noqa: F401 (FRAMES_PER_TOKEN, Segment re-exported: transcript.Segment)
+    FRAMES_PER_TOKEN,
+    LOG_PROB_THRESHOLD,
+    MAX_INITIAL_TIMESTAMP,
+    NO_SPEECH_THRESHOLD,
+    SECONDS_PER_FRAME,
+    Segment,
+    is_silence,
+    split_by_timestamps,
+    start_sequence,
+    window_prompt,
+)
 from tfformer.tokens import cut_at_end
-
-FRAMES_PER_TOKEN = 2  # the encoder's stride-2 convolution: one timestamp step (20 ms) is two 10 ms frames
-SECONDS_PER_FRAME = audio_io.HOP_LENGTH / audio_io.SAMPLE_RATE
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """A stretch of a transcript: `start` and `end` in seconds from the start of the recording, its `text`, and with
-    word timestamps its `words` (a tuple of `Word`)."""
-    start: float
-    end: float
-    text: str
-    words: tuple = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,10 @@ class TranscriptOptions:
     condition_on_previous_text: bool = True
     temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     compression_ratio_threshold: float = 2.4
-    log_prob_threshold: float = -1.0
-    no_speech_threshold: float = 0.6
+    log_prob_threshold: float = LOG_PROB_THRESHOLD
+    no_speech_threshold: float = NO_SPEECH_THRESHOLD
     prompt_reset_on_temperature: float = 0.5
-    max_initial_timestamp: float = 1.0
+    max_initial_timestamp: float = MAX_INITIAL_TIMESTAMP
     best_of: int = 5
     max_new_tokens: int = None
     seed: int = 0
@@ -102,15 +104,8 @@ def compression_ratio(text):
 
 
 def timestamp_ids(model):
-    """`speech.TimestampIds` of a Whisper `model`, from its tokenizer's special tokens."""
-    vocabulary = getattr(model.preprocessor, "token_to_id", None) or {}
-    no_speech = vocabulary.get("<|nospeech|>", vocabulary.get("<|nocaptions|>"))
-    needed = ("<|notimestamps|>", "<|startofprev|>", "<|startoftranscript|>")
-    if no_speech is None or any(token not in vocabulary for token in needed):
-        raise ValueError(f"Timestamps need a Whisper tokenizer with the tokens {list(needed)} and <|nospeech|> or "
-                         "<|nocaptions|> (`model.preprocessor`).")
-    no_timestamps = vocabulary["<|notimestamps|>"]
-    return speech.TimestampIds(no_timestamps, no_timestamps + 1, no_speech)
+    """`tfformer.timestamps.TimestampIds` of a Whisper `model`, from its tokenizer's special tokens."""
+    return timestamps.timestamp_ids(getattr(model.preprocessor, "token_to_id", None))
 
 
 def decode_text(model, tokens):
@@ -177,38 +172,10 @@ def decode_with_fallback(model, features, prompt, ids, options):
     return dataclasses.replace(best, temperature=options.temperature[-1])
 
 
-def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
-    """faster-whisper's cut of a window's `tokens` into `(start, end, tokens)` pieces (seconds), and the next `seek`.
-
-    Pieces end at each pair of consecutive timestamps; an unfinished piece after the last pair is dropped and the
-    next window starts at its last timestamp, unless the tokens end with a lone timestamp (nothing more was said:
-    the next window starts after this one). Without a pair, the whole window is one piece up to its last timestamp.
-    """
-    offset = seek * SECONDS_PER_FRAME
-    is_ts = [token >= timestamp_begin for token in tokens]
-    single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
-    pairs = [i for i in range(1, len(tokens)) if is_ts[i] and is_ts[i - 1]]
-    if not pairs:
-        duration = window_frames * SECONDS_PER_FRAME
-        stamps = [token for token in tokens if token >= timestamp_begin]
-        if stamps and stamps[-1] != timestamp_begin:
-            duration = (stamps[-1] - timestamp_begin) * speech.TIME_PRECISION
-        return [(offset, offset + duration, list(tokens))], seek + window_frames
-    cuts = pairs + [len(tokens)] if single_ending else pairs
-    pieces, first = [], 0
-    for cut in cuts:
-        piece = list(tokens[first:cut])
-        start, end = ((piece[i] - timestamp_begin) * speech.TIME_PRECISION + offset for i in (0, -1))
-        pieces.append((start, end, piece))
-        first = cut
-    if single_ending:
-        return pieces, seek + window_frames
-    return pieces, seek + (tokens[first - 1] - timestamp_begin) * FRAMES_PER_TOKEN
-
-
 def segments(model, waveform, options):
     """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy) as each window is decoded."""
-    ids, sot = timestamp_ids(model), model.prompt[0]
+    ids = timestamp_ids(model)
+    start_ids = start_sequence(model.prompt, ids)
     if options.word_timestamps and not model.alignment_heads:
         raise ValueError("`word_timestamps=True` needs the model's `alignment_heads` (a checkpoint's cross-attention "
                          "heads for word timing); this model has none.")
@@ -221,11 +188,10 @@ def segments(model, waveform, options):
         window_frames = min(audio_io.NUM_FRAMES, content_frames - seek)
         samples = waveform[seek * audio_io.HOP_LENGTH:(seek + window_frames) * audio_io.HOP_LENGTH]
         features, _ = audio_io.log_mel_spectrogram(samples[None, :])  # (1, 3000, num_mel_bins)
-        prompt = ([start_of_prev, *previous] if previous else []) + [sot]
+        prompt = window_prompt(start_ids, previous, start_of_prev)
         result = decode_with_fallback(model, features.numpy(), prompt, ids, options)
-        if (options.no_speech_threshold is not None and result.no_speech_prob > options.no_speech_threshold
-                and not (options.log_prob_threshold is not None
-                         and result.avg_logprob > options.log_prob_threshold)):
+        if is_silence(result.no_speech_prob, result.avg_logprob, options.no_speech_threshold,
+                      options.log_prob_threshold):
             seek += window_frames  # silence: on to the next window
             continue
         window_seek, (pieces, seek) = seek, split_by_timestamps(result.tokens, ids.timestamp_begin, seek, window_frames)

@@ -1,0 +1,155 @@
+"""Whisper's timestamp tokens without TensorFlow (numpy only): what the Keras path (`tfformer.models.transcript`,
+`tfformer.generation.speech`) and the host loop on device (`tfformer.edge.Transcriber`) share.
+
+Timestamp tokens `<|0.00|>`, `<|0.02|>`, ... `<|30.00|>` follow `<|notimestamps|>` in Whisper's vocabulary. A window
+is decoded from its start sequence without `<|notimestamps|>` (`start_sequence`), after `<|startofprev|>` and the
+previous text when it is conditioned on it: the first token is a timestamp of at most `max_initial_timestamp` seconds
+(`first_step_bias`), then `timestamp_rules` (CTranslate2's `ApplyTimestampRules`, which faster-whisper decodes with)
+keep the timestamps in pairs around the text; `split_by_timestamps` cuts the window's tokens into pieces and says
+where the next window starts. `generation.speech.timestamp_rules` is the same rules in TensorFlow, for the in-graph
+loop. This module imports numpy and `tfformer.checks` only.
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from tfformer.checks import check_number
+
+TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ... <|30.00|>
+SECONDS_PER_FRAME = 160 / 16000  # a log-mel frame: Whisper's hop of 160 samples at 16 kHz
+FRAMES_PER_TOKEN = 2  # the encoder's stride-2 convolution: one timestamp step (20 ms) is two 10 ms frames
+# faster-whisper's defaults: a window whose <|nospeech|> probability is above NO_SPEECH_THRESHOLD and whose mean
+# log-probability is not above LOG_PROB_THRESHOLD is silence; the first timestamp is at most MAX_INITIAL_TIMESTAMP.
+NO_SPEECH_THRESHOLD = 0.6
+LOG_PROB_THRESHOLD = -1.0
+MAX_INITIAL_TIMESTAMP = 1.0
+NONE = -1  # no token yet, in the timestamp rules' state
+
+# The ids timestamp decoding needs: `no_timestamps` (never produced), `timestamp_begin` (<|0.00|>; the timestamps run
+# to the last id of the vocabulary), `no_speech` (whose probability at the start of the transcript tells silence).
+TimestampIds = collections.namedtuple("TimestampIds", "no_timestamps timestamp_begin no_speech")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of a transcript: `start` and `end` in seconds from the start of the recording, its `text`, and with
+    word timestamps its `words` (a tuple of `tfformer.models.transcript.Word`)."""
+    start: float
+    end: float
+    text: str
+    words: tuple = None
+
+
+def timestamp_ids(vocabulary):
+    """`TimestampIds` from a Whisper tokenizer's `token_to_id` dict, checked to hold the tokens timestamps need
+    (`<|startofprev|>` too)."""
+    vocabulary = vocabulary or {}
+    no_speech = vocabulary.get("<|nospeech|>", vocabulary.get("<|nocaptions|>"))
+    needed = ("<|notimestamps|>", "<|startofprev|>", "<|startoftranscript|>")
+    if no_speech is None or any(token not in vocabulary for token in needed):
+        raise ValueError(f"Timestamps need a Whisper tokenizer with the tokens {list(needed)} and <|nospeech|> or "
+                         "<|nocaptions|>: Whisper's BytePairTokenizer (`WhisperModel.preprocessor`).")
+    no_timestamps = vocabulary["<|notimestamps|>"]
+    return TimestampIds(no_timestamps, no_timestamps + 1, no_speech)
+
+
+def start_sequence(prompt, ids):
+    """A window's start sequence for timestamps: the plain `prompt` (`<|startoftranscript|>` ... `<|notimestamps|>`)
+    without `<|notimestamps|>`, as a list."""
+    return [int(token) for token in prompt if token != ids.no_timestamps]
+
+
+def window_prompt(start, previous, start_of_prev):
+    """faster-whisper's prompt of a window: `<|startofprev|>` and the `previous` tokens when there are any, then the
+    `start` sequence."""
+    return ([start_of_prev, *previous] if previous else []) + list(start)
+
+
+def first_step_bias(vocabulary_size, ids, max_initial_timestamp=MAX_INITIAL_TIMESTAMP):
+    """`(V,)` float32 added to the first step's logits: only timestamps up to `max_initial_timestamp` seconds."""
+    check_number("max_initial_timestamp", max_initial_timestamp, at_least=0)
+    last = ids.timestamp_begin + int(round(max_initial_timestamp / TIME_PRECISION))
+    bias = np.full([vocabulary_size], -np.inf, np.float32)  # (V,)
+    bias[ids.timestamp_begin:last + 1] = 0.0
+    return bias
+
+
+def log_softmax(logits):
+    """`log_softmax` over the last axis of float32 `logits` (-inf entries stay -inf), as `tf.nn.log_softmax`."""
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def _logsumexp(values):
+    """`log(sum(exp(values)))` over the last axis, -inf for a row of -inf only (as `tf.reduce_logsumexp`)."""
+    peak = np.max(values, axis=-1)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    with np.errstate(divide="ignore"):
+        return peak + np.log(np.sum(np.exp(values - peak[..., None]), axis=-1))
+
+
+def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
+    """Whisper's timestamp rules after the first generated token, on `logits` `(B, V)` (suppressions applied): the
+    numpy form of `generation.speech.timestamp_rules`, for a host loop.
+
+    `last`, `penultimate` `(B,)`: the last two generated tokens (`penultimate` is `last` after one token);
+    `last_timestamp` `(B,)`: the latest timestamp generated (`NONE` before one). `<|notimestamps|>` never comes;
+    timestamps come in pairs (after a pair, text or the end; after a lone timestamp, a timestamp or the end) and never
+    decrease; and when the timestamps' total probability beats every other token's, a timestamp must come. Returns a
+    float32 copy of the logits with what these rules forbid at -inf.
+    """
+    logits = np.array(logits, np.float32)  # (B, V), a copy
+    begin = ids.timestamp_begin
+    last, penultimate, last_timestamp = (np.asarray(v).reshape(-1) for v in (last, penultimate, last_timestamp))
+    last_ts = last >= begin  # (B,)
+    pair = last_ts & (penultimate >= begin)
+    logits[:, ids.no_timestamps] = -np.inf
+    logits[pair, begin:] = -np.inf  # after a pair: text or the end
+    logits[last_ts & ~pair, :end_id] = -np.inf  # after a lone timestamp: a timestamp or the end
+    stamps = logits[:, begin:]  # (B, V - begin), a view
+    stamps[np.arange(begin, logits.shape[-1])[None, :] < last_timestamp[:, None]] = -np.inf  # never decreasing
+    log_probs = log_softmax(logits)  # (B, V)
+    timestamp = _logsumexp(log_probs[:, begin:])  # (B,)
+    text = np.max(log_probs[:, :begin], axis=-1)  # (B,)
+    logits[~pair & (timestamp > text), :begin] = -np.inf
+    return logits
+
+
+def is_silence(no_speech_prob, avg_logprob, no_speech_threshold=NO_SPEECH_THRESHOLD,
+               log_prob_threshold=LOG_PROB_THRESHOLD):
+    """faster-whisper's test of a window for silence: <|nospeech|> above `no_speech_threshold` and the mean
+    log-probability not above `log_prob_threshold` (either threshold None: not applied)."""
+    if no_speech_threshold is None or no_speech_prob <= no_speech_threshold:
+        return False
+    return not (log_prob_threshold is not None and avg_logprob > log_prob_threshold)
+
+
+def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
+    """faster-whisper's cut of a window's `tokens` into `(start, end, tokens)` pieces (seconds), and the next `seek`.
+
+    Pieces end at each pair of consecutive timestamps; an unfinished piece after the last pair is dropped and the
+    next window starts at its last timestamp, unless the tokens end with a lone timestamp (nothing more was said:
+    the next window starts after this one). Without a pair, the whole window is one piece up to its last timestamp.
+    """
+    offset = seek * SECONDS_PER_FRAME
+    is_ts = [token >= timestamp_begin for token in tokens]
+    single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
+    pairs = [i for i in range(1, len(tokens)) if is_ts[i] and is_ts[i - 1]]
+    if not pairs:
+        duration = window_frames * SECONDS_PER_FRAME
+        stamps = [token for token in tokens if token >= timestamp_begin]
+        if stamps and stamps[-1] != timestamp_begin:
+            duration = (stamps[-1] - timestamp_begin) * TIME_PRECISION
+        return [(offset, offset + duration, list(tokens))], seek + window_frames
+    cuts = pairs + [len(tokens)] if single_ending else pairs
+    pieces, first = [], 0
+    for cut in cuts:
+        piece = list(tokens[first:cut])
+        start, end = ((piece[i] - timestamp_begin) * TIME_PRECISION + offset for i in (0, -1))
+        pieces.append((start, end, piece))
+        first = cut
+    if single_ending:
+        return pieces, seek + window_frames
+    return pieces, seek + (tokens[first - 1] - timestamp_begin) * FRAMES_PER_TOKEN
