@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # A small LLM: chat, sampling, a LoRA fine-tune, SavedModel and TFLite with SmolLM2-135M-Instruct
+# # A small LLM: chat, sampling, a LoRA fine-tune, SavedModel, TFLite and LiteRT-LM with SmolLM2-135M-Instruct
 #
 # SmolLM2-135M-Instruct (Hugging Face) is a 30-layer Llama-style decoder: RMSNorm before each sub-layer,
 # grouped-query attention (9 query heads share 3 key/value heads) with rotary positions, a SwiGLU feed-forward,
@@ -18,9 +18,10 @@
 # layers, with its byte-level BPE tokenizer and its chat template: a `CausalLM` task that takes strings.
 #
 # This notebook chats with it, compares greedy decoding with nucleus (top-p) sampling, teaches it a made-up fact
-# with low-rank adapters (LoRA) and `model.fit`, merges the adapters, and ships the result twice: as a SavedModel
-# (strings in, strings out) and as a TFLite decode step that `tfformer.edge.Generator` drives on the host.
-# Quick mode (`TFFORMER_QUICK=1`, what CI runs) skips the SavedModel (its export and load take minutes on 2 cores),
+# with low-rank adapters (LoRA) and `model.fit`, merges the adapters, and ships the result three ways: as a SavedModel
+# (strings in, strings out), as a TFLite decode step that `tfformer.edge.Generator` drives on the host, and as a
+# `.litertlm` bundle that Google's LiteRT-LM runtime runs by itself.
+# Quick mode (`TFFORMER_QUICK=1`, what CI runs) skips the SavedModel and the bundle (minutes each on 2 cores),
 # converts only the float32 TFLite file (not the int8 one) and does not reload the saved preset.
 #
 # The Keras replies here come from `stream`, which compiles one decode step (a `tf.function`, no XLA) and runs the
@@ -349,6 +350,31 @@ print("Keras greedy:", keras_greedy)
 shutil.rmtree(work_dir, ignore_errors=True)  # the preset, the SavedModel and the TFLite files: over a GB
 
 # %% [markdown]
+# ## On the device with Google's runtime: one `.litertlm` file
+#
+# An app that only wants to chat does not need to own its loop. `export.litertlm` writes the whole model as one
+# file for LiteRT-LM, the runtime Android and iOS apps use for LLMs (the README shows the Kotlin side): a prefill and
+# a decode graph whose key/value caches are updated in place, the tokenizer as a `tokenizer.json`, the stop tokens
+# and the chat template. `tfformer.edge.Chat` runs it in `litert_lm.Engine`, which renders the template itself, so
+# the fine-tuned fact travels with the file; the float32 bundle decodes greedily to the Keras model's replies.
+# (`quantize="int4"` stores the large matrices as 4-bit blocks: about 0.3x the size.) The export takes minutes on
+# 2 cores: quick mode skips it.
+
+# %%
+bundle_replies = None
+if not QUICK:
+    bundle_dir = tempfile.mkdtemp(prefix="tfformer-06-litertlm-")
+    t = time.monotonic()
+    bundle = export.litertlm(lm, os.path.join(bundle_dir, "smollm2.litertlm"), context_length=256)
+    print(f"bundle written in {time.monotonic() - t:.0f}s: {os.path.getsize(bundle) / 2**20:.0f} MiB")
+    with edge.Chat(bundle) as chat:
+        bundle_replies = [chat.chat(messages, max_new_tokens=NEW_TOKENS) for messages in (probe, question)]
+    print(bundle_replies)
+    shutil.rmtree(bundle_dir, ignore_errors=True)
+else:
+    print("quick mode: LiteRT-LM bundle skipped")
+
+# %% [markdown]
 # ## Check: what this notebook teaches
 
 # %%
@@ -380,6 +406,8 @@ assert tflite_ids["float32"] == keras_greedy and tflite_ids["float32"][-1] == en
 assert tflite_replies["float32"] == after
 if served_replies is not None:
     assert served_replies == [after, france_5], served_replies
+if bundle_replies is not None:  # LiteRT-LM's own template rendering and greedy loop give the same replies
+    assert bundle_replies == [after, france], bundle_replies
 if "dynamic" in tflite_files:
     assert os.path.getsize(tflite_files["dynamic"]) < 0.35 * os.path.getsize(tflite_files["float32"])
 print("all checks passed")
