@@ -42,7 +42,7 @@ from matplotlib.figure import Figure
 import tfformer
 from tfformer import edge, export, models
 from tfformer.data import audio
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 from tfformer.models import base
 
 QUICK = os.environ.get("TFFORMER_QUICK") == "1"

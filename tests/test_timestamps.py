@@ -1,16 +1,16 @@
-"""`tfformer.timestamps`, Whisper's timestamp pieces without TensorFlow: its numpy `timestamp_rules` against the graph's
-(`generation.speech.timestamp_rules`) on random logits and random states, and against the per-row numpy transcription
-of CTranslate2's `ApplyTimestampRules` (tests/generation/test_speech_timestamps.py) on token histories; its
-`log_softmax` against TensorFlow's; the silence test and the window prompt on hand-worked cases."""
+"""`tfformer.timestamps`, Whisper's timestamp pieces without TensorFlow: its numpy `timestamp_rules` against the
+graph's (`models.whisper_decode.timestamp_rules`) on random logits and random states, and against the per-row numpy
+transcription of CTranslate2's `ApplyTimestampRules` (tests/models/test_whisper_decode_timestamps.py) on token
+histories; its `log_softmax` against TensorFlow's; the silence test and the window prompt on hand-worked cases."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.generation.test_speech_timestamps import END, IDS, VOCAB, _histories, _state, reference_rules
+from tests.models.test_whisper_decode_timestamps import END, IDS, VOCAB, _histories, _state, reference_rules
 from tfformer import timestamps
 from tfformer.data import audio
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 from tfformer.models import transcript
 
 BEGIN = IDS.timestamp_begin

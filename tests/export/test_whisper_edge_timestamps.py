@@ -2,7 +2,7 @@
 `segments`, the host loop with `tfformer.timestamps`' numpy rules around a float32 Whisper tiny.en TFLite file of the
 default 448 cache positions (faster-whisper's limits: 223 previous tokens, 224 new ones per window), converted once.
 
-Against independent numbers: the graph's timestamped decoding of one window (`generation.speech.
+Against independent numbers: the graph's timestamped decoding of one window (`models.whisper_decode.
 transcribe_timestamp_ids`: tokens, log-probability sum, <|nospeech|> probability) on the same features; the Keras
 path's segments (`WhisperModel.transcribe(..., timestamps=True)` at temperature 0: the edge loop has no temperature
 fallback) on fixture clips and on a 44-second recording of 12 clips with pauses (two windows, the second conditioned
@@ -43,7 +43,7 @@ def test_window_decoding_equals_the_graphs(asr, transcriber, manifest, waveforms
     """One window from <|startoftranscript|>, one after <|startofprev|> and another clip's text, one of silence, and
     one cut by `max_new_tokens`: the host loop's tokens, log-probability sum (the end's included, the last token's
     not when the budget runs out) and <|nospeech|> probability are the graph's on the same features."""
-    from tfformer.generation import speech
+    from tfformer.models import whisper_decode as speech
     from tfformer.models import transcript
 
     ids = transcript.timestamp_ids(asr)

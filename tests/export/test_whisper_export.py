@@ -3,7 +3,7 @@ TFLite encoder + KV-cached decode step (float32 and dynamic-range int8) run by `
 
 Against independent numbers: the fixture manifest's transcripts, token ids and word error rate, recorded from
 faster-whisper/CTranslate2 in float32 (tools/make_whisper_fixture.py); the Keras model's own greedy ids
-(`generation.speech.transcribe_ids`) for the float32 file; the in-graph TensorFlow front end
+(`models.whisper_decode.transcribe_ids`) for the float32 file; the in-graph TensorFlow front end
 (`data.audio.log_mel_spectrogram`) for the host's numpy features. The TFLite files hold a cache of `MAX_LENGTH`
 positions (every fixture transcript fits), converted once per module.
 """
@@ -152,7 +152,7 @@ def test_float32_tflite_ids_equal_keras(asr, transcribers, edge_ids, waveforms):
     """Six clips: the file's greedy ids (host numpy features, one id per decode_step call) equal the Keras
     model's `transcribe_ids` (graph features, the prompt prefilled in one step), end id included."""
     from tfformer.data import audio
-    from tfformer.generation import speech
+    from tfformer.models import whisper_decode as speech
 
     clips = range(6)
     batch, lengths = _batch([waveforms[i] for i in clips])

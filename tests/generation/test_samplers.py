@@ -306,7 +306,7 @@ def test_generate_takes_a_beam_sampler_and_reset_compiled_drops_the_functions(lm
 
 
 def test_speech_decoding_takes_beam_search():
-    from tfformer.generation import speech
+    from tfformer.models import whisper_decode as speech
 
     config = models.TransformerConfig(
         architecture="speech_seq2seq", vocabulary_size=50, hidden_dim=16, num_heads=2, intermediate_dim=32,

@@ -53,7 +53,7 @@ def test_beam_search_gives_ctranslate2s_beam_ids_on_every_clip(asr, manifest, wa
     """faster-whisper's default beam search: CTranslate2's ids on every clip, its word error rate, no worse than
     greedy decoding's; `transcribe(beam_size=5)` gives the texts, `beam_size=1` greedy decoding's."""
     from tfformer.data import audio
-    from tfformer.generation import speech
+    from tfformer.models import whisper_decode as speech
 
     assert manifest["reference"]["beam_generate_options"] == {
         "beam_size": 5, "max_length": 448, "suppress_blank": True, "suppress_tokens": [-1], "patience": 1,

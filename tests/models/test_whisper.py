@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tests.generation.test_decode import ctranslate2_beam_search
 from tfformer import models
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 from tfformer.generation.beam import BeamSampler
 from tfformer.models.whisper import WhisperModel, WhisperPositionTable, whisper_sinusoids
 

@@ -13,7 +13,7 @@ import numpy as np
 from tfformer.convert import ctranslate2
 from tfformer.convert.pretrained import package_dir
 from tfformer.data.byte_pair import BytePairTokenizer
-from tfformer.generation.speech import WHISPER_END_ID, WHISPER_PROMPT
+from tfformer.models.whisper_decode import WHISPER_END_ID, WHISPER_PROMPT
 from tfformer.models.config import TransformerConfig
 from tfformer.models.whisper import WhisperModel
 

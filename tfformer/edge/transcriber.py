@@ -205,7 +205,7 @@ class Transcriber:
 
     def transcribe_timestamp_ids(self, input_features, prompt_ids, ids, max_new_tokens,
                                  max_initial_timestamp=MAX_INITIAL_TIMESTAMP):
-        """One window decoded greedily with Whisper's timestamp rules, as `generation.speech.timestamp_decode_fn`
+        """One window decoded greedily with Whisper's timestamp rules, as `models.whisper_decode.timestamp_decode_fn`
         decodes it in the graph: `(tokens, sum_logprobs, no_speech_prob)`.
 
         The `prompt_ids` (`<|startofprev|>` previous text ... the start sequence without `<|notimestamps|>`) are fed

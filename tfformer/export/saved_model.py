@@ -20,7 +20,7 @@ from tfformer.data import audio, placeholders
 from tfformer.export import signatures as sig
 from tfformer.export import warmup
 from tfformer.generation.decode import decode_fn
-from tfformer.generation.speech import speech_decode_fn
+from tfformer.models.whisper_decode import speech_decode_fn
 from tfformer.models.presets import from_preset
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.task import Task

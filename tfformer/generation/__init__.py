@@ -5,8 +5,6 @@ from tfformer.generation.beam import BeamSampler
 from tfformer.generation.decode import decode_fn, generate_ids, reset_compiled, strip_after_end
 from tfformer.generation.plan import DecodePlan
 from tfformer.generation.samplers import GreedySampler, Sampler, TemperatureSampler, TopKSampler, TopPSampler
-from tfformer.generation.speech import speech_decode_fn, transcribe_ids, whisper_sampler
 
 __all__ = ["BeamSampler", "DecodePlan", "GreedySampler", "Sampler", "TemperatureSampler", "TopKSampler", "TopPSampler",
-           "decode_fn", "generate_ids", "reset_compiled", "speech_decode_fn", "strip_after_end", "transcribe_ids",
-           "whisper_sampler"]
+           "decode_fn", "generate_ids", "reset_compiled", "strip_after_end"]

@@ -1,6 +1,6 @@
 """Timestamped transcripts of recordings of any length, as faster-whisper makes them (`WhisperModel.segments`).
 
-A 30-second window starts at `seek`; the model writes `<|t0|> text <|t1|>` pairs (`generation.speech`'s timestamp
+A 30-second window starts at `seek`; the model writes `<|t0|> text <|t1|>` pairs (`models.whisper_decode`'s timestamp
 rules); the window's complete segments are yielded and the next window starts at the last complete segment's end
 (or after the window, when it ends with a lone timestamp: nothing more was said). Each window is conditioned on the
 text so far (`<|startofprev|>` + at most `max_sequence_length // 2 - 1` previous tokens), and decoded again at
@@ -20,7 +20,8 @@ import tensorflow as tf
 from tfformer import timestamps
 from tfformer.checks import check_int, check_number
 from tfformer.data import audio as audio_io
-from tfformer.generation import samplers, speech
+from tfformer.generation import samplers
+from tfformer.models import whisper_decode as speech
 from tfformer.timestamps import (  # noqa: F401 (FRAMES_PER_TOKEN, Segment re-exported: transcript.Segment)
     FRAMES_PER_TOKEN,
     LOG_PROB_THRESHOLD,

@@ -11,7 +11,7 @@ from keras import ops
 from tfformer import layers
 from tfformer.checks import check_int, is_int
 from tfformer.data import audio as audio_io
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 from tfformer.models import base, transcript
 from tfformer.models.seq2seq import Seq2SeqTransformer
 from tfformer.tokens import cut_at_end
@@ -111,7 +111,7 @@ class WhisperModel(Seq2SeqTransformer):
     with zero features, not with a mask).
 
     Decoding (as `Seq2SeqTransformer`): `encode(features)`, `cross_attention_caches`, `empty_cache`,
-    `decode_step(token_ids, cache, cache_index, cross_caches, None)`; `tfformer.generation.speech` runs the
+    `decode_step(token_ids, cache, cache_index, cross_caches, None)`; `tfformer.models.whisper_decode` runs the
     greedy or beam search loop with Whisper's token suppression. `transcribe(audio)` goes from WAV files or
     waveforms to text with the decoding fields below and the tokenizer in `preprocessor`;
     `tfformer.models.from_preset("whisper-tiny-en")` sets both.
@@ -139,7 +139,7 @@ class WhisperModel(Seq2SeqTransformer):
     def __init__(self, config, prompt=speech.WHISPER_PROMPT, suppress_ids=(), suppress_ids_begin=(),
                  end_id=speech.WHISPER_END_ID, alignment_heads=(), **kwargs):
         super().__init__(config, **kwargs)
-        # Checked against the vocabulary when a decoding function is built (`generation.speech_decode_fn`).
+        # Checked against the vocabulary when a decoding function is built (`models.whisper_decode.speech_decode_fn`).
         self.prompt = _int_list("prompt", prompt)
         self.suppress_ids = _int_list("suppress_ids", suppress_ids)
         self.suppress_ids_begin = _int_list("suppress_ids_begin", suppress_ids_begin)
@@ -233,7 +233,7 @@ class WhisperModel(Seq2SeqTransformer):
         are normalised over that window (faster-whisper normalises over the whole recording).
 
         `beam_size` 1 decodes greedily; a larger one runs CTranslate2's beam search as faster-whisper calls it
-        (`tfformer.generation.speech.whisper_sampler`; faster-whisper's own default is `beam_size=5`,
+        (`tfformer.models.whisper_decode.whisper_sampler`; faster-whisper's own default is `beam_size=5`,
         `length_penalty=1`, `patience=1`): `beam_size` hypotheses search on, those that end are set aside, the
         search stops after `round(beam_size * patience)` have ended, and the best by `score / length **
         length_penalty` wins (with 1: the mean log-probability of its tokens).

@@ -1,4 +1,4 @@
-"""Whisper's timestamp rules (`generation.speech.timestamp_rules`, `first_step_bias`) against a per-row numpy
+"""Whisper's timestamp rules (`models.whisper_decode.timestamp_rules`, `first_step_bias`) against a per-row numpy
 transcription of CTranslate2's `ApplyTimestampRules` (what faster-whisper decodes with), on random logits and token
 histories over a small vocabulary: text ids below `END`, special ids up to `NO_TIMESTAMPS`, timestamps from `BEGIN`
 to the last id."""
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfformer.generation import speech
+from tfformer.models import whisper_decode as speech
 
 VOCAB, END, NO_TIMESTAMPS = 40, 12, 19
 IDS = speech.TimestampIds(no_timestamps=NO_TIMESTAMPS, timestamp_begin=NO_TIMESTAMPS + 1, no_speech=18)

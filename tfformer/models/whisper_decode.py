@@ -103,7 +103,7 @@ def transcribe_ids(model, input_features, max_new_tokens=None, prompt=WHISPER_PR
 
 # === Timestamps (Whisper's rules, as CTranslate2's ApplyTimestampRules applies them for faster-whisper) ===
 # TIME_PRECISION, TimestampIds, first_step_bias and the host loop's numpy rules live in tfformer.timestamps (no
-# TensorFlow), shared with tfformer.edge; the names stay reachable here (generation.speech.TimestampIds).
+# TensorFlow), shared with tfformer.edge; the names stay reachable here (models.whisper_decode.TimestampIds).
 
 
 def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
