@@ -143,8 +143,9 @@ def _export_speech(args, model):
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, max_new_tokens=args.max_new_tokens,
                                   beam_size=args.beam_size, warmup_batch_sizes=args.warmup_batch_sizes)
-        print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; `tfformer serve --model_name NAME "
-              f"--model_base_path {args.out}`)")
+        print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; segments: the same -> segment_text, "
+              f"segment_start, segment_end, num_segments; `tfformer serve --model_name NAME --model_base_path "
+              f"{args.out}`)")
     if args.format in ("tflite", "all"):
         os.makedirs(args.out, exist_ok=True)
         path = export.tflite_decoder(model, os.path.join(args.out, "model.tflite"), max_length=args.max_length,
