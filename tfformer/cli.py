@@ -143,8 +143,9 @@ def _export_speech(args, model):
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, max_new_tokens=args.max_new_tokens,
                                   beam_size=args.beam_size, warmup_batch_sizes=args.warmup_batch_sizes)
-        print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; `tfformer serve --model_name NAME "
-              f"--model_base_path {args.out}`)")
+        print(f"SavedModel: {path}  (serving_default: waveform, lengths -> text; segments: the same -> segment_text, "
+              f"segment_start, segment_end, num_segments; `tfformer serve --model_name NAME --model_base_path "
+              f"{args.out}`)")
     if args.format in ("tflite", "all"):
         os.makedirs(args.out, exist_ok=True)
         path = export.tflite_decoder(model, os.path.join(args.out, "model.tflite"), max_length=args.max_length,
@@ -507,9 +508,9 @@ COMMANDS = {
                   "small LLM on a device); litertlm: the context length (default 2048, at most the model's)"),
         _argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                   "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)"),
-        _argument("--warmup-batch-sizes", type=_batch_sizes, default=(1, 8), help="batch sizes of the SavedModel's "
+        _argument("--warmup-batch-sizes", type=_batch_sizes, help="batch sizes of the SavedModel's "
                   "TF Serving warm-up records, e.g. 1,8,32 to cover the batches --enable_batching forms; none: no "
-                  "records (default: 1,8)"),
+                  "records (default: tfformer.export.warmup.BATCH_SIZES, 1,8)"),
     ]),
     "evaluate": (_evaluate, "BLEU of a translation run on a split", [
         _argument("--run", required=True),

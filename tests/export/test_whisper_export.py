@@ -1,10 +1,13 @@
-"""Whisper tiny.en exported: a SavedModel (waveform + lengths in, transcripts out, loaded without tfformer) and a
-TFLite encoder + KV-cached decode step (float32 and dynamic-range int8) run by `tfformer.edge.Transcriber`.
+"""Whisper tiny.en exported: a SavedModel (waveform + lengths in, transcripts or timestamped segments out, loaded
+without tfformer) and a TFLite encoder + KV-cached decode step (float32 and dynamic-range int8) run by
+`tfformer.edge.Transcriber`.
 
 Against independent numbers: the fixture manifest's transcripts, token ids and word error rate, recorded from
 faster-whisper/CTranslate2 in float32 (tools/make_whisper_fixture.py); the Keras model's own greedy ids
 (`models.whisper_decode.transcribe_ids`) for the float32 file; the in-graph TensorFlow front end
-(`data.audio.log_mel_spectrogram`) for the host's numpy features. The TFLite files hold a cache of `MAX_LENGTH`
+(`data.audio.log_mel_spectrogram`) for the host's numpy features; faster-whisper's segments recorded on the same
+weights (tests/fixtures/speech/segments.json, tools/make_whisper_segments_fixture.py) and the Keras path's
+`transcribe(..., timestamps=True)` for the `segments` signature. The TFLite files hold a cache of `MAX_LENGTH`
 positions (every fixture transcript fits), converted once per module.
 """
 
@@ -27,6 +30,18 @@ def exported(asr, tmp_path_factory):
     from tfformer import export
 
     return export.saved_model(asr, str(tmp_path_factory.mktemp("whisper") / "asr"))
+
+
+@pytest.fixture(scope="module")
+def loaded(exported):
+    import tensorflow as tf
+
+    return tf.saved_model.load(exported)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return json.loads((SPEECH / "segments.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +80,47 @@ def _until_end(ids, end_id):
     return ids[:ids.index(end_id)] if end_id in ids else ids
 
 
+def _segments(loaded, waveforms):
+    """The `segments` signature on `waveforms` in one batch: `[(start, end, text)]` per row, and the outputs (the
+    padding past each row's `num_segments` checked)."""
+    import tensorflow as tf
+
+    batch, lengths = _batch(waveforms)
+    out = {key: value.numpy() for key, value in loaded.signatures["segments"](
+        waveform=tf.constant(batch), lengths=tf.constant(lengths, tf.int32)).items()}
+    counts = out["num_segments"]
+    assert out["segment_text"].shape == out["segment_start"].shape == out["segment_end"].shape == (
+        len(waveforms), counts.max())
+    assert out["avg_logprob"].shape == out["no_speech_prob"].shape == counts.shape == (len(waveforms),)
+    rows = []
+    for text, start, end, count in zip(out["segment_text"], out["segment_start"], out["segment_end"], counts):
+        assert set(text[count:]) <= {b""} and not start[count:].any() and not end[count:].any()
+        rows.append([(float(a), float(b), x.decode("utf-8")) for a, b, x in zip(start[:count], end[:count],
+                                                                                  text[:count])])
+    return rows, out
+
+
+def _assert_keras_segments(found, expected):
+    """`found` `[(start, end, text)]` are the Keras path's `Segment`s: the same texts, the same times, on the
+    0.02-s grid of the timestamp tokens."""
+    assert [text for _, _, text in found] == [segment.text for segment in expected]
+    times = np.array([(start, end) for start, end, _ in found], np.float64).reshape(-1, 2)
+    np.testing.assert_allclose(times, np.array([(s.start, s.end) for s in expected]).reshape(-1, 2), atol=1e-5)
+    np.testing.assert_allclose(times, np.round(times / 0.02) * 0.02, atol=1e-5)
+
+
+def _hits(found, expected, tolerance=0.5):
+    """How many of faster-whisper's segments `[start, end, text]` have one in `found` whose start and end are both
+    within `tolerance` seconds of theirs."""
+    return sum(any(abs(start - e[0]) <= tolerance and abs(end - e[1]) <= tolerance for start, end, _ in found)
+               for e in expected)
+
+
 # === SavedModel ===
-def test_saved_model_transcribes_waveforms_without_tfformer(exported, manifest, waveforms, asr, tmp_path):
+def test_saved_model_transcribes_waveforms_without_tfformer(exported, manifest, waveforms, asr, reference, tmp_path):
     """Three clips of different lengths in one batch plus an empty row: the manifest's (CTranslate2's)
-    transcripts and ids, from a process that imports only tensorflow and tensorflow_text."""
+    transcripts and ids, and faster-whisper's segment texts, from a process that imports only tensorflow and
+    tensorflow_text."""
     from tfformer.data import audio
 
     clips = [0, 5, 11]
@@ -76,20 +128,70 @@ def test_saved_model_transcribes_waveforms_without_tfformer(exported, manifest, 
     features, _ = audio.log_mel_spectrogram(batch[:1, :lengths[0]])  # (1, 3000, 80)
     request = {
         "serving_default": {"waveform": [batch.tolist(), "float32"], "lengths": [lengths, "int32"]},
+        "segments": {"waveform": [batch.tolist(), "float32"], "lengths": [lengths, "int32"]},
         "generate_ids": {"input_features": [features.numpy().tolist(), "float32"]},
     }
     out = saved_model_in_fresh_process(exported, request, tmp_path)
     texts = [t.decode("utf-8") for t in out["serving_default/text"]]
     assert texts == [manifest["clips"][i]["transcript"] for i in clips] + [""]
+    segments = [[text.decode("utf-8") for text in row[:count]] for row, count in zip(
+        out["segments/segment_text"], out["segments/num_segments"])]
+    assert segments == [[e[2] for e in reference["clips"][manifest["clips"][i]["file"]]["segments"]]
+                        for i in clips] + [[]]
     ids = out["generate_ids/token_ids"]
     assert ids.shape == (1, asr.config.max_sequence_length - len(asr.prompt))
     assert _until_end(ids[0], asr.end_id) == manifest["clips"][0]["token_ids"]
     assert set(ids[0, len(manifest["clips"][0]["token_ids"]):].tolist()) == {asr.end_id}
 
 
-def test_saved_model_is_served_over_rest_and_grpc(exported, manifest, waveforms):
+def test_saved_model_segments_are_the_keras_paths(loaded, asr, manifest, waveforms, reference):
+    """Six fixture clips in one batch (clip 4 among them: with timestamps the model reads "coffee please", without
+    "coffee, please", as CTranslate2 does): the `segments` signature gives `transcribe(..., timestamps=True)`'s
+    segments (texts, and times on the 0.02-s grid), within 0.5 s of faster-whisper's. Joined, their text is
+    `serving_default`'s transcript (CTranslate2's without timestamps), or, where decoding with timestamps reads
+    other words, faster-whisper's timestamped text."""
+    import tensorflow as tf
+
+    clips = list(range(0, len(waveforms), 4))  # each row costs about 2 s per signature on 2 cores
+    found, out = _segments(loaded, [waveforms[i] for i in clips])
+    files = [manifest["clips"][i]["file"] for i in clips]
+    for got, expected in zip(found, asr.transcribe([str(SPEECH / name) for name in files], timestamps=True)):
+        _assert_keras_segments(got, expected)
+    faster = [reference["clips"][name]["segments"] for name in files]
+    assert sum(_hits(got, expected) for got, expected in zip(found, faster)) == sum(map(len, faster))
+    assert (out["no_speech_prob"] >= 0).all() and (out["no_speech_prob"] <= 1).all() and (out["avg_logprob"] < 0).all()
+    batch, lengths = _batch([waveforms[i] for i in clips])
+    texts = [text.decode("utf-8") for text in loaded.signatures["serving_default"](
+        waveform=tf.constant(batch), lengths=tf.constant(lengths, tf.int32))["text"].numpy()]
+    assert texts == [manifest["clips"][i]["transcript"] for i in clips]
+    joined = [" ".join(text for _, _, text in row) for row in found]
+    other = [(i, a, b) for i, a, b in zip(clips, joined, texts) if a != b]
+    print(f"\njoined segments != serving_default on {len(other)} of {len(clips)} clips: {other}")
+    for i, text, _ in other:
+        assert text == " ".join(e[2] for e in reference["clips"][manifest["clips"][i]["file"]]["segments"])
+
+
+def test_saved_model_segments_of_rows_of_different_lengths(loaded, asr, manifest, waveforms, reference):
+    """One batch: the first 24.5 s of the fixture recording (several sentences and pauses: several segments), a
+    2-s clip and an empty row. The long row's segments are the Keras path's and within 0.5 s of faster-whisper's
+    (those that end inside the row); the empty row has none."""
+    from tests.models.test_transcript import recording
+
+    seconds = 24.5
+    long = recording(reference, waveforms, manifest)[0][:int(seconds * 16000)]
+    found, out = _segments(loaded, [long, waveforms[9], waveforms[0][:0]])
+    for got, expected in zip(found, asr.transcribe([long, waveforms[9]], sample_rate=16000, timestamps=True)):
+        _assert_keras_segments(got, expected)
+    assert out["num_segments"].tolist() == [len(found[0]), 1, 0] and len(found[0]) >= 4
+    faster = [e for e in reference["long"]["segments"] if e[1] <= seconds]
+    print(f"\n{found[0]}\nfaster-whisper: {faster}")
+    assert _hits(found[0], faster) == len(faster)
+    assert all(a[1] <= b[0] for a, b in zip(found[0], found[0][1:]))  # in order, not overlapping
+
+
+def test_saved_model_is_served_over_rest_and_grpc(exported, loaded, manifest, waveforms):
     """`tfformer serve` (the embedded TF-Serving-compatible server) transcribes rows of samples over REST and
-    columns over gRPC."""
+    columns over gRPC; the `segments` signature by name, both ways, as the SavedModel gives them in process."""
     from tests.serving.conftest import http_request
     from tfformer import serving
 
@@ -105,23 +207,43 @@ def test_saved_model_is_served_over_rest_and_grpc(exported, manifest, waveforms)
         with serving.Client(server.grpc_url) as client:
             got = client.predict("asr", {"waveform": batch, "lengths": np.array(lengths, np.int32)})
         assert [t.decode("utf-8") for t in got["text"]] == expected
+        segments = {"signature_name": "segments", **rows}
+        status, _, body = http_request(server.rest_url, "POST", "/v1/models/asr:predict",
+                                       json.dumps(segments).encode())
+        assert status == 200, body[:500]
+        found, out = _segments(loaded, [waveforms[i] for i in clips])
+        predictions = json.loads(body)["predictions"]
+        assert [sorted(row) for row in predictions] == [sorted(out)] * len(clips)
+        assert [[(a, b, x) for a, b, x in zip(row["segment_start"], row["segment_end"], row["segment_text"])]
+                for row in predictions] == [[(pytest.approx(a), pytest.approx(b), x) for a, b, x in row]
+                                            for row in found]
+        assert [row["num_segments"] for row in predictions] == out["num_segments"].tolist()
+        with serving.Client(server.grpc_url) as client:
+            got = client.predict("asr", {"waveform": batch, "lengths": np.array(lengths, np.int32)},
+                                 signature_name="segments")
+        assert sorted(got) == sorted(out)
+        for key, value in out.items():
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
         bad = {"inputs": {"waveform": batch.tolist(), "lengths": lengths[:1]}}
         status, _, body = http_request(server.rest_url, "POST", "/v1/models/asr:predict", json.dumps(bad).encode())
         assert status == 400 and "`lengths` must hold one sample count" in json.loads(body)["error"], body[:500]
 
 
-def test_saved_model_rejects_bad_waveforms(exported, waveforms):
+def test_saved_model_rejects_bad_waveforms(loaded, waveforms):
     import tensorflow as tf
 
-    serve = tf.saved_model.load(exported).signatures["serving_default"]
-    batch, lengths = _batch(waveforms[:2])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="`lengths` must hold one sample count per"):
-        serve(waveform=tf.constant(batch), lengths=tf.constant(lengths[:1], tf.int32))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="`lengths` must be <= the `waveform` width"):
-        serve(waveform=tf.constant(batch), lengths=tf.constant([lengths[0], batch.shape[1] + 1], tf.int32))
-    batch[1, 10] = np.nan
-    with pytest.raises(tf.errors.InvalidArgumentError, match="`waveform` must hold finite samples"):
-        serve(waveform=tf.constant(batch), lengths=tf.constant(lengths, tf.int32))
+    for name in ("serving_default", "segments"):
+        serve = loaded.signatures[name]
+        batch, lengths = _batch(waveforms[:2])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="`lengths` must hold one sample count per"):
+            serve(waveform=tf.constant(batch), lengths=tf.constant(lengths[:1], tf.int32))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="`lengths` must be <= the `waveform` width"):
+            serve(waveform=tf.constant(batch), lengths=tf.constant([lengths[0], batch.shape[1] + 1], tf.int32))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="`lengths` must be >= 0"):
+            serve(waveform=tf.constant(batch), lengths=tf.constant([lengths[0], -1], tf.int32))
+        batch[1, 10] = np.nan
+        with pytest.raises(tf.errors.InvalidArgumentError, match="`waveform` must hold finite samples"):
+            serve(waveform=tf.constant(batch), lengths=tf.constant(lengths, tf.int32))
 
 
 def test_saved_model_argument_errors(asr, tmp_path):

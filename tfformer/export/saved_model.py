@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfformer.checks import check_int, is_int
 from tfformer.data import audio, placeholders
 from tfformer.export import signatures as sig
-from tfformer.export import warmup
+from tfformer.export import speech_segments, warmup
 from tfformer.generation.decode import decode_fn
 from tfformer.models.whisper_decode import speech_decode_fn
 from tfformer.models.presets import from_preset
@@ -173,8 +173,21 @@ def speech_max_new_tokens(model):
     return model.config.max_sequence_length - len(model.prompt)
 
 
+def _waveform_checks(waveform, lengths):
+    """The checks of a speech signature's `waveform` `(B, N)` and `lengths` `(B,)`: assert ops to run first."""
+    return [
+        tf.debugging.assert_equal(tf.size(lengths), tf.shape(waveform)[0], message=(
+            f"`{sig.LENGTHS}` must hold one sample count per `{sig.WAVEFORM}` row")),
+        tf.debugging.assert_non_negative(lengths, message=f"`{sig.LENGTHS}` must be >= 0"),
+        tf.debugging.assert_less_equal(lengths, tf.shape(waveform)[1], message=(
+            f"`{sig.LENGTHS}` must be <= the `{sig.WAVEFORM}` width (samples per row)")),
+        tf.debugging.assert_all_finite(waveform, f"`{sig.WAVEFORM}` must hold finite samples (no NaN or inf)"),
+    ]
+
+
 def _speech_endpoints(model, tokenizer, max_new_tokens, beam_size):
-    """serving_default (waveform + lengths -> text), generate_ids (log-mel features -> ids), predict_ids (logits)."""
+    """serving_default (waveform + lengths -> text), segments (-> timestamped segments), generate_ids (log-mel
+    features -> ids), predict_ids (logits)."""
     if beam_size is not None:
         raise ValueError(f"A Whisper export decodes greedily; beam search runs in `WhisperModel.transcribe("
                          f"beam_size=...)`. Received: beam_size={beam_size!r}")
@@ -196,15 +209,7 @@ def _speech_endpoints(model, tokenizer, max_new_tokens, beam_size):
         return tf.strings.strip(tokenizer.detokenize(text_ids))
 
     def serve(waveform, lengths):
-        checks = [
-            tf.debugging.assert_equal(tf.size(lengths), tf.shape(waveform)[0], message=(
-                f"`{sig.LENGTHS}` must hold one sample count per `{sig.WAVEFORM}` row")),
-            tf.debugging.assert_non_negative(lengths, message=f"`{sig.LENGTHS}` must be >= 0"),
-            tf.debugging.assert_less_equal(lengths, tf.shape(waveform)[1], message=(
-                f"`{sig.LENGTHS}` must be <= the `{sig.WAVEFORM}` width (samples per row)")),
-            tf.debugging.assert_all_finite(waveform, f"`{sig.WAVEFORM}` must hold finite samples (no NaN or inf)"),
-        ]
-        with tf.control_dependencies(checks):
+        with tf.control_dependencies(_waveform_checks(waveform, lengths)):
             # One 30-second window per row, normalised over that window as `WhisperModel.transcribe` does.
             window = waveform[:, :audio.WINDOW_SAMPLES]  # (B, min(N, 480000))
             lengths = tf.minimum(lengths, audio.WINDOW_SAMPLES)
@@ -221,6 +226,7 @@ def _speech_endpoints(model, tokenizer, max_new_tokens, beam_size):
     features = sig.features_spec(num_frames, config.num_mel_bins)
     return {
         sig.SERVING_DEFAULT: (serve, [sig.waveform_spec(), sig.count_spec(sig.LENGTHS)]),
+        sig.SEGMENTS: speech_segments.segments_endpoint(model, tokenizer, max_new_tokens, _waveform_checks),
         sig.GENERATE_IDS: (generate, [{sig.INPUT_FEATURES: features}]),
         sig.PREDICT_IDS: (predict_ids, [{sig.INPUT_FEATURES: features,
                                          sig.DECODER_TOKEN_IDS: sig.ids_spec(sig.DECODER_TOKEN_IDS)}]),
@@ -298,7 +304,7 @@ def _warmup_records(model, path, max_new_tokens, batch_sizes):
 
 
 def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=None, beam_size=None,
-                warmup_batch_sizes=warmup.BATCH_SIZES):
+                warmup_batch_sizes=None):
     """Export `model` for TF Serving as `base_path/<version>/`; returns that path.
 
     Signatures (each returns a dict): `serving_default` takes raw strings `text`
@@ -328,6 +334,26 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
     Also `generate_ids` (`input_features` `(B, 3000, 80)` log-mel features -> `token_ids` `(B, max_new_tokens)`,
     `end_id`-filled after the end) and `predict_ids` (`input_features`, `decoder_token_ids` -> `logits`).
 
+    A `WhisperModel` also gets `segments`, the timestamped transcript: the inputs of its `serving_default` ->
+    `segment_text` `(B, S)` string (stripped), `segment_start` and `segment_end` `(B, S)` float32 seconds from the
+    row's first sample, `num_segments` `(B,)` int32, and per row `avg_logprob` (the mean log-probability of the
+    window's tokens, the end token counted) and `no_speech_prob` (of `<|nospeech|>`) `(B,)` float32. `S` is the
+    batch's largest `num_segments`; a row's slots past its count hold "" and 0.0. Each row is ONE 30-second window
+    (its first 30 s, in whole 10-ms frames), decoded greedily with Whisper's timestamp rules from the start sequence
+    (the `prompt` without `<|notimestamps|>`), at most `max_new_tokens` and half the decoder's positions (224 ids for
+    tiny.en), and cut in the graph as `WhisperModel.transcribe(..., timestamps=True)` cuts a window that starts the
+    recording (`tfformer.models.transcript.split_by_timestamps`, faster-whisper's cut): a segment per pair of
+    timestamps, times on the 0.02-s grid; without a pair, one segment from 0 to the last timestamp. A row's ids
+    that end after the last pair without a closing timestamp make a last segment ending at the row's end (the
+    Python path drops it and decodes that audio again in a new window). A row of fewer than 160 samples, or a
+    window that is silence by faster-whisper's test (`no_speech_prob` > 0.6 and `avg_logprob` <= -1), gives no
+    segments; so does a segment without text. What it does not do, and `transcribe(..., timestamps=True)` does:
+    windows past the first 30 s, conditioning a window on the text before it, the temperature fallback for a
+    window that repeats itself or has `avg_logprob` < -1, and word timestamps. For a row of at most 30 s whose
+    window needs none of these, the segments are the Python path's. With `segments` over REST, each row of
+    `predictions` is `{"segment_text": [...], "segment_start": [...], ...}`: `{"signature_name": "segments",
+    "instances": [{"waveform": [...], "lengths": n}]}`.
+
     Args:
         model: a tfformer task, or a preset (run) directory.
         base_path: the model's base path (TF Serving's `--model_base_path`).
@@ -343,7 +369,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
         warmup_batch_sizes: ints. The batch sizes of the TF Serving warm-up records written to
             `assets.extra/tf_serving_warmup_requests` (`tfformer.export.warmup`): one request per signature and
             batch size (and per decode length of `generate_text`), replayed by TF Serving and `tfformer serve`
-            before the version serves. Defaults to `warmup.BATCH_SIZES`, (1, 8); `()` writes no warm-up file.
+            before the version serves. None (the default): `warmup.BATCH_SIZES`, (1, 8); `()` writes no warm-up
+            file.
     """
     if isinstance(model, (str, os.PathLike)):
         run_dir = os.fspath(model)
@@ -358,6 +385,8 @@ def saved_model(model, base_path, version=None, tokenizer=None, max_new_tokens=N
     if max_new_tokens is None:
         max_new_tokens = speech_max_new_tokens(model) if isinstance(model, WhisperModel) else 64
     check_int("max_new_tokens", max_new_tokens)
+    if warmup_batch_sizes is None:
+        warmup_batch_sizes = warmup.BATCH_SIZES
     if not isinstance(warmup_batch_sizes, (tuple, list)) or not all(
             is_int(size) and size >= 1 for size in warmup_batch_sizes):
         raise ValueError(f"`warmup_batch_sizes` must be a tuple of ints >= 1 (or () for no warm-up records). "

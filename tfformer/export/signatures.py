@@ -9,6 +9,7 @@ SERVING_DEFAULT = "serving_default"  # raw strings in, strings (or embeddings) o
 PREDICT_IDS = "predict_ids"  # token ids in, float32 logits out
 GENERATE_IDS = "generate_ids"  # token ids in, generated ids out
 GENERATE_TEXT = "generate_text"  # causal LM: strings and a max_new_tokens per string in, completions out
+SEGMENTS = "segments"  # Whisper: waveforms in, timestamped segments out
 
 TEXT = "text"
 TRANSLATION = "translation"
@@ -22,6 +23,13 @@ WAVEFORM = "waveform"
 LENGTHS = "lengths"
 INPUT_FEATURES = "input_features"
 DECODER_TOKEN_IDS = "decoder_token_ids"
+# Whisper's `segments`: per row, `(B, S)` padded to the batch's largest segment count, and `(B,)` per window.
+SEGMENT_TEXT = "segment_text"
+SEGMENT_START = "segment_start"
+SEGMENT_END = "segment_end"
+NUM_SEGMENTS = "num_segments"
+AVG_LOGPROB = "avg_logprob"
+NO_SPEECH_PROB = "no_speech_prob"
 
 
 def ids_spec(name, batch=None, length=None):
