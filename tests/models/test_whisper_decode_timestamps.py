@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfformer import timestamps
 from tfformer.models import whisper_decode as speech
 
 VOCAB, END, NO_TIMESTAMPS = 40, 12, 19
@@ -66,14 +67,21 @@ def _state(history):
     return last, penultimate, stamps[-1] if stamps else -1
 
 
-def test_timestamp_rules_match_ctranslate2s_rules_row_by_row():
+# The rules twice: in TensorFlow for the graph (`models.whisper_decode`), in numpy for the edge's host loop
+# (`tfformer.timestamps`); each is held to the same per-row transcription of CTranslate2's.
+RULES = {"tensorflow": lambda logits, *state: speech.timestamp_rules(tf.constant(logits), *state).numpy(),
+         "numpy": timestamps.timestamp_rules}
+
+
+@pytest.mark.parametrize("implementation", sorted(RULES))
+def test_timestamp_rules_match_ctranslate2s_rules_row_by_row(implementation):
     rng = np.random.default_rng(0)
     histories = _histories(rng, 400)
     logits = rng.normal(0.0, 3.0, (len(histories), VOCAB)).astype(np.float32)
     # Rows where the timestamps' mass wins: their logits raised.
     logits[::3, BEGIN:] += 4.0
     last, penultimate, last_timestamp = (np.array(column, np.int32) for column in zip(*map(_state, histories)))
-    got = speech.timestamp_rules(tf.constant(logits), last, penultimate, last_timestamp, END, IDS).numpy()
+    got = RULES[implementation](logits, last, penultimate, last_timestamp, END, IDS)
     expected = np.stack([reference_rules(row, history) for row, history in zip(logits, histories)])
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
     finite = np.isfinite(expected)
