@@ -96,9 +96,11 @@ def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
 
     `last`, `penultimate` `(B,)`: the last two generated tokens (`penultimate` is `last` after one token);
     `last_timestamp` `(B,)`: the latest timestamp generated (`NONE` before one). `<|notimestamps|>` never comes;
-    timestamps come in pairs (after a pair, text or the end; after a lone timestamp, a timestamp or the end) and never
-    decrease; and when the timestamps' total probability beats every other token's, a timestamp must come. Returns a
-    float32 copy of the logits with what these rules forbid at -inf.
+    timestamps come in pairs (after a pair, text or the end; after a lone timestamp, a timestamp or the end); they
+    never decrease, and after text the next one is past the latest (a segment ends after it starts: CTranslate2's
+    "Prevent generating segments with zero duration", openai-whisper's "nonzero length" rule; without it a window
+    could end at its start and never move `seek`); and when the timestamps' total probability beats every other
+    token's, a timestamp must come. Returns a float32 copy of the logits with what these rules forbid at -inf.
     """
     logits = np.array(logits, np.float32)  # (B, V), a copy
     begin = ids.timestamp_begin
@@ -109,7 +111,8 @@ def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
     logits[pair, begin:] = -np.inf  # after a pair: text or the end
     logits[last_ts & ~pair, :end_id] = -np.inf  # after a lone timestamp: a timestamp or the end
     stamps = logits[:, begin:]  # (B, V - begin), a view
-    stamps[np.arange(begin, logits.shape[-1])[None, :] < last_timestamp[:, None]] = -np.inf  # never decreasing
+    lowest = np.where(last_ts, last_timestamp, last_timestamp + 1)  # (B,): after text, past the latest timestamp
+    stamps[np.arange(begin, logits.shape[-1])[None, :] < lowest[:, None]] = -np.inf  # never decreasing
     log_probs = log_softmax(logits)  # (B, V)
     timestamp = _logsumexp(log_probs[:, begin:])  # (B,)
     text = np.max(log_probs[:, :begin], axis=-1)  # (B,)

@@ -16,7 +16,9 @@ BEGIN = IDS.timestamp_begin
 
 
 def reference_rules(logits, sampled):
-    """CTranslate2's rules for one row after `sampled` (>= 1 generated tokens), written loop by loop."""
+    """CTranslate2's rules for one row after `sampled` (>= 1 generated tokens), written loop by loop as
+    src/models/whisper.cc has them since its commit bd563b5f ("Prevent generating segments with zero duration",
+    CTranslate2 3.12; faster-whisper 1.2.1 runs 4.x)."""
     logits = logits.astype(np.float64).copy()
     disabled = {NO_TIMESTAMPS}
     check = False
@@ -26,14 +28,15 @@ def reference_rules(logits, sampled):
         if penultimate >= BEGIN:
             disabled |= set(range(BEGIN, VOCAB))  # after a pair: text (or the end)
         else:
-            disabled |= set(range(0, END))  # after a lone timestamp: a timestamp or the end
+            disabled |= set(range(0, END))  # after a lone timestamp: a timestamp or the end,
+            disabled |= set(range(BEGIN, last))  # not below it
             check = True
     else:
         check = True
-    for token in reversed(sampled):  # timestamps never decrease
-        if token >= BEGIN:
-            disabled |= set(range(BEGIN, token))
-            break
+        for token in reversed(sampled):  # after text: past the latest timestamp (no segment of zero length)
+            if token >= BEGIN:
+                disabled |= set(range(BEGIN, token + 1))
+                break
     logits[sorted(disabled)] = -np.inf
     if check:
         shifted = logits - logits[np.isfinite(logits)].max()

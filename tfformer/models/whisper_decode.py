@@ -111,16 +111,18 @@ def timestamp_rules(logits, last, penultimate, last_timestamp, end_id, ids):
 
     `last`, `penultimate` `(B,)`: the last two generated tokens (`penultimate` is `last` after one token);
     `last_timestamp` `(B,)`: the latest timestamp generated. `<|notimestamps|>` never comes; timestamps come in pairs
-    (after a pair, text or the end; after a lone timestamp, a timestamp or the end) and never decrease; and when the
-    timestamps' total probability beats every other token's, a timestamp must come. Returns the logits with what
-    these rules forbid at -inf. `tfformer.timestamps.timestamp_rules` is the same in numpy, for a host loop.
+    (after a pair, text or the end; after a lone timestamp, a timestamp or the end), never decrease, and after text
+    the next one is past the latest (no segment of zero length, as CTranslate2's); and when the timestamps' total
+    probability beats every other token's, a timestamp must come. Returns the logits with what these rules forbid at
+    -inf. `tfformer.timestamps.timestamp_rules` is the same in numpy, for a host loop.
     """
     vocab = tf.range(tf.shape(logits)[-1])[None, :]  # (1, V)
     is_timestamp = vocab >= ids.timestamp_begin
     last_ts = (last >= ids.timestamp_begin)[:, None]  # (B, 1)
     pair = last_ts & (penultimate >= ids.timestamp_begin)[:, None]
     forbid = tf.equal(vocab, ids.no_timestamps) | (pair & is_timestamp) | (last_ts & ~pair & (vocab < end_id))
-    forbid |= is_timestamp & (vocab < last_timestamp[:, None])
+    lowest = tf.where(last >= ids.timestamp_begin, last_timestamp, last_timestamp + 1)  # (B,): after text, past it
+    forbid |= is_timestamp & (vocab < lowest[:, None])
     logits = tf.where(forbid, -np.inf, logits)
     log_probs = tf.nn.log_softmax(logits)  # (B, V)
     timestamp = tf.reduce_logsumexp(tf.where(is_timestamp, log_probs, -np.inf), axis=-1, keepdims=True)  # (B, 1)
