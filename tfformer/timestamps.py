@@ -135,6 +135,7 @@ def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
     Pieces end at each pair of consecutive timestamps; an unfinished piece after the last pair is dropped and the
     next window starts at its last timestamp, unless the tokens end with a lone timestamp (nothing more was said:
     the next window starts after this one). Without a pair, the whole window is one piece up to its last timestamp.
+    The next `seek` is always past `seek` (see `next_seek`).
     """
     offset = seek * SECONDS_PER_FRAME
     is_ts = [token >= timestamp_begin for token in tokens]
@@ -155,4 +156,18 @@ def split_by_timestamps(tokens, timestamp_begin, seek, window_frames):
         first = cut
     if single_ending:
         return pieces, seek + window_frames
-    return pieces, seek + (tokens[first - 1] - timestamp_begin) * FRAMES_PER_TOKEN
+    return pieces, next_seek(seek, seek + (tokens[first - 1] - timestamp_begin) * FRAMES_PER_TOKEN, window_frames)
+
+
+def next_seek(seek, proposed, window_frames):
+    """The next window's start after the window `seek` of `window_frames` frames: `proposed`, or after the whole
+    window when `proposed` is not past `seek` (a loop would decode the same window again, for ever).
+
+    Tokens decoded with `timestamp_rules` never propose that: a segment ends after it starts, so the last complete
+    one ends after the window's start; and a word's end after the window's start, in hundredths of a second (a
+    frame), is a later frame but for float rounding. Neither faster-whisper's `generate_segments` nor
+    openai-whisper's `transcribe` has a guard of its own: their rules are the guard (CTranslate2's since v3.12.0,
+    openai-whisper's "nonzero length"). This one keeps tokens or word times from elsewhere (another decoder, a rule
+    changed) from stalling the loop, and moves on as after a window that ended with a lone timestamp.
+    """
+    return proposed if proposed > seek else seek + window_frames

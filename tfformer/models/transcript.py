@@ -353,5 +353,5 @@ def _words_and_seek(model, features, pieces, window_frames, seek, next_seek, tok
     last_end = next((w.end for piece in reversed(pieces) for w in reversed(piece[3])),
                     pieces[-1][1] if pieces else None)
     if not single_ending and last_end is not None and last_end > seek * SECONDS_PER_FRAME:
-        next_seek = round(last_end / SECONDS_PER_FRAME)
+        next_seek = timestamps.next_seek(seek, round(last_end / SECONDS_PER_FRAME), window_frames)
     return pieces, next_seek, last_speech if last_end is None else last_end
