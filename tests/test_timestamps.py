@@ -75,9 +75,10 @@ def test_the_keras_path_takes_its_pieces_from_here():
     reachable where they were), and the frame length is the audio front end's."""
     assert speech.TimestampIds is timestamps.TimestampIds and speech.first_step_bias is timestamps.first_step_bias
     assert speech.TIME_PRECISION == timestamps.TIME_PRECISION == 0.02
-    assert transcript.Segment is timestamps.Segment
+    assert transcript.Segment is timestamps.Segment and transcript.Decoded is timestamps.Decoded
     assert transcript.split_by_timestamps is timestamps.split_by_timestamps
     assert timestamps.SECONDS_PER_FRAME == audio.HOP_LENGTH / audio.SAMPLE_RATE
+    assert timestamps.SAMPLES_PER_FRAME == audio.HOP_LENGTH and timestamps.WINDOW_FRAMES == audio.NUM_FRAMES
 
 
 def test_silence_prompt_and_ids():

@@ -7,7 +7,9 @@ previous text when it is conditioned on it: the first token is a timestamp of at
 (`first_step_bias`), then `timestamp_rules` (CTranslate2's `ApplyTimestampRules`, which faster-whisper decodes with)
 keep the timestamps in pairs around the text; `split_by_timestamps` cuts the window's tokens into pieces and says
 where the next window starts. `models.whisper_decode.timestamp_rules` is the same rules in TensorFlow, for the in-graph
-loop. This module imports numpy and `tfformer.checks` only.
+loop. `long_form_segments` is faster-whisper's window loop over a recording, which the Keras path
+(`models.transcript.segments`) and the edge (`edge.Transcriber.segments`) both run with their own window decoding
+(`WindowLoop`). This module imports numpy and `tfformer.checks` only.
 """
 
 import collections
@@ -18,7 +20,9 @@ import numpy as np
 from tfformer.checks import check_number
 
 TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ... <|30.00|>
-SECONDS_PER_FRAME = 160 / 16000  # a log-mel frame: Whisper's hop of 160 samples at 16 kHz
+SAMPLES_PER_FRAME = 160  # a log-mel frame: Whisper's hop of 160 samples at 16 kHz
+SECONDS_PER_FRAME = SAMPLES_PER_FRAME / 16000
+WINDOW_FRAMES = 3000  # a window: 30 seconds
 FRAMES_PER_TOKEN = 2  # the encoder's stride-2 convolution: one timestamp step (20 ms) is two 10 ms frames
 # faster-whisper's defaults: a window whose <|nospeech|> probability is above NO_SPEECH_THRESHOLD and whose mean
 # log-probability is not above LOG_PROB_THRESHOLD is silence; the first timestamp is at most MAX_INITIAL_TIMESTAMP.
@@ -40,6 +44,18 @@ class Segment:
     end: float
     text: str
     words: tuple = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """One decoding of a window: its tokens (without the end), mean log-probability (faster-whisper's: the sum over
+    the tokens and the end, divided by their count), temperature, compression ratio (None when not computed), and
+    the probability of <|nospeech|>."""
+    tokens: list
+    avg_logprob: float
+    temperature: float
+    compression_ratio: float
+    no_speech_prob: float
 
 
 def timestamp_ids(vocabulary):
@@ -171,3 +187,77 @@ def next_seek(seek, proposed, window_frames):
     changed) from stalling the loop, and moves on as after a window that ended with a lone timestamp.
     """
     return proposed if proposed > seek else seek + window_frames
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowLoop:
+    """How `long_form_segments` decodes the windows of a recording, and faster-whisper's options it reads.
+
+    Args:
+        features: callable `(samples (n,) float32) -> features`: a window's features (what `decode` and `words`
+            take), for its `n` <= `window_frames * SAMPLES_PER_FRAME` samples.
+        decode: callable `(features, prompt) -> Decoded`: the window decoded after `prompt` (a list of ids).
+        texts: callable `(rows) -> list of str`: the stripped texts of a window's pieces' tokens (a list of lists
+            of ids), in one call (a tokenizer's call can cost more than its text).
+        start_ids: list of ints. A window's start sequence (`start_sequence`).
+        start_of_prev: int. `<|startofprev|>`'s id.
+        timestamp_begin: int. `<|0.00|>`'s id.
+        max_previous: int. The previous tokens a prompt keeps at most (the last ones).
+        window_frames: int. Frames of a window.
+        condition_on_previous_text: bool. Prompt each window with the text so far.
+        prompt_reset_on_temperature: float. After a window decoded above this temperature the prompt starts over.
+        no_speech_threshold, log_prob_threshold: float or None. `is_silence`'s.
+        words: None, or callable `(features, pieces, window_frames, seek, next_seek, tokens, last_speech) ->
+            (pieces, next_seek, last_speech)`: word timestamps for a window's `(start, end, tokens)` pieces (each
+            then `(start, end, tokens, words)`), the next window's start (past `seek`: `next_seek`) and the end of
+            the last speech.
+    """
+    features: object
+    decode: object
+    texts: object
+    start_ids: list
+    start_of_prev: int
+    timestamp_begin: int
+    max_previous: int
+    window_frames: int = WINDOW_FRAMES
+    condition_on_previous_text: bool = True
+    prompt_reset_on_temperature: float = 0.5
+    no_speech_threshold: float = NO_SPEECH_THRESHOLD
+    log_prob_threshold: float = LOG_PROB_THRESHOLD
+    words: object = None
+
+
+def long_form_segments(waveform, loop):
+    """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy, or what `len()` and `[start:stop]` read,
+    as `data.audio.open_wav`'s) as each window is decoded: faster-whisper's `generate_segments` (without its clip
+    timestamps, prefix, hotwords or hallucination skip), with `loop`'s (`WindowLoop`) decoding.
+
+    A window of at most `loop.window_frames` frames starts at `seek`; it is decoded after `<|startofprev|>` and the
+    text so far (`window_prompt`); a window `is_silence` calls silence is skipped; otherwise its complete pieces
+    (`split_by_timestamps`, then `loop.words`) are yielded, save those of no length or no text, and the next window
+    starts where the cut (or `loop.words`) says, always past `seek` (`next_seek`). The text so far is dropped after
+    a window without `condition_on_previous_text` or decoded above `prompt_reset_on_temperature`. Only one window's
+    features are held at a time.
+    """
+    content_frames = len(waveform) // SAMPLES_PER_FRAME
+    previous = collections.deque(maxlen=loop.max_previous)  # the prompt's previous tokens: all that is kept of them
+    seek, last_speech = 0, 0.0
+    while seek < content_frames:
+        window_frames = min(loop.window_frames, content_frames - seek)
+        features = loop.features(waveform[seek * SAMPLES_PER_FRAME:(seek + window_frames) * SAMPLES_PER_FRAME])
+        result = loop.decode(features, window_prompt(loop.start_ids, previous, loop.start_of_prev))
+        if is_silence(result.no_speech_prob, result.avg_logprob, loop.no_speech_threshold, loop.log_prob_threshold):
+            seek += window_frames  # silence: on to the next window
+            continue
+        window_seek = seek
+        pieces, seek = split_by_timestamps(result.tokens, loop.timestamp_begin, seek, window_frames)
+        if loop.words is not None:
+            pieces, seek, last_speech = loop.words(features, pieces, window_frames, window_seek, seek, result.tokens,
+                                                   last_speech)
+        for (start, end, tokens, *words), text in zip(pieces, loop.texts([piece[2] for piece in pieces])):
+            if start == end or not text:
+                continue
+            previous.extend(tokens)
+            yield Segment(round(start, 3), round(end, 3), text, words[0] if words else None)
+        if not loop.condition_on_previous_text or result.temperature > loop.prompt_reset_on_temperature:
+            previous.clear()

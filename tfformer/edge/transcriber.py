@@ -3,11 +3,9 @@
 The file holds the encoder (log-mel features in) and a KV-cached `decode_step`; the host computes the log-mel
 features in numpy, adds Whisper's token suppression to each step's logits, picks the greedy token, and
 detokenizes with the byte-level BPE (`tfformer.data.BytePairTokenizer`, whose ops are not TFLite ops). With
-timestamps, the host applies Whisper's timestamp rules and moves its window as the Keras path does, with the same
-TensorFlow-free pieces (`tfformer.timestamps`).
+timestamps, the host applies Whisper's timestamp rules and moves its window with the Keras path's loop, from the
+TensorFlow-free `tfformer.timestamps` (`long_form_segments`).
 """
-
-import collections
 
 import numpy as np
 
@@ -15,15 +13,14 @@ from tfformer.checks import check_int
 from tfformer.timestamps import (
     MAX_INITIAL_TIMESTAMP,
     NONE,
-    Segment,
+    Decoded,
+    WindowLoop,
     first_step_bias,
-    is_silence,
     log_softmax,
-    split_by_timestamps,
+    long_form_segments,
     start_sequence,
     timestamp_ids,
     timestamp_rules,
-    window_prompt,
 )
 from tfformer.tokens import cut_at_end
 
@@ -290,7 +287,8 @@ class Transcriber:
 
     def segments(self, audio, sample_rate=None, max_new_tokens=None, condition_on_previous_text=True):
         """The timestamped `Segment(start, end, text)`s of one recording, yielded as each 30-second window is decoded:
-        `tfformer.models.transcript.segments`' long-form loop on the host, in a reduced form.
+        the long-form loop of `tfformer.models.transcript.segments` (`tfformer.timestamps.long_form_segments`) on
+        the host, with a reduced window decoding.
 
         A window starts at `seek`; it is decoded greedily with Whisper's timestamp rules
         (`transcribe_timestamp_ids`), its complete segments are yielded, and the next window starts at the last
@@ -320,29 +318,22 @@ class Transcriber:
         return self._segments(waveform, ids, start_of_prev, max_new_tokens, condition_on_previous_text)
 
     def _segments(self, waveform, ids, start_of_prev, max_new_tokens, condition_on_previous_text):
-        """`segments`' generator over a checked 16 kHz waveform."""
-        num_frames, content_frames = self.input_shape[1], len(waveform) // HOP_LENGTH
-        start_ids = start_sequence(self.prompt, ids)
-        previous = collections.deque(maxlen=max(self.max_length // 2 - 1, 0))  # what a prompt keeps of the text so far
-        seek = 0
-        while seek < content_frames:
-            window_frames = min(num_frames, content_frames - seek)
-            features = self.features(waveform[seek * HOP_LENGTH:(seek + window_frames) * HOP_LENGTH])
-            prompt = window_prompt(start_ids, previous, start_of_prev)
+        """`segments`' generator over a checked 16 kHz waveform: `tfformer.timestamps.long_form_segments` with
+        greedy window decoding."""
+
+        def decode(features, prompt):
             budget = min(self.max_length // 2, self.max_length + 1 - len(prompt), max_new_tokens or self.max_length)
             tokens, total, no_speech_prob = self.transcribe_timestamp_ids(features, prompt, ids, budget)
-            if is_silence(no_speech_prob, total / (len(tokens) + 1)):  # faster-whisper's mean counts the end too
-                seek += window_frames
-                continue
-            pieces, seek = split_by_timestamps(tokens, ids.timestamp_begin, seek, window_frames)
-            for start, end, piece in pieces:
-                text = self.ids_to_text(piece)
-                if start == end or not text:
-                    continue
-                previous.extend(piece)
-                yield Segment(round(start, 3), round(end, 3), text)
-            if not condition_on_previous_text:
-                previous.clear()
+            # faster-whisper's mean counts the end too; greedy, no compression ratio (no fallback)
+            return Decoded(tokens, total / (len(tokens) + 1), 0.0, None, no_speech_prob)
+
+        loop = WindowLoop(
+            features=lambda samples: self.features(samples), decode=decode,
+            texts=lambda rows: [self.ids_to_text(row) for row in rows],
+            start_ids=start_sequence(self.prompt, ids), start_of_prev=start_of_prev,
+            timestamp_begin=ids.timestamp_begin, max_previous=max(self.max_length // 2 - 1, 0),
+            window_frames=self.input_shape[1], condition_on_previous_text=condition_on_previous_text)
+        yield from long_form_segments(waveform, loop)
 
     def _timestamp_tokens(self):
         """`(TimestampIds, <|startofprev|>)` from the tokenizer."""

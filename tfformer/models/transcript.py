@@ -5,12 +5,12 @@ rules); the window's complete segments are yielded and the next window starts at
 (or after the window, when it ends with a lone timestamp: nothing more was said). Each window is conditioned on the
 text so far (`<|startofprev|>` + at most `max_sequence_length // 2 - 1` previous tokens), and decoded again at
 higher temperatures when its text repeats itself (zlib compression ratio above `compression_ratio_threshold`) or
-its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time. The
-TensorFlow-free pieces (the cut at timestamps, the prompt, the silence test, `Segment`) are `tfformer.timestamps`',
-shared with `tfformer.edge.Transcriber`'s host loop.
+its mean log-probability is below `log_prob_threshold`. Only one window's features are held at a time. The window
+loop and its TensorFlow-free pieces (the cut at timestamps, the prompt, the silence test, `Segment`, `Decoded`) are
+`tfformer.timestamps`', shared with `tfformer.edge.Transcriber`'s host loop; this module gives the loop its window
+decoding (the temperature fallback) and word timestamps.
 """
 
-import collections
 import dataclasses
 import zlib
 
@@ -22,12 +22,13 @@ from tfformer.checks import check_int, check_number
 from tfformer.data import audio as audio_io
 from tfformer.generation import samplers
 from tfformer.models import whisper_decode as speech
-from tfformer.timestamps import (  # noqa: F401 (FRAMES_PER_TOKEN, Segment re-exported: transcript.Segment)
+from tfformer.timestamps import (  # noqa: F401 (re-exported: transcript.Segment, transcript.Decoded, ...)
     FRAMES_PER_TOKEN,
     LOG_PROB_THRESHOLD,
     MAX_INITIAL_TIMESTAMP,
     NO_SPEECH_THRESHOLD,
     SECONDS_PER_FRAME,
+    Decoded,
     Segment,
     is_silence,
     split_by_timestamps,
@@ -116,17 +117,6 @@ def decode_text(model, tokens):
     return model.preprocessor.detokenize(ragged).numpy()[0].decode("utf-8")
 
 
-@dataclasses.dataclass(frozen=True)
-class Decoded:
-    """One decoding of a window: its tokens (without the end), mean log-probability, temperature, compression ratio,
-    and the probability of <|nospeech|>."""
-    tokens: list
-    avg_logprob: float
-    temperature: float
-    compression_ratio: float
-    no_speech_prob: float
-
-
 def _decode_once(model, features, prompt, ids, options, temperature):
     """The window decoded at `temperature` (greedy at 0, else the best of `best_of` draws by mean log-probability)."""
     limit = model.config.max_sequence_length
@@ -174,39 +164,29 @@ def decode_with_fallback(model, features, prompt, ids, options):
 
 
 def segments(model, waveform, options):
-    """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy) as each window is decoded."""
+    """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy or `audio.open_wav`'s) as each window is decoded
+    (`tfformer.timestamps.long_form_segments` with `decode_with_fallback`, and word timestamps)."""
     ids = timestamp_ids(model)
-    start_ids = start_sequence(model.prompt, ids)
     if options.word_timestamps and not model.alignment_heads:
         raise ValueError("`word_timestamps=True` needs the model's `alignment_heads` (a checkpoint's cross-attention "
                          "heads for word timing); this model has none.")
-    start_of_prev = model.preprocessor.token_to_id["<|startofprev|>"]
-    content_frames = len(waveform) // audio_io.HOP_LENGTH
-    # The prompt's previous tokens: at most the last `max_sequence_length // 2 - 1`, all that is kept of them.
-    previous = collections.deque(maxlen=model.config.max_sequence_length // 2 - 1)
-    seek, last_speech = 0, 0.0
-    while seek < content_frames:
-        window_frames = min(audio_io.NUM_FRAMES, content_frames - seek)
-        samples = waveform[seek * audio_io.HOP_LENGTH:(seek + window_frames) * audio_io.HOP_LENGTH]
-        features, _ = audio_io.log_mel_spectrogram(samples[None, :])  # (1, 3000, num_mel_bins)
-        prompt = window_prompt(start_ids, previous, start_of_prev)
-        result = decode_with_fallback(model, features.numpy(), prompt, ids, options)
-        if is_silence(result.no_speech_prob, result.avg_logprob, options.no_speech_threshold,
-                      options.log_prob_threshold):
-            seek += window_frames  # silence: on to the next window
-            continue
-        window_seek, (pieces, seek) = seek, split_by_timestamps(result.tokens, ids.timestamp_begin, seek, window_frames)
-        if options.word_timestamps:
-            pieces, seek, last_speech = _words_and_seek(model, features.numpy(), pieces, window_frames, window_seek,
-                                                        seek, result.tokens, ids.timestamp_begin, last_speech)
-        for start, end, tokens, *words in pieces:
-            text = decode_text(model, tokens).strip()
-            if start == end or not text:
-                continue
-            previous.extend(tokens)
-            yield Segment(round(start, 3), round(end, 3), text, words[0] if words else None)
-        if not options.condition_on_previous_text or result.temperature > options.prompt_reset_on_temperature:
-            previous.clear()
+
+    def words(features, pieces, window_frames, seek, next_seek, tokens, last_speech):
+        return _words_and_seek(model, features, pieces, window_frames, seek, next_seek, tokens, ids.timestamp_begin,
+                               last_speech)
+
+    loop = timestamps.WindowLoop(
+        features=lambda samples: audio_io.log_mel_spectrogram(samples[None, :])[0].numpy(),  # (1, 3000, mel bins)
+        decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options),
+        texts=lambda rows: [decode_text(model, tokens).strip() for tokens in rows],
+        start_ids=start_sequence(model.prompt, ids),
+        start_of_prev=model.preprocessor.token_to_id["<|startofprev|>"], timestamp_begin=ids.timestamp_begin,
+        max_previous=model.config.max_sequence_length // 2 - 1, window_frames=audio_io.NUM_FRAMES,
+        condition_on_previous_text=options.condition_on_previous_text,
+        prompt_reset_on_temperature=options.prompt_reset_on_temperature,
+        no_speech_threshold=options.no_speech_threshold, log_prob_threshold=options.log_prob_threshold,
+        words=words if options.word_timestamps else None)
+    yield from timestamps.long_form_segments(waveform, loop)
 
 
 # === Transcript files ===
