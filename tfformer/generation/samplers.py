@@ -1,5 +1,6 @@
 """Samplers (keras-hub's pattern): the one decode loop, `Sampler.run`, and the token choice subclasses override.
-Draws are stateless (`seed`, step): the same seed repeats a sample in eager, graph and XLA alike."""
+Draws are stateless (`seed`, step): the same seed repeats a sample in eager and graph mode, and under XLA; but XLA draws
+other samples than the graph runtime for the same seed (TensorFlow's stateless kernels differ: measured on CPU)."""
 
 import tensorflow as tf
 
