@@ -12,6 +12,7 @@ import tensorflow as tf
 from tests.generation.test_decode import ctranslate2_beam_search
 from tfformer import models
 from tfformer.models import whisper_decode as speech
+from tfformer.generation import samplers
 from tfformer.generation.beam import BeamSampler
 from tfformer.models.whisper import WhisperModel, WhisperPositionTable, whisper_sinusoids
 
@@ -239,6 +240,39 @@ def test_greedy_loop_under_xla_equals_the_graph_loop(model, features):
     options = dict(max_new_tokens=8, prompt=(1, 2), suppress_ids=[3], suppress_ids_begin=[4], end_id=49)
     np.testing.assert_array_equal(speech.transcribe_ids(model, features, jit_compile=True, **options),
                                   speech.transcribe_ids(model, features, **options))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_timestamp_decoding_under_xla_equals_the_graph_runtime(model, features, rows):
+    """`transcribe_timestamp_ids(jit_compile=True)`: the encoder and the loop under XLA on a decode plan ("rows"
+    kernels and split caches for one row, "halves" for two), the prompt pass in the graph runtime. Greedy: the graph
+    runtime's tokens, log-probability sums and <|nospeech|> probabilities, for prompts of three lengths, through XLA
+    functions traced once for all three. Sampled: XLA's own draws (TensorFlow's differ from the graph runtime's), the
+    same for the same seed, and Whisper's rules kept."""
+    from tfformer.generation.decode import compiled_functions
+
+    ids = speech.TimestampIds(no_timestamps=40, timestamp_begin=41, no_speech=39)  # timestamps 41..49
+    options = dict(suppress_ids=[3], suppress_ids_begin=[5], end_id=35, max_initial_timestamp=0.1)
+    for prompt in ([38], [1, 2, 38], [7, 8, 9, 10, 11, 38]):
+        prompts = np.array([prompt] * rows, np.int32)
+        got = speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, 8, jit_compile=True, **options)
+        expected = speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, 8, **options)
+        np.testing.assert_array_equal(got[0], expected[0])
+        assert (got[0] >= ids.timestamp_begin).any() and (got[0] < ids.timestamp_begin).any()
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[2], expected[2], rtol=1e-5, atol=1e-6)
+    (run,) = [f for key, f in compiled_functions(model).items() if key[0] == "speech_timestamps" and key[-1] == rows]
+    assert {name: f.experimental_get_tracing_count() for name, f in run.functions.items()} == {
+        "encode": 1, "prompt": 1, "loop": 1}
+    prompts = np.array([[1, 2, 38]] * rows, np.int32)
+    draws = [speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, 8, jit_compile=True, **options,
+                                             sampler=samplers.TemperatureSampler(1.0, seed=seed))[0]
+             for seed in (3, 3, 4)]
+    np.testing.assert_array_equal(draws[0], draws[1])
+    assert not np.array_equal(draws[0], draws[2])
+    for row in np.concatenate(draws):
+        stamps = row[(row >= ids.timestamp_begin)]
+        assert row[0] in (41, 42, 43, 44, 45, 46) and list(stamps) == sorted(stamps)  # max_initial_timestamp: 0.1 s
 
 
 def _log_probs_by_full_passes(model, mel, prompt, suppress, suppress_begin):

@@ -136,9 +136,14 @@ class Seq2SeqTransformer(base.TransformerModel):
 
     empty_cache = base.empty_cache  # (batch_size, max_length, dtype="float32") -> zeros (L, B, 2, K, T, H)
 
-    def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask, plan=None):
+    def decode_step(self, token_ids, cache, cache_index, cross_caches, encoder_padding_mask, plan=None,
+                    last_only=False):
         """Logits `(B, T, V)` for `token_ids` `(B, T)` at positions `cache_index...`, and the updated cache.
 
+        `cross_caches`: per layer, the read-only cache of `cross_attention_caches` `(B, 2, K, S, H)` or its keys and
+        values as a pair `((B, K, S, H), (B, K, S, H))`, which a decode loop reads without a copy per step. With
+        `last_only=True` only the last position's logits are computed, `(B, 1, V)`: what a prompt pass needs (as
+        `CausalLM.decode_step`'s).
         `plan`: a decode plan (`generation.plan.DecodePlan`) for the layers, the fast forms of a step inside a
         compiled decode loop.
         """
@@ -153,10 +158,12 @@ class Seq2SeqTransformer(base.TransformerModel):
                 encoder_padding_mask=encoder_padding_mask,
                 cache=uncast(cache[i]),  # a split pair: kept in its dtype (SplitCache)
                 cache_index=cache_index,
-                cross_attention_cache=cross_caches[i],
+                cross_attention_cache=uncast(cross_caches[i]),  # a pair: read in place
                 plan=plan,
             )
             caches.append(layer_cache)
+        if last_only:
+            y = y[:, -1:]  # (B, 1, D)
         if self.decoder_norm:
             y = self.decoder_norm(y)
         if self.output_projection is None:

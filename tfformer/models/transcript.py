@@ -56,6 +56,9 @@ class TranscriptOptions:
         seed: int. Seed of the draws at temperatures above 0.
         word_timestamps: bool. Word times from cross-attention alignment (`Segment.words`); a window then
             ends at its last word rather than its last timestamp, as faster-whisper's.
+        jit_compile: bool. Decode with XLA: the encoder and the decode loop compile once per batch size (a few
+            seconds, at the first window) and run about 1.4x faster on CPU; the same tokens up to the order of float
+            sums (`models.whisper_decode.transcribe_timestamp_ids`).
     """
     condition_on_previous_text: bool = True
     temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -68,6 +71,7 @@ class TranscriptOptions:
     max_new_tokens: int = None
     seed: int = 0
     word_timestamps: bool = False
+    jit_compile: bool = True
 
     def __post_init__(self):
         if not isinstance(self.condition_on_previous_text, bool):
@@ -86,8 +90,9 @@ class TranscriptOptions:
         check_int("best_of", self.best_of)
         check_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         check_int("seed", self.seed, minimum=None)
-        if not isinstance(self.word_timestamps, bool):
-            raise ValueError(f"`word_timestamps` must be a bool. Received: word_timestamps={self.word_timestamps!r}")
+        for name in ("word_timestamps", "jit_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool. Received: {name}={getattr(self, name)!r}")
 
     @classmethod
     def from_kwargs(cls, **options):
@@ -128,7 +133,7 @@ def _decode_once(model, features, prompt, ids, options, temperature):
     tokens, sums, no_speech = speech.transcribe_timestamp_ids(
         model, np.repeat(features, rows, axis=0), np.array([prompt] * rows, np.int32), ids, new_tokens,
         suppress_ids=model.suppress_ids, suppress_ids_begin=model.suppress_ids_begin, end_id=model.end_id,
-        sampler=sampler, max_initial_timestamp=options.max_initial_timestamp)
+        sampler=sampler, max_initial_timestamp=options.max_initial_timestamp, jit_compile=options.jit_compile)
     candidates = []
     for row, total in zip(tokens.tolist(), sums.tolist()):
         row = cut_at_end(row, model.end_id)

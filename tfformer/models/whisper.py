@@ -218,7 +218,7 @@ class WhisperModel(Seq2SeqTransformer):
 
     # === Speech in, text out ===
     def transcribe(self, audio, sample_rate=None, max_new_tokens=None, batch_size=8, beam_size=1,
-                   length_penalty=1.0, patience=1.0, jit_compile=False, timestamps=False, **options):
+                   length_penalty=1.0, patience=1.0, jit_compile=None, timestamps=False, **options):
         """Transcribe WAV files or waveforms, greedily or with beam search; with `timestamps`, into `Segment`s.
 
         `timestamps=True` returns, per input, the list of `segments(...)`: faster-whisper's long-form
@@ -252,7 +252,8 @@ class WhisperModel(Seq2SeqTransformer):
             beam_size: int >= 1. Hypotheses searched per window; 1 is greedy.
             length_penalty: float. Exponent of the length in the beam score's normalization.
             patience: float > 0. Beam search stops after `round(beam_size * patience)` hypotheses ended.
-            jit_compile: bool. Decode with XLA.
+            jit_compile: bool or None. Decode with XLA. None: with `timestamps`, True (`TranscriptOptions`'
+                default: the encoder and the loop compile once per batch size); without, False.
             timestamps: bool. Return segments with start and end times instead of strings.
             **options: with `timestamps`, `tfformer.models.transcript.TranscriptOptions` by name.
 
@@ -272,6 +273,8 @@ class WhisperModel(Seq2SeqTransformer):
         check_int("batch_size", batch_size)
         sampler = speech.whisper_sampler(beam_size, length_penalty, patience)
         if timestamps is not False or options:
+            if jit_compile is not None:
+                options["jit_compile"] = jit_compile
             return self._transcribe_segments(audio, sample_rate, max_new_tokens, beam_size, timestamps, options)
         waveforms, single = _as_waveforms(audio, sample_rate)
         windows = [(index, waveform[start:end]) for index, waveform in enumerate(waveforms)
@@ -286,7 +289,7 @@ class WhisperModel(Seq2SeqTransformer):
             features, _ = audio_io.log_mel_spectrogram(batch, lengths)  # (B, 3000, num_mel_bins)
             ids = speech.transcribe_ids(self, features, max_new_tokens=max_new_tokens, prompt=self.prompt,
                                         suppress_ids=self.suppress_ids, suppress_ids_begin=self.suppress_ids_begin,
-                                        end_id=self.end_id, sampler=sampler, jit_compile=jit_compile)  # (B, N)
+                                        end_id=self.end_id, sampler=sampler, jit_compile=bool(jit_compile))  # (B, N)
             for (index, _), text in zip(part, self.ids_to_text(ids)):
                 texts[index].append(text)
         results = [" ".join(text for text in parts if text) for parts in texts]
@@ -318,7 +321,8 @@ class WhisperModel(Seq2SeqTransformer):
             **options: `tfformer.models.transcript.TranscriptOptions` by name: `condition_on_previous_text`
                 (True), `temperature` ((0.0, 0.2, ..., 1.0)), `compression_ratio_threshold` (2.4),
                 `log_prob_threshold` (-1.0), `no_speech_threshold` (0.6), `prompt_reset_on_temperature` (0.5),
-                `max_initial_timestamp` (1.0), `best_of` (5), `max_new_tokens`, `seed`.
+                `max_initial_timestamp` (1.0), `best_of` (5), `max_new_tokens`, `seed`, `word_timestamps` (False),
+                `jit_compile` (True).
         """
         if isinstance(audio, (list, tuple)):
             raise ValueError("`audio` must be one WAV path or waveform array for `segments`; call it per recording "
