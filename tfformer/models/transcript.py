@@ -117,9 +117,16 @@ def timestamp_ids(model):
 
 def decode_text(model, tokens):
     """The text of `tokens` (a list of ids; special tokens and timestamps, ids >= `end_id`, left out), unstripped."""
-    text_ids = [i for i in tokens if i < model.end_id]
-    ragged = tf.ragged.constant([text_ids], dtype=tf.int32, ragged_rank=1)  # (1, None)
-    return model.preprocessor.detokenize(ragged).numpy()[0].decode("utf-8")
+    return decode_texts(model, [tokens])[0]
+
+
+def decode_texts(model, rows):
+    """`decode_text` of each list of ids in `rows`, in one call of the tokenizer (an eager call costs about 4 ms)."""
+    text_ids = [[i for i in tokens if i < model.end_id] for tokens in rows]
+    if not text_ids:
+        return []
+    ragged = tf.ragged.constant(text_ids, dtype=tf.int32, ragged_rank=1)  # (R, None)
+    return [text.decode("utf-8") for text in model.preprocessor.detokenize(ragged).numpy()]
 
 
 def _decode_once(model, features, prompt, ids, options, temperature):
@@ -183,7 +190,7 @@ def segments(model, waveform, options):
     loop = timestamps.WindowLoop(
         features=lambda samples: audio_io.log_mel_spectrogram(samples[None, :])[0].numpy(),  # (1, 3000, mel bins)
         decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options),
-        texts=lambda rows: [decode_text(model, tokens).strip() for tokens in rows],
+        texts=lambda rows: [text.strip() for text in decode_texts(model, rows)],
         start_ids=start_sequence(model.prompt, ids),
         start_of_prev=model.preprocessor.token_to_id["<|startofprev|>"], timestamp_begin=ids.timestamp_begin,
         max_previous=model.config.max_sequence_length // 2 - 1, window_frames=audio_io.NUM_FRAMES,
