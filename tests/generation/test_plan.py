@@ -30,6 +30,8 @@ def _dense(rng, units=10, input_dim=6, use_bias=True, dtype=None):
     (dict(kernels={}), "kernel_layout"),
     (dict(kernel_layout="rows", native_bfloat16=True), "native_bfloat16"),
     (dict(in_place_cache_writes=True, native_bfloat16=True), "native_bfloat16"),
+    (dict(kernel_layout="halves", transposed_embeddings=True), "transposed_embeddings"),
+    (dict(transposed_embeddings=True), "transposed_embeddings"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -96,6 +98,31 @@ def test_prepared_kernels_layouts(rng):
     assert bias_id is None and not rows.numpy()[:, -1].any()
     with pytest.raises(ValueError, match="layout"):
         prepared_kernels(layer, None)
+
+
+def test_transposed_embeddings_give_the_tables_logits(rng):
+    """`DecodePlan("rows", transposed_embeddings=True)`: each TokenEmbedding's table laid out as float32 columns
+    `(D, V)`, which `attend` reads for one row: the logits `x @ E^T` of the plain form, under XLA too; without the
+    option no table is laid out."""
+    from tfformer.layers.token_embedding import TokenEmbedding
+
+    embedding = TokenEmbedding(11, 6)
+    embedding.build()
+    embedding.embeddings.assign(rng.normal(size=(11, 6)).astype("float32"))
+    x = tf.constant(rng.normal(size=(1, 1, 6)).astype("float32"))
+    expected = x.numpy() @ embedding.embeddings.numpy().T  # (1, 1, 11)
+    assert id(embedding.embeddings) not in DecodePlan("rows").prepared(embedding).kernels
+    plan = DecodePlan("rows", transposed_embeddings=True).prepared(embedding)
+    (columns, bias_id), = plan.kernels.values()
+    np.testing.assert_array_equal(columns.numpy(), embedding.embeddings.numpy().T)
+    assert bias_id is None and DecodePlan("rows", transposed_embeddings=True).key() != DecodePlan("rows").key()
+    logits = tf.function(lambda x: embedding(x, reverse=True, plan=DecodePlan(
+        "rows", transposed_embeddings=True).prepared(embedding)), jit_compile=True)(x)
+    np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(embedding(x, reverse=True, plan=plan).numpy(), expected, rtol=1e-5, atol=1e-5)
+    # The logits read the plan's table, not the layer's: a plan holding twice the table gives twice the logits.
+    doubled = DecodePlan("rows", kernels={id(embedding.embeddings): (2 * columns, None)})
+    np.testing.assert_allclose(embedding(x, reverse=True, plan=doubled).numpy(), 2 * expected, rtol=1e-5, atol=1e-5)
 
 
 def test_while_loop_hands_the_body_the_plan():

@@ -92,8 +92,11 @@ class TokenEmbedding(keras.layers.Layer):
         """Logits `inputs @ E^T`, `(B, T, vocabulary_size)` in float32; `plan`: a decode plan (`layer_utils`)."""
         if (plan or PLAIN).one_row(inputs):
             # A batch-1 decode step under XLA (the plan's "rows" layout): float32 also under mixed
-            # precision, so that XLA fuses the transposed table into one loop (a cast would be hoisted with it).
-            return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(self.embeddings))  # (B, 1, V)
+            # precision, so that XLA fuses the transposed table into one loop (a cast would be hoisted with it);
+            # or the plan's own transposed table `(D, V)` (`DecodePlan(transposed_embeddings=True)`).
+            laid_out = plan.kernels.get(id(self.embeddings))
+            columns = ops.transpose(self.embeddings) if laid_out is None else laid_out[0]
+            return ops.matmul(ops.cast(inputs, "float32"), columns)  # (B, 1, D) x (D, V) -> (B, 1, V)
         kernel = ops.cast(self.embeddings, inputs.dtype)
         return ops.cast(ops.matmul(inputs, ops.transpose(kernel)), "float32")
 
