@@ -168,7 +168,8 @@ def test_the_keras_loop_moves_past_a_window_that_does_not_move_seek(monkeypatch)
     """`models.transcript.segments` with its features replaced by the samples and its window decoding by the canned
     decodings: windows at 0 s, 30 s and 60 s, each from <|startoftranscript|> alone (nothing said before the last)."""
     preprocessor = types.SimpleNamespace(
-        token_to_id=VOCABULARY, detokenize=lambda ragged: tf.constant([_detokenize(ragged.to_list()[0]).encode()]))
+        token_to_id=VOCABULARY,
+        detokenize=lambda ragged: tf.constant([_detokenize(row).encode() for row in ragged.to_list()]))  # (R,)
     model = types.SimpleNamespace(prompt=[SOT, WHISPER.no_timestamps], preprocessor=preprocessor,
                                   config=types.SimpleNamespace(max_sequence_length=448), alignment_heads=None,
                                   end_id=WHISPER_END)

@@ -295,7 +295,7 @@ def test_generate_takes_a_beam_sampler_and_reset_compiled_drops_the_functions(lm
     by_size = generation.generate_ids(lm, prompts, 5, beam_size=2, jit_compile=False).numpy()
     by_sampler = generation.generate_ids(lm, prompts, 5, sampler=BeamSampler(2), jit_compile=False).numpy()
     np.testing.assert_array_equal(by_sampler, by_size)
-    assert list(compiled_functions(lm)) == [("causal_lm", 5, ("beam", 2, 0.6), False, 3, False, False, 4, None)]
+    assert list(compiled_functions(lm)) == [("causal_lm", 5, ("beam", 2, 0.6), False, 3, False, False, False, 4, None)]
     function = compiled_functions(lm)[list(compiled_functions(lm))[0]]
     generation.reset_compiled(lm)
     assert compiled_functions(lm) == {}

@@ -187,9 +187,10 @@ class PlainForms:
         return masked_softmax(scores, zero_empty_rows=False)
 
     def read_cache(self, cache, dtype):
-        """The keys and values `(B, K, S, H)` in `dtype` of a read-only cache `(B, 2, K, S, H)`, or of its halves as a
-        `SplitCache` (read as they are: no slice copied at each step of a loop)."""
-        if isinstance(cache, SplitCache):
+        """The keys and values `(B, K, S, H)` in `dtype` of a read-only cache `(B, 2, K, S, H)`, or of its halves
+        `(B, K, S, H)` as a `SplitCache` (read as they are: no slice copied at each step of a loop). A split
+        self-attention cache, halves `(B*K, S, H)`, needs `cache_index`: an error here."""
+        if isinstance(cache, SplitCache) and len(cache.keys.shape) == 4:
             return ops.cast(cache.keys, dtype), ops.cast(cache.values, dtype)
         check_stacked(cache, None)
         return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype)
