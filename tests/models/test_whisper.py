@@ -270,6 +270,9 @@ def test_timestamp_decoding_under_xla_equals_the_graph_runtime(model, features, 
              for seed in (3, 3, 4)]
     np.testing.assert_array_equal(draws[0], draws[1])
     assert not np.array_equal(draws[0], draws[2])
+    for bad in (0, 2.5):  # checked under XLA as in the graph runtime
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, bad, jit_compile=True, **options)
     for row in np.concatenate(draws):
         stamps = row[(row >= ids.timestamp_begin)]
         assert row[0] in (41, 42, 43, 44, 45, 46) and list(stamps) == sorted(stamps)  # max_initial_timestamp: 0.1 s

@@ -30,10 +30,8 @@ from tfformer.timestamps import (  # noqa: F401 (re-exported: transcript.Segment
     SECONDS_PER_FRAME,
     Decoded,
     Segment,
-    is_silence,
     split_by_timestamps,
     start_sequence,
-    window_prompt,
 )
 from tfformer.tokens import cut_at_end
 

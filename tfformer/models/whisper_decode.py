@@ -242,7 +242,7 @@ def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_i
     compiled once (fixed shapes, whatever the prompt's length), and the prompt pass in the graph runtime (its length
     changes from window to window; under XLA each length would compile). The loop runs on a `DecodePlan` ("rows"
     kernels, the logits' table transposed and split caches for a batch of one, else "halves"; in-place cache writes)
-    over caches of `max_sequence_length` slots. whisper-tiny on an AMD EPYC Zen 2, 2 threads: 5.4 ms a step (11 in
+    over caches of `max_sequence_length` slots. whisper-tiny on an AMD EPYC Zen 2, 2 threads: 5.6 ms a step (11 in
     the graph runtime), the encoder 0.34 s a window (0.41)."""
     every_step, first_step = _timestamp_biases(model, ids, suppress_ids, suppress_ids_begin, max_initial_timestamp)
     plan = DecodePlan("rows", in_place_cache_writes=True, cache_segments=1, transposed_embeddings=True) \
@@ -280,6 +280,7 @@ def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tok
     `(B, F, M)` and prompts `(B, P)`, compiled once per set of options. `jit_compile`: the encoder and the loop under
     XLA, compiled once per batch size whatever the prompt's length (`_compiled_timestamp_fns`); the same tokens as
     without, up to the order of float sums."""
+    check_int("max_new_tokens", max_new_tokens)  # also for XLA, which does not build `timestamp_decode_fn`
     sampler = _timestamp_sampler(sampler)
     prompt, limit = np.asarray(prompt_ids), model.config.max_sequence_length
     # The last new token is never fed back: a prompt of P ids and N new tokens use positions up to P + N - 2.
