@@ -27,20 +27,22 @@ demo: $(STAMP)
 
 # Three pytest runs, each with fresh processes: TensorFlow keeps what a process compiled and allocated, so two
 # workers that ran the whole suite would hold most of the machine's memory by its end. The tests that load
-# pretrained models or start benchmark runs get workers of their own; the notebooks run one at a time, as their
-# kernels load whole pretrained models. Every run runs even when one before it failed; any failure (exit code 5,
-# no tests, included) fails `make test`. Two malloc arenas per process keep resident memory from growing with
-# TensorFlow's threads.
+# pretrained models or start benchmark runs get workers of their own, a module on one worker (`--dist loadfile`:
+# its module fixtures, such as a 135M-parameter conversion, run once), and the modules among them that peak at
+# several GB run one at a time (tests/harness.py's ONE_AT_A_TIME); the benchmarks' smoke runs, the longest modules,
+# come first, so that no worker ends on one. The notebooks run on two workers, each kernel a process of its own.
+# Every run runs even when one before it failed; any failure (exit code 5, no tests, included) fails `make test`.
+# Two malloc arenas per process keep resident memory from growing with TensorFlow's threads.
 PYTEST := MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest
-PRETRAINED := tests/convert tests/models tests/export tests/benchmarks tests/test_cli_transcribe.py
+PRETRAINED := tests/benchmarks tests/convert tests/models tests/export tests/test_cli_transcribe.py
 
 # `ruff check` (ruff.toml) first, taking seconds: a lint failure fails `make test` but the pytest runs still run.
 test: $(STAMP)
 	status=0; \
 	$(VENV)/bin/ruff check . || status=1; \
 	$(PYTEST) -n 2 tests --ignore=tests/notebooks $(addprefix --ignore=,$(PRETRAINED)) || status=1; \
-	$(PYTEST) -n 2 $(PRETRAINED) || status=1; \
-	$(PYTEST) tests/notebooks || status=1; \
+	$(PYTEST) -n 2 --dist loadfile $(PRETRAINED) || status=1; \
+	$(PYTEST) -n 2 tests/notebooks || status=1; \
 	exit $$status
 
 # The benchmarks' peers, never needed by `make test`: .venv-peers from benchmarks/peers.txt (PyTorch, transformers,

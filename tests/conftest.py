@@ -1,3 +1,4 @@
+import fcntl
 import gc
 import os
 
@@ -25,6 +26,23 @@ def _free_after_module():
     layers hold reference cycles, which only the cycle collector frees."""
     yield
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory):
+    """Held for a whole module (tests/harness.py's `ONE_AT_A_TIME`): on xdist workers, an exclusive lock on a file
+    in the session's temporary directory, which all its workers share, so two modules that peak at several GB never
+    run at once (a worker that reaches one while the other worker holds the lock waits). Without xdist, nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    path = tmp_path_factory.getbasetemp().parent / "one-at-a-time.lock"  # .../pytest-N/, above popen-gwK/
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 
 
 def _inputs_for(call_args):
@@ -101,6 +102,13 @@ def matmuls_fed_by(op, fn, *args):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+# The modules whose tests peak at several GB (a 135M-parameter conversion, Whisper's exports, benchmark runs that
+# load pretrained models) hold tests/conftest.py's `one_at_a_time` lock for the whole module, so two of them never
+# add up on the two xdist workers. The Makefile's pretrained run passes `--dist loadfile`, which keeps a module on
+# one worker: with `--dist load` a module could be split over both, and its module fixtures (the 135M conversion)
+# would run twice, at once. (`--dist loadgroup` does not group with pytest 9: xdist 3.8 renames `item._nodeid`,
+# which pytest 9 no longer reads.)
+ONE_AT_A_TIME = pytest.mark.usefixtures("one_at_a_time")
 
 
 def run_in_fresh_interpreter(code, timeout=300):

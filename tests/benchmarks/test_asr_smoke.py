@@ -10,6 +10,9 @@ import pytest
 
 from benchmarks import asr
 from tests.benchmarks.smoke import run_smoke
+from tests.harness import ONE_AT_A_TIME
+
+pytestmark = ONE_AT_A_TIME  # the benchmark's run loads Whisper three ways
 
 
 def manifest():

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
-from tests.harness import saved_model_in_fresh_process
+from tests.harness import ONE_AT_A_TIME, saved_model_in_fresh_process
 from tests.serving.conftest import http_request
 from tfformer import edge, export, generation, serving
 from tfformer.convert import gguf as gguf_reader
 
+pytestmark = ONE_AT_A_TIME  # the 135M conversion peaks at 6.6 GB, in a process of its own
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
 CAP = 20  # the export's max_new_tokens: decode loops for 16 and 20 new tokens
 SEED = 26  # a tiny model whose second prompt ends (an end id) before the cap, the others do not

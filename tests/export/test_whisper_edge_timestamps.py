@@ -16,12 +16,13 @@ import time
 import numpy as np
 import pytest
 
+from tests.harness import ONE_AT_A_TIME
 from tests.models.test_transcript import agreement, recording
 from tests.speech import SPEECH, needs_wheel
 from tfformer.tokens import cut_at_end
 from tfformer.training.metrics import word_error_rate
 
-pytestmark = needs_wheel
+pytestmark = [needs_wheel, ONE_AT_A_TIME]
 CLIPS = (1, 6, 11, 16, 21)  # fixture clips, one window each
 SHORT_PIECES = 12  # the first pieces of the long recording: 44 s, two windows
 

@@ -17,11 +17,11 @@ import os
 import numpy as np
 import pytest
 
-from tests.harness import saved_model_in_fresh_process
+from tests.harness import ONE_AT_A_TIME, saved_model_in_fresh_process
 from tests.speech import SPEECH, needs_wheel
 from tfformer.training.metrics import word_error_rate
 
-pytestmark = needs_wheel
+pytestmark = [needs_wheel, ONE_AT_A_TIME]
 MAX_LENGTH = 128  # cache positions of the TFLite files: the prompt plus up to 126 new ids
 
 
