@@ -3,6 +3,7 @@
 split over both workers, its module fixtures built twice at once."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -17,22 +18,16 @@ def _make_variable(text, name):
     return match.group(1).split()
 
 
-def test_grouped_modules_run_where_groups_are_kept():
+def test_one_at_a_time_modules_run_in_the_loadfile_run():
     with open(os.path.join(ROOT, "Makefile")) as f:
         makefile = f.read()
     pretrained = _make_variable(makefile, "PRETRAINED")
     runs = [line.strip() for line in makefile.splitlines() if line.strip().startswith("$(PYTEST)")]
     assert any("--dist loadfile $(PRETRAINED)" in run for run in runs), runs
-    grouped = []
-    for root, _, names in os.walk(os.path.join(ROOT, "tests")):
-        for name in names:
-            path = os.path.join(root, name)
-            if name.startswith("test_") and name.endswith(".py"):
-                with open(path, encoding="utf-8") as f:
-                    if re.search(r"^pytestmark = .*ONE_AT_A_TIME", f.read(), re.M):
-                        grouped.append(os.path.relpath(path, ROOT))
-    assert len(grouped) >= 4, grouped
-    for path in grouped:
+    marked = [str(path.relative_to(ROOT)) for path in pathlib.Path(ROOT, "tests").rglob("test_*.py")
+              if re.search(r"^pytestmark = .*ONE_AT_A_TIME", path.read_text(encoding="utf-8"), re.M)]
+    assert len(marked) >= 4, marked
+    for path in marked:
         assert any(path == p or path.startswith(p.rstrip("/") + "/") for p in pretrained), (
             f"{path} is marked ONE_AT_A_TIME but runs outside the pretrained run {pretrained}")
 
