@@ -1,4 +1,4 @@
-"""`python -m benchmarks.translation_bleu`: the smoke run (tiny models, seconds of training; the numbers mean little)
+"""`python -m benchmarks.translation_bleu`: the smoke run (tiny models, 60 steps; the numbers mean little)
 and the run-directory rule (an earlier run is replaced only with `--overwrite`, checked before any training)."""
 
 import json
@@ -32,8 +32,13 @@ def test_translation_bleu_smoke(tmp_path):
         # The systems run one after another: the machine's matmul limits right before and after each.
         assert row["bench"] == "translation_bleu" and set(row["matmul_limit_gflops"]) == {"float32", "bfloat16"}, row
         assert all(len(pair) == 2 and min(pair) > 0 for pair in row["matmul_limit_gflops"].values()), row
-    budget = rows["tfformer float32"]["train_seconds"]
-    assert budget - 0.5 <= rows["keras-hub"]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
+        if row["system"] != "keras-hub":
+            assert row["steps"] == 60, row  # the smoke's max_steps (its 2-minute budget is a ceiling)
+    # keras-hub trains tfformer float32's fit time, to one step, unless it needs longer for its floor of 20 steps
+    # (a loaded machine can spend seconds tracing).
+    budget, theirs = rows["tfformer float32"]["train_seconds"], rows["keras-hub"]
+    assert budget - 0.5 <= theirs["train_seconds"], (budget, theirs)
+    assert theirs["train_seconds"] <= budget + 5 or theirs["steps"] == 20, (budget, theirs)
     assert "| system | BLEU (test) |" in out.stdout
     # The issue's goal lines: each tfformer run's BLEU over keras-hub's.
     goals = {r["goal"]: r for r in records if r["bench"] == "goal"}
