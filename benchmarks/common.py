@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's own peak, VmHWM)
+from tfformer import training
 from tfformer.cpu import cpu_cores as cores  # the cores this process may run on
 
 
@@ -21,6 +22,20 @@ from tfformer.cpu import cpu_cores as cores  # the cores this process may run on
 # (tfformer's batch-1 decoding). So `interleaved` keeps every core busy this long before each timed call: the
 # same untimed TensorFlow work before every system.
 WARM_SECONDS = 0.06
+
+
+class BudgetWithFloor(training.TimeBudget):
+    """`TimeBudget(seconds)` that never stops before `min_steps` batches."""
+
+    def __init__(self, seconds, min_steps=0):
+        super().__init__(seconds)
+        self.min_steps = min_steps
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps >= self.min_steps:
+            super().on_train_batch_end(batch, logs)
 
 
 def set_tf_threads(intra, inter=None):

@@ -28,8 +28,9 @@ The systems train one after another (a budget each, not interleaved), so a drift
 them changes what a budget buys: each row records the float32 and bfloat16 matmul limits measured right before
 and right after its system (`matmul_limit_gflops`, `common.with_matmul_limits`).
 
-`--smoke`: one small text file, a one-layer model of width 16 and a few seconds each (CI runs it; its numbers mean
-nothing).
+`--smoke`: one small text file and a one-layer model of width 16; tfformer stops after 150 steps (2 minutes at
+most) and keras-hub trains as long, but at least 100 steps (CI runs it on a loaded machine, where a budget of seconds
+can go to tracing alone; its numbers mean nothing).
 """
 
 import argparse
@@ -48,10 +49,12 @@ from tfformer import data, training
 from tfformer.recipes import language_model
 from tfformer.recipes.translation import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
 
-SMOKE = dict(minutes=0.25, text_files=[os.path.join(os.path.dirname(os.__file__), "argparse.py")],
+SMOKE = dict(minutes=2, max_steps=150, min_baseline_steps=100,
+             text_files=[os.path.join(os.path.dirname(os.__file__), "argparse.py")],
              vocabulary_size=256, sequence_length=16, batch_size=8, warmup_steps=50, eval_every=20,
              overrides=dict(hidden_dim=16, num_heads=2, intermediate_dim=32, num_decoder_layers=1))
-FULL = dict(minutes=10, text_files=None, vocabulary_size=8192, sequence_length=128, batch_size=32, warmup_steps=500,
+FULL = dict(minutes=10, max_steps=None, min_baseline_steps=0, text_files=None,
+            vocabulary_size=8192, sequence_length=128, batch_size=32, warmup_steps=500,
             eval_every=200, overrides={})
 KERAS_HUB_OPTIMIZERS = ("recipe schedule", "keras.io")
 
@@ -93,7 +96,8 @@ def keras_hub_lm(config, optimizer):
 
 
 def run_keras_hub(run_dir, optimizer_name, train_seconds, shape, seed=0):
-    """Train keras-hub's GPT-2 on tfformer's run's tokenizer and data for `train_seconds`; its JSON row."""
+    """Train keras-hub's GPT-2 on tfformer's run's tokenizer and data for `train_seconds` (and at least
+    `shape["min_baseline_steps"]` steps); its JSON row."""
     keras.config.set_dtype_policy("float32")
     keras.utils.set_random_seed(seed)
     tokenizer = data.SubwordTokenizer.load(os.path.join(run_dir, TOKENIZER_FILE))
@@ -104,7 +108,8 @@ def run_keras_hub(run_dir, optimizer_name, train_seconds, shape, seed=0):
                                     seed=seed).map(lambda x, y: (with_padding_mask(x), y))  # train_lm's windows
     model = keras_hub_lm(config, keras_hub_optimizer(optimizer_name, config["hidden_dim"], shape["warmup_steps"]))
     start = time.monotonic()
-    model.fit(train_ds, epochs=1000, callbacks=[training.TimeBudget(train_seconds)], verbose=0)
+    budget = common.BudgetWithFloor(train_seconds, shape["min_baseline_steps"])
+    model.fit(train_ds, epochs=1000, callbacks=[budget], verbose=0)
     trained = time.monotonic() - start
     return {"bench": "lm_perplexity", "system": f"keras-hub float32 ({optimizer_name})",
             "test_perplexity": perplexity_on(model, test_windows(tokenizer, shape), keras_hub_inputs=True),
@@ -117,7 +122,7 @@ def run_tfformer(out, shape, mixed_precision, overwrite):
         out, text_files=shape["text_files"], time_budget=f"{shape['minutes']}m", batch_size=shape["batch_size"],
         sequence_length=shape["sequence_length"], vocabulary_size=shape["vocabulary_size"],
         warmup_steps=shape["warmup_steps"], overwrite=overwrite, mixed_precision=mixed_precision,
-        eval_every=shape["eval_every"], printer=lambda *_: None, **shape["overrides"])
+        eval_every=shape["eval_every"], max_steps=shape["max_steps"], printer=lambda *_: None, **shape["overrides"])
     # The saved model, evaluated as keras-hub's is (train_lm's own test_perplexity is the same metric).
     model = keras.models.load_model(os.path.join(out, MODEL_FILE), safe_mode=True)
     tokenizer = data.SubwordTokenizer.load(os.path.join(out, TOKENIZER_FILE))
@@ -130,7 +135,7 @@ def run_tfformer(out, shape, mixed_precision, overwrite):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, help="each system's budget (default: 10; smoke: 0.25)")
+    parser.add_argument("--minutes", type=float, help="each system's budget (default: 10; smoke: 2, a ceiling)")
     parser.add_argument("--out", help="run directory (default: a new temporary one); bfloat16 runs in OUT-bf16")
     parser.add_argument("--overwrite", action="store_true", help="replace runs already in OUT and OUT-bf16")
     parser.add_argument("--smoke", action="store_true")

@@ -117,20 +117,6 @@ def run_tfformer(out, shape, data_file, mixed_precision, overwrite):
             "test_pairs": metrics["test_pairs"], "dtype_policy": metrics["dtype_policy"]}
 
 
-class BudgetWithFloor(training.TimeBudget):
-    """`TimeBudget(seconds)` that never stops before `min_steps` batches."""
-
-    def __init__(self, seconds, min_steps=0):
-        super().__init__(seconds)
-        self.min_steps = min_steps
-        self.steps = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps += 1
-        if self.steps >= self.min_steps:
-            super().on_train_batch_end(batch, logs)
-
-
 def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
     """Train the keras.io recipe on tfformer's run's tokenizer and pairs for `train_seconds` (and at least
     `shape["min_baseline_steps"]` steps); its JSON row."""
@@ -143,7 +129,8 @@ def run_baseline(run_dir, train_seconds, shape, data_file=None, seed=0):
     train_ds = data.make_translation_dataset(splits["train"], tokenizer, batch_size, max_length, seed=seed)
     model = keras_hub_baseline(tokenizer.vocabulary_size, max_length, **shape["baseline"])
     start = time.monotonic()
-    model.fit(train_ds, epochs=1000, callbacks=[BudgetWithFloor(train_seconds, shape["min_baseline_steps"])], verbose=0)
+    budget = common.BudgetWithFloor(train_seconds, shape["min_baseline_steps"])
+    model.fit(train_ds, epochs=1000, callbacks=[budget], verbose=0)
     trained = time.monotonic() - start
     steps = int(model.optimizer.iterations.numpy())
     hypotheses = keras_hub_translate(model, tokenizer, [s for s, _ in splits["test"]], max_length, batch_size)

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.lm_perplexity --smoke` runs (tiny model, seconds of training; the numbers mean little)."""
+"""`python -m benchmarks.lm_perplexity --smoke` runs (tiny model, 150 steps; the numbers mean little)."""
 
 import json
 import os
@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_lm_perplexity_smoke(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, "-m", "benchmarks.lm_perplexity", "--smoke", "--minutes", "0.2",
-               "--out", str(tmp_path / "run")]
+    command = [sys.executable, "-m", "benchmarks.lm_perplexity", "--smoke", "--out", str(tmp_path / "run")]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -30,15 +29,21 @@ def test_lm_perplexity_smoke(tmp_path):
         # Trained models beat the uniform guess (perplexity = the vocabulary size) on held-out text.
         assert 1 < row["test_perplexity"] < 0.5 * vocabulary, row
         assert row["steps"] > 10 and row["parameters"] > 0
+        if row["system"].startswith("tfformer"):
+            assert row["steps"] == lm_perplexity.SMOKE["max_steps"], row  # its 2-minute budget is a ceiling
         # The systems run one after another: the machine's matmul limits right before and after each.
         assert row["bench"] == "lm_perplexity" and set(row["matmul_limit_gflops"]) == {"float32", "bfloat16"}, row
         assert all(len(pair) == 2 and min(pair) > 0 for pair in row["matmul_limit_gflops"].values()), row
     for system in ("tfformer float32", "tfformer bfloat16"):
         # The saved model, evaluated by the benchmark's loop, gives what the recipe's `evaluate` reported.
         assert rows[system]["test_perplexity"] == pytest.approx(rows[system]["recipe_test_perplexity"], rel=1e-3)
-    budget = rows["tfformer float32"]["train_seconds"]
+    # keras-hub trains tfformer float32's fit time, to one step, unless it needs longer for its floor of steps
+    # (a loaded machine can spend seconds tracing).
+    budget, floor = rows["tfformer float32"]["train_seconds"], lm_perplexity.SMOKE["min_baseline_steps"]
     for system in ("keras-hub float32 (recipe schedule)", "keras-hub float32 (keras.io)"):
-        assert budget - 0.5 <= rows[system]["train_seconds"] <= budget + 5  # tfformer's fit time, to one step
+        theirs = rows[system]
+        assert budget - 0.5 <= theirs["train_seconds"], (budget, theirs)
+        assert theirs["train_seconds"] <= budget + 5 or theirs["steps"] == floor, (budget, theirs)
     assert rows["tfformer bfloat16"]["same_vocabulary"] is True  # both tfformer runs learned the same file
     assert "| system | test perplexity |" in out.stdout
     # The issue's goal lines: each tfformer run's perplexity over the better keras-hub run's.

@@ -21,13 +21,15 @@ def test_train_lm_reports_no_test_perplexity_without_a_test_split(tmp_path):
     text = tmp_path / "corpus.py"
     text.write_text("\n".join(lines) + "\n")
     printed = []
-    metrics = language_model.train_lm(
-        str(tmp_path / "run"), text_files=[str(text)], time_budget="8s", batch_size=4, sequence_length=16,
-        vocabulary_size=128, warmup_steps=10, eval_every=10, printer=printed.append, hidden_dim=16, num_heads=2,
-        intermediate_dim=32, num_decoder_layers=1)
+    tiny = dict(text_files=[str(text)], time_budget="2m", batch_size=4, sequence_length=16, vocabulary_size=128,
+                warmup_steps=10, eval_every=10, printer=printed.append, hidden_dim=16, num_heads=2,
+                intermediate_dim=32, num_decoder_layers=1)
+    with pytest.raises(ValueError, match="max_steps"):
+        language_model.train_lm(str(tmp_path / "bad"), max_steps=0, **tiny)
+    metrics = language_model.train_lm(str(tmp_path / "run"), max_steps=25, **tiny)  # the budget is a ceiling
     assert metrics["test_perplexity"] is None
     assert "no test perplexity: the test split is empty" in printed
-    assert metrics["steps"] > 0 and 0 < metrics["train_seconds"] <= metrics["seconds"]
+    assert metrics["steps"] == 25 and 0 < metrics["train_seconds"] <= metrics["seconds"]
     assert metrics["val_perplexity"] > 1
     assert metrics["dtype_policy"] == "float32"
 

@@ -6,6 +6,7 @@ import time
 import tensorflow as tf
 
 from tfformer import data, models, training
+from tfformer.checks import check_int
 from tfformer.recipes import rundir
 from tfformer.recipes.translation import CONFIG_FILE, TOKENIZER_FILE
 
@@ -47,7 +48,8 @@ def _test_perplexity(model, lines, tokenizer, sequence_length, batch_size, print
 
 def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_size=32, sequence_length=128,
              vocabulary_size=8192, warmup_steps=500, overwrite=False, replicas=None, mixed_precision=False,
-             eval_every=200, seed=0, printer=print, micro_batches=None, cpu_threads=False, **overrides):
+             eval_every=200, seed=0, printer=print, micro_batches=None, cpu_threads=False, max_steps=None,
+             **overrides):
     """Train a causal LM; writes model, tokenizer, config, metrics (perplexity) and a sample under `out`.
 
     `time_budget` covers vocabulary learning and training, with 5% of it left for the final evaluations and the
@@ -59,8 +61,9 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     is None when the test split is empty or shorter than one window of `sequence_length + 1` tokens), `steps`
     (the optimizer's, a resumed run's earlier ones included), `train_seconds` (this call's `fit`) and
     `dtype_policy` (the model's: mixed with `mixed_precision`, else float32; the global dtype policy is left
-    alone).
+    alone). `max_steps`: end this call's training after this many steps (None: the time budget alone).
     """
+    check_int("max_steps", max_steps, allow_none=True)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
 
@@ -98,7 +101,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
     remaining = budget - (time.monotonic() - start)
     fit_start = time.monotonic()
-    training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=[evaluator], strategy=strategy,
+    callbacks = [evaluator] + ([training.StopAfterSteps(max_steps)] if max_steps else [])
+    training.fit(model, train_ds, validation_data=val_ds, epochs=1000, callbacks=callbacks, strategy=strategy,
                  run_dir=out, time_budget=max(remaining - 0.05 * budget, 1.0), backup_every=eval_every, verbose=0)
     train_seconds = time.monotonic() - fit_start
     model.preprocessor = tokenizer

@@ -92,19 +92,6 @@ def evaluation_pairs(run_dir, split="test"):
     return filter_by_length(pairs, tokenizer, run["max_length"])
 
 
-class StopAfterSteps(keras.callbacks.Callback):
-    """Ends `fit` after `steps` training steps (quick runs and tests; the time budget still applies)."""
-
-    def __init__(self, steps):
-        super().__init__()
-        self.steps, self.seen = steps, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen >= self.steps:
-            self.model.stop_training = True
-
-
 class WeightSnapshots(keras.callbacks.Callback):
     """Keeps the model's weights every `every` training steps and at the end, the last `keep` of them;
     `average()` is their mean (checkpoint averaging, Vaswani et al. 2017, section 6.1)."""
@@ -234,7 +221,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     remaining = budget - (time.monotonic() - start)
     train_seconds = max(remaining - 0.1 * budget, 1.0)
     evaluator = training.EvaluateEvery(val_ds, every=eval_every, printer=printer)
-    callbacks = [evaluator] + ([StopAfterSteps(max_steps)] if max_steps else [])
+    callbacks = [evaluator] + ([training.StopAfterSteps(max_steps)] if max_steps else [])
     snapshots = WeightSnapshots(eval_every, average_last) if average_last >= 2 else None
     if snapshots:
         callbacks.append(snapshots)

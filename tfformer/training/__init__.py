@@ -1,6 +1,7 @@
 """Everything model.fit needs: schedules, losses, metrics, strategies."""
 
-from tfformer.training.callbacks import AtomicBackupAndRestore, EvaluateEvery, TimeBudget, parse_duration
+from tfformer.training.callbacks import (AtomicBackupAndRestore, EvaluateEvery, StopAfterSteps, TimeBudget,
+                                         parse_duration)
 from tfformer.training.fit import default_callbacks, distributed_loop, fit
 from tfformer.training.losses import MaskedSparseCrossEntropy
 from tfformer.training.metrics import (MaskedAccuracy, Perplexity, TokenStatistics, corpus_bleu, normalize_transcript,
@@ -12,6 +13,7 @@ from tfformer.training.strategy import configure_cpu_threads, get_strategy, mixe
 __all__ = [
     "AtomicBackupAndRestore",
     "EvaluateEvery",
+    "StopAfterSteps",
     "TimeBudget",
     "TokenStatistics",
     "default_callbacks",

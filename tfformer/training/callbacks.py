@@ -46,6 +46,20 @@ class TimeBudget(keras.callbacks.Callback):
         return self.seconds - (time.monotonic() - self.start) if self.start is not None else self.seconds
 
 
+class StopAfterSteps(keras.callbacks.Callback):
+    """Ends `fit` after `steps` training steps of this `fit` call (quick runs, smoke benchmarks and tests; a time
+    budget still applies)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.seen = steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen >= self.steps:
+            self.model.stop_training = True
+
+
 class EvaluateEvery(keras.callbacks.Callback):
     """Prints validation loss/metrics every `every` training steps, so long epochs still show a curve.
 
