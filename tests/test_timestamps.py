@@ -175,7 +175,7 @@ def test_the_keras_loop_moves_past_a_window_that_does_not_move_seek(monkeypatch)
                                   end_id=WHISPER_END)
     windows = []
 
-    def decode(model, features, prompt, ids, options):
+    def decode(model, features, prompt, ids, options, held=None):
         assert ids == WHISPER
         return transcript.Decoded(_canned_window(windows, features, prompt), -0.2, 0.0, 1.0, 0.01)
 

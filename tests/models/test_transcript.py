@@ -119,6 +119,9 @@ def test_long_recording_segments_stream_and_match_faster_whispers(asr, manifest,
     windows = []
     decode = transcript.decode_with_fallback
     monkeypatch.setattr(transcript, "decode_with_fallback", lambda *a: windows.append(decode(*a)) or windows[-1])
+    layouts = []  # the greedy passes' kernels: laid out once for the recording, not once a window
+    lay_out = transcript.speech.timestamp_kernels
+    monkeypatch.setattr(transcript.speech, "timestamp_kernels", lambda *a: layouts.append(a[1:]) or lay_out(*a))
     start = time.perf_counter()
     stream = asr.segments(audio, sample_rate=16000)
     first = next(stream)
@@ -134,6 +137,7 @@ def test_long_recording_segments_stream_and_match_faster_whispers(asr, manifest,
     assert share >= 0.9
     assert ours <= theirs
     assert len(windows) >= 7  # 186 s in windows of at most 30 s
+    assert layouts == [(1,)]
     assert all(a.end <= b.start + 1e-6 for a, b in zip(found, found[1:]))  # in order, not overlapping
 
 
@@ -152,7 +156,7 @@ def test_windows_seek_condition_on_the_text_reset_and_skip_silence(asr, monkeypa
     ]
     calls = []
 
-    def fake(model, features, prompt, ids, options):
+    def fake(model, features, prompt, ids, options, held=None):
         assert features.shape == (1, 3000, 80)
         calls.append(list(prompt))
         tokens, avg, temperature, no_speech = canned[len(calls) - 1]
@@ -176,7 +180,7 @@ def test_fallback_tries_temperatures_until_the_thresholds_pass(asr, monkeypatch)
     results = {0.0: (-1.5, 1.2), 0.2: (-0.8, 2.9), 0.4: (-1.2, 1.1), 0.6: (-0.5, 1.3)}  # avg_logprob, compression
     tried = []
 
-    def fake(model, features, prompt, ids, options, temperature):
+    def fake(model, features, prompt, ids, options, temperature, held=None):
         tried.append(temperature)
         avg, ratio = results[temperature]
         return transcript.Decoded([BEGIN], avg, temperature, ratio, 0.01)

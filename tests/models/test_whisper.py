@@ -247,8 +247,9 @@ def test_timestamp_decoding_under_xla_equals_the_graph_runtime(model, features, 
     """`transcribe_timestamp_ids(jit_compile=True)`: the encoder and the loop under XLA on a decode plan ("rows"
     kernels and split caches for one row, "halves" for two), the prompt pass in the graph runtime. Greedy: the graph
     runtime's tokens, log-probability sums and <|nospeech|> probabilities, for prompts of three lengths, through XLA
-    functions traced once for all three. Sampled: XLA's own draws (TensorFlow's differ from the graph runtime's), the
-    same for the same seed, and Whisper's rules kept."""
+    functions traced once for all three, with kernels laid out per call or once (`timestamp_kernels`). Sampled:
+    XLA's own draws (TensorFlow's differ from the graph runtime's), the same for the same seed, and Whisper's rules
+    kept."""
     from tfformer.generation.decode import compiled_functions
 
     ids = speech.TimestampIds(no_timestamps=40, timestamp_begin=41, no_speech=39)  # timestamps 41..49
@@ -261,6 +262,16 @@ def test_timestamp_decoding_under_xla_equals_the_graph_runtime(model, features, 
         assert (got[0] >= ids.timestamp_begin).any() and (got[0] < ids.timestamp_begin).any()
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[2], expected[2], rtol=1e-5, atol=1e-6)
+        # Kernels laid out once for many calls: the same outputs, through the same compiled loop.
+        held = speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, 8, jit_compile=True,
+                                               kernels=speech.timestamp_kernels(model, rows), **options)
+        for a, b in zip(held, got):
+            np.testing.assert_array_equal(a, b)
+    for bad, jit in [(speech.timestamp_kernels(model, 3 - rows), True), (speech.timestamp_kernels(model, rows), False),
+                     ({}, True)]:
+        with pytest.raises(ValueError, match=f"`kernels` must be `timestamp_kernels\\(model, batch={rows}\\)`"):
+            speech.transcribe_timestamp_ids(model, features[:rows], prompts, ids, 8, jit_compile=jit, kernels=bad,
+                                            **options)
     (run,) = [f for key, f in compiled_functions(model).items() if key[0] == "speech_timestamps" and key[-1] == rows]
     assert {name: f.experimental_get_tracing_count() for name, f in run.functions.items()} == {
         "encode": 1, "prompt": 1, "loop": 1}

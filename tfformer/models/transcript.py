@@ -127,18 +127,23 @@ def decode_texts(model, rows):
     return [text.decode("utf-8") for text in model.preprocessor.detokenize(ragged).numpy()]
 
 
-def _decode_once(model, features, prompt, ids, options, temperature):
-    """The window decoded at `temperature` (greedy at 0, else the best of `best_of` draws by mean log-probability)."""
+def _decode_once(model, features, prompt, ids, options, temperature, held=None):
+    """The window decoded at `temperature` (greedy at 0, else the best of `best_of` draws by mean log-probability).
+    `held`: a dict that keeps the greedy pass's kernels under XLA (`whisper_decode.timestamp_kernels(model, 1)`,
+    laid out at its first use) for the next windows, or None."""
     limit = model.config.max_sequence_length
     new_tokens = min(limit // 2, limit + 1 - len(prompt))
     if options.max_new_tokens is not None:
         new_tokens = min(new_tokens, options.max_new_tokens)
     rows = 1 if temperature == 0 else options.best_of
     sampler = None if temperature == 0 else samplers.TemperatureSampler(temperature, seed=options.seed)
+    if held is not None and rows == 1 and options.jit_compile and "kernels" not in held:
+        held["kernels"] = speech.timestamp_kernels(model, 1)
     tokens, sums, no_speech = speech.transcribe_timestamp_ids(
         model, np.repeat(features, rows, axis=0), np.array([prompt] * rows, np.int32), ids, new_tokens,
         suppress_ids=model.suppress_ids, suppress_ids_begin=model.suppress_ids_begin, end_id=model.end_id,
-        sampler=sampler, max_initial_timestamp=options.max_initial_timestamp, jit_compile=options.jit_compile)
+        sampler=sampler, max_initial_timestamp=options.max_initial_timestamp, jit_compile=options.jit_compile,
+        kernels=held.get("kernels") if held is not None and rows == 1 else None)
     candidates = []
     for row, total in zip(tokens.tolist(), sums.tolist()):
         row = cut_at_end(row, model.end_id)
@@ -149,13 +154,13 @@ def _decode_once(model, features, prompt, ids, options, temperature):
     return Decoded(row, avg_logprob, temperature, compression_ratio(text), float(no_speech[0]))
 
 
-def decode_with_fallback(model, features, prompt, ids, options):
+def decode_with_fallback(model, features, prompt, ids, options, held=None):
     """faster-whisper's `generate_with_fallback`: the first temperature whose text passes the thresholds; when none
     does, the best mean log-probability among those under the compression threshold (or all), at the last
-    temperature (which decides the prompt reset)."""
+    temperature (which decides the prompt reset). `held`: as `_decode_once`'s."""
     tried, passed = [], []
     for temperature in options.temperature:
-        result = _decode_once(model, features, prompt, ids, options, temperature)
+        result = _decode_once(model, features, prompt, ids, options, temperature, held)
         tried.append(result)
         fallback = False
         if options.compression_ratio_threshold is not None:
@@ -175,7 +180,8 @@ def decode_with_fallback(model, features, prompt, ids, options):
 
 def segments(model, waveform, options):
     """Yields the `Segment`s of a 16 kHz mono `waveform` (float32 numpy or `audio.open_wav`'s) as each window is decoded
-    (`tfformer.timestamps.long_form_segments` with `decode_with_fallback`, and word timestamps)."""
+    (`tfformer.timestamps.long_form_segments` with `decode_with_fallback`, and word timestamps). Under XLA the
+    greedy passes read kernels laid out once, at the first window, for the whole recording."""
     ids = timestamp_ids(model)
     if options.word_timestamps and not model.alignment_heads:
         raise ValueError("`word_timestamps=True` needs the model's `alignment_heads` (a checkpoint's cross-attention "
@@ -185,9 +191,10 @@ def segments(model, waveform, options):
         return _words_and_seek(model, features, pieces, window_frames, seek, next_seek, tokens, ids.timestamp_begin,
                                last_speech)
 
+    held = {}  # the greedy pass's kernels, laid out at the first window that needs them
     loop = timestamps.WindowLoop(
         features=lambda samples: audio_io.log_mel_spectrogram(samples[None, :])[0].numpy(),  # (1, 3000, mel bins)
-        decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options),
+        decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options, held),
         texts=lambda rows: [text.strip() for text in decode_texts(model, rows)],
         start_ids=start_sequence(model.prompt, ids),
         start_of_prev=model.preprocessor.token_to_id["<|startofprev|>"], timestamp_begin=ids.timestamp_begin,

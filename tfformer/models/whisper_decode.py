@@ -188,12 +188,12 @@ def _timestamp_prompt(model, cross, prompt_ids, slots, first_step, ids, plan=Non
 
 def _timestamp_loop(model, sampler, cross, cache, log_probs, prompt_length, max_new_tokens, every_step, end_id, ids,
                     plan=None):
-    """The steps after the prompt: `(ids (B, N), sum_logprobs (B,))`. `plan`: a `DecodePlan` for the steps
-    (prepared here, inside the traced function), or None."""
+    """The steps after the prompt: `(ids (B, N), sum_logprobs (B,))`. `plan`: a `DecodePlan` for the steps (its
+    kernels laid out, else prepared here, inside the traced function), or None."""
     batch = tf.shape(log_probs)[0]
     none = tf.fill([batch], NONE)
     state = (none, none, none, log_probs, tf.zeros([batch]), tf.zeros([batch], tf.bool))
-    step_plan = None if plan is None else plan.prepared(model)
+    step_plan = plan if plan is None or plan.kernels is not None else plan.prepared(model)
     tokens, final = sampler.run_with_cache(
         _timestamp_next(model, cross, every_step, end_id, ids, step_plan), tf.fill([batch, max_new_tokens], end_id),
         (*cache, *state), prompt_length, end_id, max_new_tokens, column=0, logits=log_probs, fill=end_id)
@@ -236,6 +236,22 @@ def _timestamp_sampler(sampler):
     return sampler
 
 
+def _timestamp_plan(batch):
+    """The `DecodePlan` of `_compiled_timestamp_fns`' loop for `batch` rows."""
+    if batch == 1:
+        return DecodePlan("rows", in_place_cache_writes=True, cache_segments=1, transposed_embeddings=True)
+    return DecodePlan("halves", in_place_cache_writes=True, cache_segments=1)
+
+
+def timestamp_kernels(model, batch=1):
+    """`model`'s kernels laid out for `transcribe_timestamp_ids(jit_compile=True, kernels=...)` on `batch` rows:
+    `(batch, kernels)`. Laid out once for many windows, they save each window's loop the layout (whisper-tiny:
+    about 40 ms a window on an Intel Xeon with AMX, 2 threads). They are a copy: lay them out again after the
+    weights change."""
+    check_int("batch", batch)
+    return batch, _timestamp_plan(batch).prepared(model).kernels
+
+
 def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_ids_begin, end_id, sampler,
                             max_initial_timestamp, batch):
     """`timestamp_decode_fn` for a `batch` of rows as three traced functions: the encoder and the loop under XLA,
@@ -245,8 +261,7 @@ def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_i
     over caches of `max_sequence_length` slots. whisper-tiny on an AMD EPYC Zen 2, 2 threads: 5.6 ms a step (11 in
     the graph runtime), the encoder 0.34 s a window (0.41)."""
     every_step, first_step = _timestamp_biases(model, ids, suppress_ids, suppress_ids_begin, max_initial_timestamp)
-    plan = DecodePlan("rows", in_place_cache_writes=True, cache_segments=1, transposed_embeddings=True) \
-        if batch == 1 else DecodePlan("halves", in_place_cache_writes=True, cache_segments=1)
+    plan = _timestamp_plan(batch)
     slots = model.config.max_sequence_length
     encode = tf.function(lambda features: cross_attention_pairs(model, features), jit_compile=True)
     functions = {"encode": encode}
@@ -259,14 +274,15 @@ def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_i
         return functions["prompt"](cross, prompt_ids)
 
     @tf.function(jit_compile=True)
-    def loop(cross, cache, log_probs, prompt_length):
+    def loop(cross, cache, log_probs, prompt_length, kernels):  # kernels: `{id: (parts, bias id)}`, laid out
         return _timestamp_loop(model, sampler, cross, cache, log_probs, prompt_length, max_new_tokens, every_step,
-                               end_id, ids, plan)
+                               end_id, ids, plan._replace(kernels=kernels))
 
-    def run(input_features, prompt_ids):
+    def run(input_features, prompt_ids, kernels=None):  # kernels: `timestamp_kernels(model, batch)[1]`, or None
         cross = encode(input_features)
         cache, log_probs, no_speech = prompt(cross, prompt_ids)
-        return (*loop(cross, cache, log_probs, tf.shape(prompt_ids)[1]), no_speech)
+        kernels = plan.prepared(model).kernels if kernels is None else kernels  # laid out for this call alone
+        return (*loop(cross, cache, log_probs, tf.shape(prompt_ids)[1], kernels), no_speech)
 
     functions["loop"] = loop
     run.functions = functions  # the traced functions, for tests to inspect
@@ -275,11 +291,12 @@ def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_i
 
 def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tokens, suppress_ids=(),
                              suppress_ids_begin=(), end_id=WHISPER_END_ID, sampler=None, max_initial_timestamp=1.0,
-                             jit_compile=False):
+                             jit_compile=False, kernels=None):
     """`timestamp_decode_fn`'s `(ids (B, N), sum_logprobs (B,), no_speech_prob (B,))` as numpy for log-mel features
     `(B, F, M)` and prompts `(B, P)`, compiled once per set of options. `jit_compile`: the encoder and the loop under
     XLA, compiled once per batch size whatever the prompt's length (`_compiled_timestamp_fns`); the same tokens as
-    without, up to the order of float sums."""
+    without, up to the order of float sums. `kernels`: with `jit_compile`, `timestamp_kernels(model, batch)` for
+    this batch size, laid out once for many calls (None: each call lays them out)."""
     check_int("max_new_tokens", max_new_tokens)  # also for XLA, which does not build `timestamp_decode_fn`
     sampler = _timestamp_sampler(sampler)
     prompt, limit = np.asarray(prompt_ids), model.config.max_sequence_length
@@ -289,6 +306,11 @@ def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tok
                          f"max_sequence_length + 1 = {limit + 1}. Received: shape {prompt.shape}, dtype "
                          f"{prompt.dtype}, max_new_tokens={max_new_tokens}")
     _check_ids("prompt_ids", prompt.ravel(), model.config.vocabulary_size)
+    if kernels is not None and (not jit_compile or not isinstance(kernels, tuple) or kernels[0] != prompt.shape[0]):
+        raise ValueError(f"`kernels` must be `timestamp_kernels(model, batch={prompt.shape[0]})` (the batch of "
+                         "`prompt_ids`), with jit_compile=True. Received: "
+                         f"{'batch ' + str(kernels[0]) if isinstance(kernels, tuple) else type(kernels).__name__}, "
+                         f"jit_compile={jit_compile}")
     options = (max_new_tokens, ids, suppress_ids, suppress_ids_begin, end_id, sampler, max_initial_timestamp)
     key = ("speech_timestamps", max_new_tokens, tuple(ids), tuple(suppress_ids), tuple(suppress_ids_begin), end_id,
            sampler.key(), float(max_initial_timestamp), bool(jit_compile) and prompt.shape[0])
@@ -300,6 +322,7 @@ def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tok
                                                                                                   tf.int32)]
         return tf.function(timestamp_decode_fn(model, *options), input_signature=spec)
 
-    outputs = cached_function(model, key, make)(tf.convert_to_tensor(input_features, tf.float32),
-                                                tf.convert_to_tensor(prompt, tf.int32))
+    inputs = (tf.convert_to_tensor(input_features, tf.float32), tf.convert_to_tensor(prompt, tf.int32))
+    held = {} if kernels is None else {"kernels": kernels[1]}
+    outputs = cached_function(model, key, make)(*inputs, **held)
     return tuple(output.numpy() for output in outputs)
