@@ -156,6 +156,43 @@ def test_int4_blocks_round_trip():
     assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
 
 
+def _table_readers(path):
+    """`{op name: tensor type}` of the ops of the decode graph in the TFLite file `path` that read the tensor the
+    embedding lookup's `GATHER` reads."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    with open(path, "rb") as f:
+        model = schema.ModelT.InitFromPackedBuf(f.read(), 0)
+    names = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+    (graph,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    ops = [(names[max(model.operatorCodes[op.opcodeIndex].builtinCode,
+                      model.operatorCodes[op.opcodeIndex].deprecatedBuiltinCode)], op) for op in graph.operators]
+    (table,) = [op.inputs[0] for name, op in ops if name == "GATHER" and len(graph.tensors[op.inputs[0]].shape) == 2]
+    return {name: graph.tensors[table].type for name, op in ops if table in list(op.inputs)}
+
+
+def test_int8_keeps_a_table_that_the_lookup_shares_with_the_logits_float32(tmp_path, lm):
+    """`lm`'s final norm scale is all ones, so the converter feeds one constant to the lookup's GATHER and the tied
+    logits' FULLY_CONNECTED. Quantizing that tensor made the GATHER read int8 rows as float32 (all-zero logits); the
+    filter now reads a quantized copy and the decode step's logits stay within int8's error of float32's."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    logits = {}
+    for kind in ("none", "int8"):
+        path = litertlm_module._write_tflite(lm, str(tmp_path / f"{kind}.tflite"), 64, [8], kind)
+        if kind == "none":
+            assert _table_readers(path) == {"GATHER": 0, "FULLY_CONNECTED": 0}  # one float32 tensor for both
+        else:
+            assert _table_readers(path) == {"GATHER": 0}  # still float32; the logits read their own copy
+        runner = Interpreter(model_path=path).get_signature_runner("decode")
+        feeds = {name: np.zeros(d["shape"], d["dtype"]) for name, d in runner.get_input_details().items()}
+        feeds["tokens"][:] = 5
+        logits[kind] = runner(**feeds)["logits"].ravel()  # (V,)
+    scale = np.abs(logits["none"]).max()
+    assert scale > 1 and np.abs(logits["int8"] - logits["none"]).max() < 0.05 * scale, logits
+    assert logits["int8"].argmax() == logits["none"].argmax()
+
+
 def test_bad_arguments_name_the_argument(tmp_path, lm):
     path = str(tmp_path / "x.litertlm")
     encoder = models.build_model(models.TransformerConfig(architecture="encoder", vocabulary_size=50, **CFG))

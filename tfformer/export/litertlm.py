@@ -301,25 +301,42 @@ def _set_filter(schema, graph, tensor, stored):
 def _quantize_constant_filters(schema, model, quantize):
     """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
     matrices are: a tied embedding's logits projection (the table times the final norm's scale, which the converter
-    folds in; the lookup's `GATHER` keeps the float32 table). Buffers no tensor reads any more are emptied."""
+    folds in; the lookup's `GATHER` keeps the float32 table). A constant that other ops read too (the table itself,
+    when the norm's scale is all ones and nothing is folded) stays float32 for them, and its filters read a quantized
+    copy. Buffers no tensor reads any more are emptied."""
     fully_connected = schema.BuiltinOperator.FULLY_CONNECTED
     stored = {}  # float32 buffer -> `_store`'s result, one per buffer for every graph
-    for graph in model.subgraphs:
-        filters = set()
+    filter_ops = {}  # (graph, tensor) -> the FULLY_CONNECTED ops reading it as their filter
+    other_reads = set()  # buffers some op reads other than as a FULLY_CONNECTED filter (e.g. a tied table's GATHER)
+    for g, graph in enumerate(model.subgraphs):
         for op in graph.operators:
             code = model.operatorCodes[op.opcodeIndex]
-            if max(code.builtinCode, code.deprecatedBuiltinCode) == fully_connected and len(op.inputs) > 1:
-                filters.add(op.inputs[1])
-        for index in sorted(filters):
-            tensor = graph.tensors[index]
-            data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
-            if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
-                    or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
-                continue
-            if tensor.buffer not in stored:
-                weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
-                stored[tensor.buffer] = _store(schema, model, weights, quantize)
-            _set_filter(schema, graph, tensor, stored[tensor.buffer])
+            is_fc = max(code.builtinCode, code.deprecatedBuiltinCode) == fully_connected
+            for position, index in enumerate(op.inputs):
+                if index < 0:
+                    continue
+                if is_fc and position == 1:
+                    filter_ops.setdefault((g, index), []).append(op)
+                else:
+                    other_reads.add(graph.tensors[index].buffer)
+    for (g, index), ops in sorted(filter_ops.items(), key=lambda item: item[0]):
+        graph = model.subgraphs[g]
+        tensor = graph.tensors[index]
+        data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
+        if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
+                or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
+            continue
+        if tensor.buffer not in stored:
+            weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
+            stored[tensor.buffer] = _store(schema, model, weights, quantize)
+        if tensor.buffer in other_reads:  # the others keep the float32 tensor; the filters read a quantized copy
+            copy = schema.TensorT()
+            copy.name, copy.shape, copy.buffer = tensor.name + b"_filter", list(tensor.shape), tensor.buffer
+            graph.tensors.append(copy)
+            for op in ops:
+                op.inputs = [*op.inputs[:1], len(graph.tensors) - 1, *op.inputs[2:]]
+            tensor = copy
+        _set_filter(schema, graph, tensor, stored[tensor.buffer])
     read = {tensor.buffer for graph in model.subgraphs for tensor in graph.tensors}
     for index in stored:
         if index not in read:
