@@ -117,8 +117,8 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
     # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
     # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
-    # that holds it: the dense layers' (both signatures) and the tied logits projection (decode). The float32
-    # embedding table of the lookup stays.
+    # that holds it: the dense layers' (both signatures) and the tied logits projection (decode). The lookup's
+    # table (one buffer for both signatures) goes to int8 per row in both modes (an EMBEDDING_LOOKUP).
     sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
                                                                  [8], kind)) for kind in ("none", quantize)}
     config = trained_lm.config
@@ -128,7 +128,9 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
         expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
     else:
         expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices)
-    total = sum(4 * rows * inputs for rows, inputs, _ in matrices)
+    table = config.vocabulary_size * config.hidden_dim
+    expected += 3 * table - 12 * config.vocabulary_size * 2  # a float32 scale and an int64 zero point a row, twice
+    total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 4 * table
     assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
     prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
     texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
@@ -158,7 +160,7 @@ def test_int4_blocks_round_trip():
 
 def _table_readers(path):
     """`{op name: tensor type}` of the ops of the decode graph in the TFLite file `path` that read the tensor the
-    embedding lookup's `GATHER` reads."""
+    embedding lookup (`GATHER` or `EMBEDDING_LOOKUP`) reads."""
     from ai_edge_litert import schema_py_generated as schema
 
     with open(path, "rb") as f:
@@ -167,14 +169,16 @@ def _table_readers(path):
     (graph,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
     ops = [(names[max(model.operatorCodes[op.opcodeIndex].builtinCode,
                       model.operatorCodes[op.opcodeIndex].deprecatedBuiltinCode)], op) for op in graph.operators]
-    (table,) = [op.inputs[0] for name, op in ops if name == "GATHER" and len(graph.tensors[op.inputs[0]].shape) == 2]
+    (table,) = [op.inputs[0] for name, op in ops if name == "GATHER" and len(graph.tensors[op.inputs[0]].shape) == 2] \
+        + [op.inputs[1] for name, op in ops if name == "EMBEDDING_LOOKUP"]
     return {name: graph.tensors[table].type for name, op in ops if table in list(op.inputs)}
 
 
-def test_int8_keeps_a_table_that_the_lookup_shares_with_the_logits_float32(tmp_path, lm):
+def test_int8_table_shared_by_the_lookup_and_the_logits(tmp_path, lm):
     """`lm`'s final norm scale is all ones, so the converter feeds one constant to the lookup's GATHER and the tied
-    logits' FULLY_CONNECTED. Quantizing that tensor made the GATHER read int8 rows as float32 (all-zero logits); the
-    filter now reads a quantized copy and the decode step's logits stay within int8's error of float32's."""
+    logits' FULLY_CONNECTED. Quantizing that tensor for the filter once made the GATHER read int8 rows as float32
+    (wrong logits); the lookup is now an EMBEDDING_LOOKUP of int8 rows, which dequantizes them, and the decode
+    step's logits stay within int8's error of float32's."""
     from ai_edge_litert.interpreter import Interpreter
 
     logits = {}
@@ -183,7 +187,7 @@ def test_int8_keeps_a_table_that_the_lookup_shares_with_the_logits_float32(tmp_p
         if kind == "none":
             assert _table_readers(path) == {"GATHER": 0, "FULLY_CONNECTED": 0}  # one float32 tensor for both
         else:
-            assert _table_readers(path) == {"GATHER": 0}  # still float32; the logits read their own copy
+            assert _table_readers(path) == {"EMBEDDING_LOOKUP": 9}  # int8 rows, per-row scales
         runner = Interpreter(model_path=path).get_signature_runner("decode")
         feeds = {name: np.zeros(d["shape"], d["dtype"]) for name, d in runner.get_input_details().items()}
         feeds["tokens"][:] = 5
@@ -246,12 +250,14 @@ def test_135m_bundles_answer_in_litert_lm(tmp_path):
     cases = [(data[f"ids_{i}"].tolist(), data[f"greedy_{i}"].tolist()) for i in range(3)]
     prompts = [tokenizer.detokenize(np.array(ids, np.int32)).numpy().decode("utf-8") for ids, _ in cases]
     question = "What is the capital of France?"
+    sizes = {}
     for quantize in ("none", "int4"):
         out = tmp_path / quantize
         done = subprocess.run([sys.executable, "-m", "tfformer.cli", "export", "smollm2-135m-instruct", "--format",
                                "litertlm", "--quantize", quantize, "--out", str(out)], capture_output=True, text=True,
                               timeout=1800, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
         assert done.returncode == 0, done.stderr[-3000:]
+        sizes[quantize] = os.path.getsize(out / "model.litertlm")
         result = run_engine(out / "model.litertlm", tmp_path, prompts=prompts if quantize == "none" else [],
                             max_new_tokens=16, messages=[question])
         assert "Paris" in result["replies"][0], result["replies"]
@@ -260,6 +266,9 @@ def test_135m_bundles_answer_in_litert_lm(tmp_path):
             new = greedy[:16]
             new = new[: min([new.index(i) for i in (0, 2) if i in new] + [len(new)])]
             assert text == tokenizer.detokenize(np.array(new, np.int32)).numpy().decode("utf-8")
+    print(f"\nSmolLM2-135M bundles: float32 {sizes['none']:,} bytes, int4 {sizes['int4']:,} "
+          f"({sizes['int4'] / sizes['none']:.3f}x)")
+    assert sizes["int4"] <= 0.2 * sizes["none"]  # issue 55: int4 weights, the lookup's table int8
 
 
 def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):
