@@ -117,20 +117,19 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
     # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
     # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
-    # that holds it: the dense layers' (both signatures) and the tied logits projection (decode). The lookup's
-    # table (one buffer for both signatures) goes to int8 per row in both modes (an EMBEDDING_LOOKUP).
+    # that holds it: the dense layers' (both signatures). The tied table, float32 twice (the lookup's, and the
+    # logits' times the final norm's scale), is one quantized buffer for the lookup (both signatures) and the logits.
     sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
                                                                  [8], kind)) for kind in ("none", quantize)}
     config = trained_lm.config
     matrices = [(k.shape[1], k.shape[0], 2) for k in litertlm_module.dense_kernels(trained_lm).values()]
-    matrices.append((config.vocabulary_size, config.hidden_dim, 1))  # (rows, inputs, signatures)
+    table = (config.vocabulary_size, config.hidden_dim, 3)  # (rows, inputs, tensors on the buffer)
     if quantize == "int4":
-        expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
+        expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices + [table])
     else:
-        expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices)
-    table = config.vocabulary_size * config.hidden_dim
-    expected += 3 * table - 12 * config.vocabulary_size * 2  # a float32 scale and an int64 zero point a row, twice
-    total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 4 * table
+        expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices + [table])
+    expected += 4 * table[0] * table[1]  # the second float32 copy
+    total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 8 * table[0] * table[1]
     assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
     prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
     texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
@@ -158,20 +157,32 @@ def test_int4_blocks_round_trip():
     assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
 
 
-def _table_readers(path):
-    """`{op name: tensor type}` of the ops of the decode graph in the TFLite file `path` that read the tensor the
-    embedding lookup (`GATHER` or `EMBEDDING_LOOKUP`) reads."""
+def _read_tflite(path):
+    """The TFLite file `path` as a `ModelT`, and `{builtin code: op name}`."""
     from ai_edge_litert import schema_py_generated as schema
 
     with open(path, "rb") as f:
         model = schema.ModelT.InitFromPackedBuf(f.read(), 0)
-    names = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+    return model, {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+
+
+def _graph_ops(model, names, graph):
+    """`[(op name, op)]` of `graph`."""
+    return [(names[max(model.operatorCodes[op.opcodeIndex].builtinCode,
+                       model.operatorCodes[op.opcodeIndex].deprecatedBuiltinCode)], op) for op in graph.operators]
+
+
+def _table_readers(path):
+    """`{op name: tensor type}` of the ops of the decode graph in the TFLite file `path` that read the buffer the
+    embedding lookup (`GATHER` or `EMBEDDING_LOOKUP`) reads."""
+    model, names = _read_tflite(path)
     (graph,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
-    ops = [(names[max(model.operatorCodes[op.opcodeIndex].builtinCode,
-                      model.operatorCodes[op.opcodeIndex].deprecatedBuiltinCode)], op) for op in graph.operators]
+    ops = _graph_ops(model, names, graph)
     (table,) = [op.inputs[0] for name, op in ops if name == "GATHER" and len(graph.tensors[op.inputs[0]].shape) == 2] \
         + [op.inputs[1] for name, op in ops if name == "EMBEDDING_LOOKUP"]
-    return {name: graph.tensors[table].type for name, op in ops if table in list(op.inputs)}
+    buffer = graph.tensors[table].buffer
+    return {name: graph.tensors[i].type for name, op in ops for i in op.inputs
+            if i >= 0 and graph.tensors[i].buffer == buffer}
 
 
 def test_int8_table_shared_by_the_lookup_and_the_logits(tmp_path, lm):
@@ -187,7 +198,7 @@ def test_int8_table_shared_by_the_lookup_and_the_logits(tmp_path, lm):
         if kind == "none":
             assert _table_readers(path) == {"GATHER": 0, "FULLY_CONNECTED": 0}  # one float32 tensor for both
         else:
-            assert _table_readers(path) == {"EMBEDDING_LOOKUP": 9}  # int8 rows, per-row scales
+            assert _table_readers(path) == {"EMBEDDING_LOOKUP": 9, "FULLY_CONNECTED": 9}  # int8, a scale a row
         runner = Interpreter(model_path=path).get_signature_runner("decode")
         feeds = {name: np.zeros(d["shape"], d["dtype"]) for name, d in runner.get_input_details().items()}
         feeds["tokens"][:] = 5
@@ -195,6 +206,47 @@ def test_int8_table_shared_by_the_lookup_and_the_logits(tmp_path, lm):
     scale = np.abs(logits["none"]).max()
     assert scale > 1 and np.abs(logits["int8"] - logits["none"]).max() < 0.05 * scale, logits
     assert logits["int8"].argmax() == logits["none"].argmax()
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_tied_table_stored_once_quantized(tmp_path, trained_lm, quantize):
+    """The tied table of `trained_lm` (whose final norm's scale the converter folds into the logits' filter) is one
+    quantized buffer, read by every signature's EMBEDDING_LOOKUP and by decode's logits FULLY_CONNECTED after a MUL
+    by the norm's scale: no float32 tensor of the table's size is left. Decode logits stay within the error of
+    `quantize` of float32's, with the same argmax."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    config = trained_lm.config
+    norm_scale = [w for w in trained_lm.final_norm.weights][0].numpy()
+    assert np.abs(norm_scale - 1).max() > 0.05  # a scale the converter folds into the logits' filter
+    logits = {}
+    for kind in ("none", quantize):
+        path = litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64, [8], kind)
+        runner = Interpreter(model_path=path).get_signature_runner("decode")
+        feeds = {name: np.zeros(d["shape"], d["dtype"]) for name, d in runner.get_input_details().items()}
+        feeds["tokens"][:] = 5
+        logits[kind] = runner(**feeds)["logits"].ravel()  # (V,)
+    model, names = _read_tflite(path)
+    shape = [config.vocabulary_size, config.hidden_dim]
+    readers = {}  # buffer -> the names of the ops that read a (V, D) tensor on it, in every graph
+    for graph in model.subgraphs:
+        for name, op in _graph_ops(model, names, graph):
+            for i in op.inputs:
+                tensor = graph.tensors[i] if i >= 0 else None
+                if tensor is not None and list(tensor.shape) == shape and model.buffers[tensor.buffer].data is not None:
+                    assert tensor.type != 0, name  # no float32 table
+                    readers.setdefault(tensor.buffer, set()).add(name)
+    assert list(readers.values()) == [{"EMBEDDING_LOOKUP", "FULLY_CONNECTED"}], readers  # one buffer for both
+    (decode,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    ops = _graph_ops(model, names, decode)
+    (fc,) = [op for name, op in ops if name == "FULLY_CONNECTED" and list(decode.tensors[op.inputs[1]].shape) == shape]
+    (mul,) = [op for name, op in ops if name == "MUL" and op.outputs[0] == fc.inputs[0]]
+    factor = np.frombuffer(bytes(model.buffers[decode.tensors[mul.inputs[1]].buffer].data), np.float32)
+    np.testing.assert_allclose(factor, norm_scale, rtol=1e-5)
+    scale = np.abs(logits["none"]).max()
+    tolerance = 0.3 if quantize == "int4" else 0.05
+    assert scale > 1 and np.abs(logits[quantize] - logits["none"]).max() < tolerance * scale, logits
+    assert logits[quantize].argmax() == logits["none"].argmax()
 
 
 def test_bad_arguments_name_the_argument(tmp_path, lm):
@@ -268,7 +320,7 @@ def test_135m_bundles_answer_in_litert_lm(tmp_path):
             assert text == tokenizer.detokenize(np.array(new, np.int32)).numpy().decode("utf-8")
     print(f"\nSmolLM2-135M bundles: float32 {sizes['none']:,} bytes, int4 {sizes['int4']:,} "
           f"({sizes['int4'] / sizes['none']:.3f}x)")
-    assert sizes["int4"] <= 0.2 * sizes["none"]  # issue 55: int4 weights, the lookup's table int8
+    assert sizes["int4"] <= 0.2 * sizes["none"]  # issue 55: int4 weights, the tied table once
 
 
 def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):

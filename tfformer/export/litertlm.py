@@ -64,11 +64,11 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
             `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run.
         path: the output file, e.g. `"model.litertlm"`.
         quantize: `"none"` (float32 weights), `"int8"` (every `FULLY_CONNECTED` filter per channel) or `"int4"`
-            (in blocks of 32 inputs; `bind_kernels`), the output projection included. The embedding table for the
-            lookup goes to int8 per row in both (an `EMBEDDING_LOOKUP`, which dequantizes the rows it reads); a
-            tied table is stored twice, int8 for the lookup and quantized (times the final norm's scale, which the
-            converter folds in) for the logits. SmolLM2-135M: float32 653 MB, int4 107 MB (0.2x its float32
-            variables).
+            (in blocks of 32 inputs; `bind_kernels`), the output projection included, and the embedding table in
+            the same format (an `EMBEDDING_LOOKUP`, which dequantizes the rows it reads). A tied table is stored
+            once, for the lookup and the logits (the final norm's scale, which the converter folds into the logits'
+            filter, goes back to a `MUL` of the hidden state). SmolLM2-135M: float32 653 MB, int4 77 MB
+            (0.14x its float32 variables).
         context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
             `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
             step attends over all of them.
@@ -254,7 +254,8 @@ def bind_kernels(content, arrays, quantize="none"):
     constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
     `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
     activations quantized at run time); one set of buffers each, shared by every signature. Quantized, the
-    converter's own constant filters are quantized too (`_quantize_constant_filters`). Returns the new bytes.
+    converter's own constants are quantized too: the embedding tables (`_quantize_lookup_tables`) and the filters
+    (`_quantize_constant_filters`), a tied table one buffer for both. Returns the new bytes.
     (litert_quantizer 0.11 itself, run on the bound file, quantized a shared buffer for one signature's tensor and
     left the other signatures' tensors on it float32: a file the runtime refuses.)
 
@@ -282,8 +283,8 @@ def bind_kernels(content, arrays, quantize="none"):
         graph.inputs = [i for i in graph.inputs if i not in bound]
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
     if quantize != "none":
-        _quantize_lookup_tables(schema, model)
-        _quantize_constant_filters(schema, model, quantize)
+        tables = _quantize_lookup_tables(schema, model, quantize)
+        _quantize_constant_filters(schema, model, quantize, tables)
     builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return builder.Output()
@@ -301,16 +302,19 @@ def _set_filter(schema, graph, tensor, stored):
         graph.tensors.append(scale_tensor)
 
 
-def _quantize_lookup_tables(schema, model):
+def _quantize_lookup_tables(schema, model, quantize):
     """Replace each `GATHER` of rows (axis 0) from a constant float32 table `(V, D)`, the embedding lookup, with an
-    `EMBEDDING_LOOKUP` of the same rows from the table in int8 per row (`int8_channels`; the kernel dequantizes
-    the rows it reads), between `RESHAPE`s of the ids to `(N,)` and of the rows back to the `GATHER`'s shape. One
-    int8 buffer per table for every graph; a float32 table no op reads any more is emptied."""
+    `EMBEDDING_LOOKUP` of the same rows from the table quantized as a `FULLY_CONNECTED` filter `(units=V, in=D)`
+    (`_store`: int4 in blocks of 32 inputs, or int8 per row; the kernel dequantizes the rows it reads), between
+    `RESHAPE`s of the ids to `(N,)` and of the rows back to the `GATHER`'s shape. One buffer per table for every
+    graph. Returns `{float32 table buffer: (table, stored)}` for `_quantize_constant_filters`; the float32 tables
+    themselves stay for it to empty."""
     gather, lookup, reshape = (schema.BuiltinOperator.GATHER, schema.BuiltinOperator.EMBEDDING_LOOKUP,
                                schema.BuiltinOperator.RESHAPE)
-    stored = {}  # float32 table buffer -> (int8 buffer, its quantization)
+    tables = {}  # float32 table buffer -> (the table (V, D), `_store`'s result)
     for graph in model.subgraphs:
         operators = []
+        quantized = {}  # float32 table buffer -> this graph's quantized table tensor
         for op in graph.operators:
             code = model.operatorCodes[op.opcodeIndex]
             table = graph.tensors[op.inputs[0]]
@@ -321,18 +325,17 @@ def _quantize_lookup_tables(schema, model):
                     or graph.tensors[op.inputs[1]].type != schema.TensorType.INT32):
                 operators.append(op)
                 continue
-            if table.buffer not in stored:
+            if table.buffer not in tables:
                 weights = np.frombuffer(bytes(model.buffers[table.buffer].data), np.float32)
-                q, scales = int8_channels(weights.reshape([int(n) for n in table.shape]))  # (V, D), (V,)
-                quantization = schema.QuantizationParametersT()
-                quantization.scale, quantization.zeroPoint = scales.tolist(), [0] * len(scales)
-                quantization.quantizedDimension = 0
-                stored[table.buffer] = _buffer(schema, model, q), quantization
-            buffer, quantization = stored[table.buffer]
+                weights = weights.reshape([int(n) for n in table.shape])  # (V, D)
+                kind = "int4" if quantize == "int4" and weights.shape[1] % INT4_BLOCK == 0 else "int8"
+                tables[table.buffer] = weights, _store(schema, model, weights, kind)
+            if table.buffer not in quantized:
+                quantized[table.buffer] = _tensor(schema, graph, table.name + b"_quantized", table.shape,
+                                                  schema.TensorType.FLOAT32)
+                _set_filter(schema, graph, graph.tensors[quantized[table.buffer]], tables[table.buffer][1])
             ids, rows = graph.tensors[op.inputs[1]], graph.tensors[op.outputs[0]]
             count, width = int(np.prod(ids.shape)), int(table.shape[1])
-            int8_table = _tensor(schema, graph, table.name + b"_int8", table.shape, schema.TensorType.INT8, buffer)
-            graph.tensors[int8_table].quantization = quantization
             shape = _tensor(schema, graph, ids.name + b"_flat_shape", [1], schema.TensorType.INT32,
                             _buffer(schema, model, np.array([count], np.int32)))
             flat = _tensor(schema, graph, ids.name + b"_flat", [count], schema.TensorType.INT32)  # (N,)
@@ -340,13 +343,24 @@ def _quantize_lookup_tables(schema, model):
             back = _tensor(schema, graph, rows.name + b"_shape", [len(rows.shape)], schema.TensorType.INT32,
                            _buffer(schema, model, np.array(list(rows.shape), np.int32)))
             operators += [_operator(schema, model, reshape, [op.inputs[1], shape], [flat]),
-                          _operator(schema, model, lookup, [flat, int8_table], [found]),
+                          _operator(schema, model, lookup, [flat, quantized[table.buffer]], [found]),
                           _operator(schema, model, reshape, [found, back], [op.outputs[0]])]  # (N, D) -> (..., D)
         graph.operators = operators
-    read = {graph.tensors[i].buffer for graph in model.subgraphs for op in graph.operators for i in op.inputs if i >= 0}
-    for index in stored:
-        if index not in read:
-            model.buffers[index].data = None
+    return tables
+
+
+def _column_scale(table, weights):
+    """`s` `(D,)` with `weights ~ table * s` (float32 rounding) for a filter `weights` and a table `(V, D)`, or None:
+    a tied logits filter, the table times the final norm's scale, which the converter folded in."""
+    if weights.shape != table.shape:
+        return None
+    t, w = table.astype(np.float64), weights.astype(np.float64)
+    norms = (t * t).sum(0)  # (D,)
+    scale = np.where(norms > 0, (t * w).sum(0) / np.where(norms > 0, norms, 1), 0.0)  # least squares a column
+    scale = scale.astype(np.float32)
+    if np.abs(table * scale - weights).max() > 1e-6 * max(float(np.abs(weights).max()), 1e-30):
+        return None
+    return scale
 
 
 def _tensor(schema, graph, name, shape, tensor_type, buffer=0):
@@ -370,47 +384,57 @@ def _operator(schema, model, builtin, inputs, outputs):
     return op
 
 
-def _quantize_constant_filters(schema, model, quantize):
+def _quantize_constant_filters(schema, model, quantize, tables):
     """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
-    matrices are: a tied embedding's logits projection (the table times the final norm's scale, which the converter
-    folds in; the lookup's `GATHER` keeps the float32 table). A constant that other ops read too (the table itself,
-    when the norm's scale is all ones and nothing is folded) stays float32 for them, and its filters read a quantized
-    copy. Buffers no tensor reads any more are emptied."""
-    fully_connected = schema.BuiltinOperator.FULLY_CONNECTED
-    stored = {}  # float32 buffer -> `_store`'s result, one per buffer for every graph
-    filter_ops = {}  # (graph, tensor) -> the FULLY_CONNECTED ops reading it as their filter
-    other_reads = set()  # buffers some op reads other than as a FULLY_CONNECTED filter (e.g. a tied table's GATHER)
-    for g, graph in enumerate(model.subgraphs):
+    matrices are: a tied embedding's logits projection. A filter that is a lookup table of `tables`
+    (`_quantize_lookup_tables`), or such a table times a scale a column (the final norm's scale, which the converter
+    folds in), reads the table's quantized buffer, after a `MUL` of its input by that scale: tied weights stored
+    once. Buffers no tensor reads any more are emptied."""
+    fully_connected, multiply = schema.BuiltinOperator.FULLY_CONNECTED, schema.BuiltinOperator.MUL
+    stored = {}  # float32 buffer -> (`_store`'s result, the scale a column to multiply the input by, or None)
+    for graph in model.subgraphs:
+        filters = {}  # float32 filter tensor -> this graph's tensor on its quantized buffer
+        operators = []
         for op in graph.operators:
             code = model.operatorCodes[op.opcodeIndex]
-            is_fc = max(code.builtinCode, code.deprecatedBuiltinCode) == fully_connected
-            for position, index in enumerate(op.inputs):
-                if index < 0:
-                    continue
-                if is_fc and position == 1:
-                    filter_ops.setdefault((g, index), []).append(op)
+            if max(code.builtinCode, code.deprecatedBuiltinCode) != fully_connected or len(op.inputs) < 2:
+                operators.append(op)
+                continue
+            index = op.inputs[1]
+            tensor = graph.tensors[index]
+            data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
+            if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
+                    or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
+                operators.append(op)
+                continue
+            if tensor.buffer not in stored:
+                weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
+                for buffer, (table, table_stored) in tables.items():  # the table itself, or times a scale
+                    scale = None if buffer == tensor.buffer else _column_scale(table, weights)
+                    if buffer == tensor.buffer or scale is not None:
+                        stored[tensor.buffer] = table_stored, (None if scale is None or np.all(scale == 1) else scale)
+                        break
                 else:
-                    other_reads.add(graph.tensors[index].buffer)
-    for (g, index), ops in sorted(filter_ops.items(), key=lambda item: item[0]):
-        graph = model.subgraphs[g]
-        tensor = graph.tensors[index]
-        data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
-        if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
-                or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
-            continue
-        if tensor.buffer not in stored:
-            weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
-            stored[tensor.buffer] = _store(schema, model, weights, quantize)
-        if tensor.buffer in other_reads:  # the others keep the float32 tensor; the filters read a quantized copy
-            copy = schema.TensorT()
-            copy.name, copy.shape, copy.buffer = tensor.name + b"_filter", list(tensor.shape), tensor.buffer
-            graph.tensors.append(copy)
-            for op in ops:
-                op.inputs = [*op.inputs[:1], len(graph.tensors) - 1, *op.inputs[2:]]
-            tensor = copy
-        _set_filter(schema, graph, tensor, stored[tensor.buffer])
-    read = {tensor.buffer for graph in model.subgraphs for tensor in graph.tensors}
-    for index in stored:
+                    stored[tensor.buffer] = _store(schema, model, weights, quantize), None
+            if index not in filters:
+                filters[index] = _tensor(schema, graph, tensor.name + b"_quantized", tensor.shape,
+                                         schema.TensorType.FLOAT32)
+                _set_filter(schema, graph, graph.tensors[filters[index]], stored[tensor.buffer][0])
+            scale = stored[tensor.buffer][1]
+            if scale is not None:  # x -> x * s, for the table's filter `(V, D)`
+                x = graph.tensors[op.inputs[0]]
+                factor = _tensor(schema, graph, x.name + b"_norm_scale", scale.shape, schema.TensorType.FLOAT32,
+                                 _buffer(schema, model, scale))
+                scaled = _tensor(schema, graph, x.name + b"_scaled", x.shape, schema.TensorType.FLOAT32)
+                mul = _operator(schema, model, multiply, [op.inputs[0], factor], [scaled])
+                mul.builtinOptionsType, mul.builtinOptions = schema.BuiltinOptions.MulOptions, schema.MulOptionsT()
+                operators.append(mul)
+                op.inputs = [scaled, *op.inputs[1:]]
+            op.inputs = [op.inputs[0], filters[index], *op.inputs[2:]]
+            operators.append(op)
+        graph.operators = operators
+    read = {graph.tensors[i].buffer for graph in model.subgraphs for op in graph.operators for i in op.inputs if i >= 0}
+    for index in set(stored) | set(tables):
         if index not in read:
             model.buffers[index].data = None
 
