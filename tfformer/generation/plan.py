@@ -181,6 +181,11 @@ class DecodePlan(DecodeForms):
                       transposed_embeddings=self.transposed_embeddings)
         return DecodePlan(**{**fields, **changes})
 
+    def with_kernels(self, kernels):
+        """This plan on `kernels` laid out beforehand (`prepared(model).kernels`, e.g. an argument of a traced loop
+        that runs many times on the same weights)."""
+        return self._replace(kernels=kernels)
+
     def prepared(self, model):
         """This plan with `model`'s kernels laid out (call it inside the traced function, before the loop)."""
         if self.kernel_layout is None:

@@ -276,7 +276,7 @@ def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_i
     @tf.function(jit_compile=True)
     def loop(cross, cache, log_probs, prompt_length, kernels):  # kernels: `{id: (parts, bias id)}`, laid out
         return _timestamp_loop(model, sampler, cross, cache, log_probs, prompt_length, max_new_tokens, every_step,
-                               end_id, ids, plan._replace(kernels=kernels))
+                               end_id, ids, plan.with_kernels(kernels))
 
     def run(input_features, prompt_ids, kernels=None):  # kernels: `timestamp_kernels(model, batch)[1]`, or None
         cross = encode(input_features)
