@@ -137,13 +137,14 @@ def _decode_once(model, features, prompt, ids, options, temperature, held=None):
         new_tokens = min(new_tokens, options.max_new_tokens)
     rows = 1 if temperature == 0 else options.best_of
     sampler = None if temperature == 0 else samplers.TemperatureSampler(temperature, seed=options.seed)
-    if held is not None and rows == 1 and options.jit_compile and "kernels" not in held:
+    greedy_xla = held is not None and rows == 1 and options.jit_compile
+    if greedy_xla and "kernels" not in held:
         held["kernels"] = speech.timestamp_kernels(model, 1)
     tokens, sums, no_speech = speech.transcribe_timestamp_ids(
         model, np.repeat(features, rows, axis=0), np.array([prompt] * rows, np.int32), ids, new_tokens,
         suppress_ids=model.suppress_ids, suppress_ids_begin=model.suppress_ids_begin, end_id=model.end_id,
         sampler=sampler, max_initial_timestamp=options.max_initial_timestamp, jit_compile=options.jit_compile,
-        kernels=held.get("kernels") if held is not None and rows == 1 else None)
+        kernels=held["kernels"] if greedy_xla else None)
     candidates = []
     for row, total in zip(tokens.tolist(), sums.tolist()):
         row = cut_at_end(row, model.end_id)

@@ -188,14 +188,13 @@ def _timestamp_prompt(model, cross, prompt_ids, slots, first_step, ids, plan=Non
 
 def _timestamp_loop(model, sampler, cross, cache, log_probs, prompt_length, max_new_tokens, every_step, end_id, ids,
                     plan=None):
-    """The steps after the prompt: `(ids (B, N), sum_logprobs (B,))`. `plan`: a `DecodePlan` for the steps (its
-    kernels laid out, else prepared here, inside the traced function), or None."""
+    """The steps after the prompt: `(ids (B, N), sum_logprobs (B,))`. `plan`: a `DecodePlan` for the steps, its
+    kernels laid out (`with_kernels`), or None."""
     batch = tf.shape(log_probs)[0]
     none = tf.fill([batch], NONE)
     state = (none, none, none, log_probs, tf.zeros([batch]), tf.zeros([batch], tf.bool))
-    step_plan = plan if plan is None or plan.kernels is not None else plan.prepared(model)
     tokens, final = sampler.run_with_cache(
-        _timestamp_next(model, cross, every_step, end_id, ids, step_plan), tf.fill([batch, max_new_tokens], end_id),
+        _timestamp_next(model, cross, every_step, end_id, ids, plan), tf.fill([batch, max_new_tokens], end_id),
         (*cache, *state), prompt_length, end_id, max_new_tokens, column=0, logits=log_probs, fill=end_id)
     return tokens, final[-2]
 
