@@ -54,9 +54,9 @@ class TranscriptOptions:
         seed: int. Seed of the draws at temperatures above 0.
         word_timestamps: bool. Word times from cross-attention alignment (`Segment.words`); a window then
             ends at its last word rather than its last timestamp, as faster-whisper's.
-        jit_compile: bool. Decode with XLA: the encoder and the decode loop compile once per batch size (a few
-            seconds, at the first window) and run about 1.4x faster on CPU; the same tokens up to the order of float
-            sums (`models.whisper_decode.transcribe_timestamp_ids`).
+        jit_compile: bool. Decode with XLA: the decode loop compiles once per batch size (a few seconds, at the
+            first window) and runs about 1.4x faster on CPU; the same tokens up to the order of float sums
+            (`models.whisper_decode.transcribe_timestamp_ids`).
     """
     condition_on_previous_text: bool = True
     temperature: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -194,7 +194,7 @@ def segments(model, waveform, options):
 
     held = {}  # the greedy pass's kernels, laid out at the first window that needs them
     loop = timestamps.WindowLoop(
-        features=lambda samples: audio_io.log_mel_spectrogram(samples[None, :])[0].numpy(),  # (1, 3000, mel bins)
+        features=lambda samples: audio_io.window_log_mel(samples).numpy(),  # (1, 3000, mel bins)
         decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options, held),
         texts=lambda rows: [text.strip() for text in decode_texts(model, rows)],
         start_ids=start_sequence(model.prompt, ids),

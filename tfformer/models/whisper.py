@@ -253,7 +253,7 @@ class WhisperModel(Seq2SeqTransformer):
             length_penalty: float. Exponent of the length in the beam score's normalization.
             patience: float > 0. Beam search stops after `round(beam_size * patience)` hypotheses ended.
             jit_compile: bool or None. Decode with XLA. None: with `timestamps`, True (`TranscriptOptions`'
-                default: the encoder and the loop compile once per batch size); without, False.
+                default: the loop compiles once per batch size); without, False.
             timestamps: bool. Return segments with start and end times instead of strings.
             **options: with `timestamps`, `tfformer.models.transcript.TranscriptOptions` by name.
 

@@ -253,16 +253,18 @@ def timestamp_kernels(model, batch=1):
 
 def _compiled_timestamp_fns(model, max_new_tokens, ids, suppress_ids, suppress_ids_begin, end_id, sampler,
                             max_initial_timestamp, batch):
-    """`timestamp_decode_fn` for a `batch` of rows as three traced functions: the encoder and the loop under XLA,
-    compiled once (fixed shapes, whatever the prompt's length), and the prompt pass in the graph runtime (its length
-    changes from window to window; under XLA each length would compile). The loop runs on a `DecodePlan` ("rows"
-    kernels, the logits' table transposed and split caches for a batch of one, else "halves"; in-place cache writes)
-    over caches of `max_sequence_length` slots. whisper-tiny on an AMD EPYC Zen 2, 2 threads: 5.6 ms a step (11 in
-    the graph runtime), the encoder 0.34 s a window (0.41)."""
+    """`timestamp_decode_fn` for a `batch` of rows as three traced functions: the loop under XLA, compiled once (fixed
+    shapes, whatever the prompt's length); the encoder and the prompt pass in the graph runtime (the prompt's length
+    changes from window to window, and under XLA each length would compile). The loop runs on a `DecodePlan`
+    ("rows" kernels, the logits' table transposed and split caches for a batch of one, else "halves"; in-place cache
+    writes) over caches of `max_sequence_length` slots. whisper-tiny, 2 threads: a step takes 5.6 ms under XLA (11
+    in the graph runtime) on an AMD EPYC Zen 2. The encoder takes 0.34 s a window in the graph runtime (oneDNN)
+    against 0.42 under XLA on an Intel Xeon with AMX, where the whole recording then transcribes 6% faster; on the
+    Zen 2 host XLA's encoder was the faster one (0.34 against 0.41 s)."""
     every_step, first_step = _timestamp_biases(model, ids, suppress_ids, suppress_ids_begin, max_initial_timestamp)
     plan = _timestamp_plan(batch)
     slots = model.config.max_sequence_length
-    encode = tf.function(lambda features: cross_attention_pairs(model, features), jit_compile=True)
+    encode = tf.function(lambda features: cross_attention_pairs(model, features))
     functions = {"encode": encode}
 
     def prompt(cross, prompt_ids):  # traced once, at the first call: any prompt length
@@ -292,8 +294,8 @@ def transcribe_timestamp_ids(model, input_features, prompt_ids, ids, max_new_tok
                              suppress_ids_begin=(), end_id=WHISPER_END_ID, sampler=None, max_initial_timestamp=1.0,
                              jit_compile=False, kernels=None):
     """`timestamp_decode_fn`'s `(ids (B, N), sum_logprobs (B,), no_speech_prob (B,))` as numpy for log-mel features
-    `(B, F, M)` and prompts `(B, P)`, compiled once per set of options. `jit_compile`: the encoder and the loop under
-    XLA, compiled once per batch size whatever the prompt's length (`_compiled_timestamp_fns`); the same tokens as
+    `(B, F, M)` and prompts `(B, P)`, compiled once per set of options. `jit_compile`: the loop under XLA, compiled
+    once per batch size whatever the prompt's length (`_compiled_timestamp_fns`); the same tokens as
     without, up to the order of float sums. `kernels`: with `jit_compile`, `timestamp_kernels(model, batch)` for
     this batch size, laid out once for many calls (None: each call lays them out)."""
     check_int("max_new_tokens", max_new_tokens)  # also for XLA, which does not build `timestamp_decode_fn`
