@@ -316,10 +316,9 @@ def _quantize_lookup_tables(schema, model, quantize):
         operators = []
         quantized = {}  # float32 table buffer -> this graph's quantized table tensor
         for op in graph.operators:
-            code = model.operatorCodes[op.opcodeIndex]
             table = graph.tensors[op.inputs[0]]
             options = op.builtinOptions
-            if (max(code.builtinCode, code.deprecatedBuiltinCode) != gather or len(table.shape) != 2
+            if (_builtin(model, op) != gather or len(table.shape) != 2
                     or table.type != schema.TensorType.FLOAT32 or table.buffer <= 0
                     or model.buffers[table.buffer].data is None or options.axis != 0 or options.batchDims != 0
                     or graph.tensors[op.inputs[1]].type != schema.TensorType.INT32):
@@ -371,9 +370,20 @@ def _tensor(schema, graph, name, shape, tensor_type, buffer=0):
     return len(graph.tensors) - 1
 
 
+def _builtin_code(code):
+    """An operator code's builtin operator: the larger of the schema's two fields (codes past 127 are only in
+    `builtinCode`; older converters wrote only `deprecatedBuiltinCode`)."""
+    return max(code.builtinCode, code.deprecatedBuiltinCode)
+
+
+def _builtin(model, op):
+    """The builtin operator of `op` in `model`."""
+    return _builtin_code(model.operatorCodes[op.opcodeIndex])
+
+
 def _operator(schema, model, builtin, inputs, outputs):
     """A builtin operator (its code added to `model` if missing) from tensors `inputs` to `outputs`."""
-    codes = [max(code.builtinCode, code.deprecatedBuiltinCode) for code in model.operatorCodes]
+    codes = [_builtin_code(code) for code in model.operatorCodes]
     if builtin not in codes:
         code = schema.OperatorCodeT()
         code.builtinCode, code.deprecatedBuiltinCode, code.version = builtin, min(builtin, 127), 1
@@ -396,8 +406,7 @@ def _quantize_constant_filters(schema, model, quantize, tables):
         filters = {}  # float32 filter tensor -> this graph's tensor on its quantized buffer
         operators = []
         for op in graph.operators:
-            code = model.operatorCodes[op.opcodeIndex]
-            if max(code.builtinCode, code.deprecatedBuiltinCode) != fully_connected or len(op.inputs) < 2:
+            if _builtin(model, op) != fully_connected or len(op.inputs) < 2:
                 operators.append(op)
                 continue
             index = op.inputs[1]
@@ -442,10 +451,8 @@ def _quantize_constant_filters(schema, model, quantize, tables):
 def _check_filters(schema, model, graph, bound):
     """Raise unless every tensor of `bound` is read only as a `FULLY_CONNECTED` filter."""
     for op in graph.operators:
-        code = model.operatorCodes[op.opcodeIndex]
         for position, index in enumerate(op.inputs):
-            if index in bound and (max(code.builtinCode, code.deprecatedBuiltinCode)
-                                   != schema.BuiltinOperator.FULLY_CONNECTED or position != 1):
+            if index in bound and (_builtin(model, op) != schema.BuiltinOperator.FULLY_CONNECTED or position != 1):
                 raise ValueError(f"{bound[index]} is read by an op other than a FULLY_CONNECTED filter")
 
 
