@@ -82,14 +82,19 @@ def test_equals_recorded_faster_whisper_features(recorded, manifest):
         assert np.all(features[i, frame_lengths[i]:].numpy() == 0.0)
 
 
-def test_window_log_mel_equals_recorded_features_for_any_length(recorded):
-    # One traced function for windows of every length (the long-form loops' last window is short).
+def test_window_log_mel_equals_recorded_features_for_any_batch_and_length(recorded):
+    # One traced function for batches of windows of every length (a recording's last window is short).
     names = sorted(recorded)[:3]
-    for name in names:
-        waveform = _read_pcm16(SPEECH / f"{name}.wav")
-        features = audio.window_log_mel(waveform)
-        assert features.shape == (1, 3000, 80)
-        np.testing.assert_allclose(features[0].numpy().T, recorded[name], atol=1e-4, rtol=0)
+    waveforms = [_read_pcm16(SPEECH / f"{name}.wav") for name in names]
+    batch = np.zeros((len(names), max(map(len, waveforms)) + 500), np.float32)  # (B, S), padded past each clip
+    for row, waveform in zip(batch, waveforms):
+        row[:len(waveform)] = waveform
+    batched = audio.window_log_mel(batch, [len(w) for w in waveforms])
+    assert batched.shape == (len(names), 3000, 80)
+    for row, waveform, name in zip(batched.numpy(), waveforms, names):
+        np.testing.assert_allclose(row.T, recorded[name], atol=1e-4, rtol=0)
+        single = audio.window_log_mel(waveform[None, :], [len(waveform)])  # (1, 3000, 80)
+        np.testing.assert_allclose(single[0].numpy().T, recorded[name], atol=1e-4, rtol=0)
     assert audio.window_log_mel.experimental_get_tracing_count() == 1
 
 

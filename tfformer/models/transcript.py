@@ -194,7 +194,7 @@ def segments(model, waveform, options):
 
     held = {}  # the greedy pass's kernels, laid out at the first window that needs them
     loop = timestamps.WindowLoop(
-        features=lambda samples: audio_io.window_log_mel(samples).numpy(),  # (1, 3000, mel bins)
+        features=lambda samples: audio_io.window_log_mel(samples[None, :], [len(samples)]).numpy(),  # (1, 3000, M)
         decode=lambda features, prompt: decode_with_fallback(model, features, prompt, ids, options, held),
         texts=lambda rows: [text.strip() for text in decode_texts(model, rows)],
         start_ids=start_sequence(model.prompt, ids),

@@ -286,7 +286,7 @@ class WhisperModel(Seq2SeqTransformer):
             batch = np.zeros((len(part), max(lengths)), np.float32)  # (B, S)
             for row, (_, piece) in zip(batch, part):
                 row[:len(piece)] = piece
-            features, _ = audio_io.log_mel_spectrogram(batch, lengths)  # (B, 3000, num_mel_bins)
+            features = audio_io.window_log_mel(batch, lengths)  # (B, 3000, num_mel_bins)
             ids = speech.transcribe_ids(self, features, max_new_tokens=max_new_tokens, prompt=self.prompt,
                                         suppress_ids=self.suppress_ids, suppress_ids_begin=self.suppress_ids_begin,
                                         end_id=self.end_id, sampler=sampler, jit_compile=bool(jit_compile))  # (B, N)
