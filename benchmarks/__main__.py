@@ -21,6 +21,9 @@ peers` + this runner on the workloads of RESULTS.md.
 Every run but a smoke run also writes its JSON lines to benchmarks/results/<YYYY-MM-DD>-<short commit>.jsonl (UTC
 date; "-2", "-3", ... for another run that day), after a first line that says what ran where (`run_record`);
 `--no-results` turns that off, `--results-dir DIR` writes there instead (smoke runs too).
+`--systems peers` (smoke runs of training and generation only) times just the PyTorch rows and the rows they are
+read against, and reads no goals: the runner's smoke test runs its stand-in peers so, and covers everything else in
+its run without peers.
 """
 
 import argparse
@@ -31,6 +34,8 @@ import os
 import platform
 import subprocess
 import sys
+
+from benchmarks import SYSTEMS
 
 WORKLOADS = {
     "training": "benchmarks.training",
@@ -46,6 +51,7 @@ WORKLOADS = {
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
+WITH_SYSTEMS = ("training", "generation")  # the workloads that take `--systems`
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 # The ISA extensions that decide which kernels oneDNN and XLA use, and so what a ratio means on another host.
@@ -141,9 +147,19 @@ def main(argv=None):
     run.add_argument("--results-dir", help=f"where the run's JSON lines go (default: {RESULTS_DIR}; smoke runs: "
                                            "nowhere unless given)")
     run.add_argument("--no-results", action="store_true", help="write no results file")
+    run.add_argument("--systems", choices=SYSTEMS, default="all",
+                     help="peers: time only the PyTorch rows and the rows they are read against, no goals (smoke "
+                          f"runs of {' and '.join(WITH_SYSTEMS)} only); default: all")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     names = list(dict.fromkeys(args.workloads or DEFAULT))  # each once, in the order given
+    if args.systems != "all":
+        if not args.smoke:
+            run.error(f"argument --systems: {args.systems!r} needs --smoke (its rows alone are no benchmark)")
+        others = [name for name in names if name not in WITH_SYSTEMS]
+        if others:
+            run.error(f"argument --systems: {args.systems!r} applies to {' and '.join(WITH_SYSTEMS)} only, not "
+                      f"{', '.join(others)}")
     directory = args.results_dir or (None if args.smoke else RESULTS_DIR)
     results = None
     if directory is not None and not args.no_results:
@@ -160,6 +176,8 @@ def main(argv=None):
                 options += ["--torch-python", args.torch_python]
             if args.llama_bench and name == "llm":
                 options += ["--llama-bench", args.llama_bench]
+            if args.systems != "all":
+                options += ["--systems", args.systems]
             code = _run_workload([sys.executable, "-m", WORKLOADS[name], *options], results)
             if code:
                 return code

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import SYSTEMS
 from benchmarks.torch_worker import peak_rss_mb  # noqa: F401  (this process's own peak, VmHWM)
 from tfformer import training
 from tfformer.cpu import cpu_cores as cores  # the cores this process may run on
@@ -217,6 +218,20 @@ def with_matmul_limits(run, size=2048):
     after = matmul_limits_now(size)
     return dict(row, matmul_limit_gflops={dtype: [round(before[dtype], 1), round(after[dtype], 1)]
                                           for dtype in LIMIT_DTYPES})
+
+
+def add_systems_option(parser):
+    """`--systems` (`benchmarks.SYSTEMS`) on the parser of a workload with PyTorch rows; `check_systems` after
+    parsing."""
+    parser.add_argument("--systems", choices=SYSTEMS, default="all",
+                        help="peers: time only the PyTorch rows and the rows they are read against, no goals "
+                             "(smoke runs only: the runner's smoke test with stand-in peers); default: all")
+
+
+def check_systems(parser, args):
+    """A usage error naming `--systems` when it narrows a run that is not a smoke run (`args.smoke`)."""
+    if args.systems != "all" and not args.smoke:
+        parser.error(f"argument --systems: {args.systems!r} needs --smoke (its rows alone are no benchmark)")
 
 
 def table(rows, columns):

@@ -19,8 +19,10 @@ PyTorch rows, when an interpreter with torch + transformers exists (`benchmarks.
 bfloat16, the first round's prompts, as many intra-op threads as TensorFlow's default (the cores it may use),
 timed in the worker process and interleaved with the rest; "tfformer best / PyTorch best" compares each
 system's fastest row.
+With `--systems peers` (smoke runs only) a run times only the PyTorch rows and tfformer's, which they are read
+against: no keras-hub rows, cold rows, per-token times or goals.
 
-    python -m benchmarks.generation [--smoke] [--torch-python PYTHON]
+    python -m benchmarks.generation [--smoke] [--torch-python PYTHON] [--systems all|peers]
 """
 
 import argparse
@@ -36,10 +38,11 @@ from tfformer import generation, models
 COLD_IDLE_SECONDS = 0.3  # long enough for these VMs' idle-core slowdown (docs/performance.md, "Cold cores")
 
 
-def build(shape, max_length, policy="float32"):
+def build(shape, max_length, policy="float32", keras_hub_tasks=True):
+    """tfformer's model and keras-hub's tasks by XLA setting (none without `keras_hub_tasks`) under `policy`."""
     keras.config.set_dtype_policy(policy)
     try:
-        return _build(shape, max_length, xla_settings=(False, True))
+        return _build(shape, max_length, xla_settings=(False, True) if keras_hub_tasks else ())
     finally:
         keras.config.set_dtype_policy("float32")
 
@@ -52,6 +55,8 @@ def _build(shape, max_length, xla_settings):
                                       max_sequence_length=max_length, activation="gelu_approximate", norm_first=True,
                                       position="learned", scale_embeddings=False)
     ours = models.build_causal_lm(config)
+    if not xla_settings:
+        return ours, {}
     backbone = keras_hub.models.GPT2Backbone(vocabulary_size=shape["vocab"], num_layers=shape["layers"],
                                              num_heads=shape["heads"], hidden_dim=shape["hidden"],
                                              intermediate_dim=shape["intermediate"], max_sequence_length=max_length)
@@ -67,7 +72,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     torch_worker.add_python_option(parser, "generate")
+    common.add_systems_option(parser)
     args = parser.parse_args(argv)
+    common.check_systems(parser, args)
+    peers_only = args.systems == "peers"  # the PyTorch rows and tfformer's, which they are read against, alone
     shape = dict(vocab=8192, layers=4, hidden=256, heads=4, intermediate=1024)
     # 15 rounds: each call takes tens of ms to a second, and one slow stretch of the VM can move a median of a few
     # rounds far off; the whole workload takes ~4 minutes.
@@ -87,8 +95,8 @@ def main(argv=None):
     spec = {"shape": shape, "max_length": max_length, "new_tokens": new_tokens, "threads": common.cores()}
     arrays = {f"batch_{b}": p[0] for b, p in prompts.items()}
     with torch_worker.start("generate", spec, arrays, args.torch_python) as pending:
-        ours, theirs = build(shape, max_length)
-        ours16, theirs16 = build(shape, max_length, "mixed_bfloat16")
+        ours, theirs = build(shape, max_length, keras_hub_tasks=not peers_only)
+        ours16, theirs16 = build(shape, max_length, "mixed_bfloat16", keras_hub_tasks=not peers_only)
         worker = pending.ready()
         rows, round_times, batch_calls = [], {}, {}
 
@@ -104,13 +112,15 @@ def main(argv=None):
             for xla in (False, True):
                 calls[f"tfformer xla={xla}"] = (lambda i, xla=xla, ids=ids: generation.generate_ids(
                     ours, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
-                calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs[xla].generate(
-                    padded[i], stop_token_ids=None))
+                if xla in theirs:
+                    calls[f"keras-hub xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs[xla].generate(
+                        padded[i], stop_token_ids=None))
             for xla in (False, True):
                 calls[f"tfformer bf16 xla={xla}"] = (lambda i, xla=xla, ids=ids: generation.generate_ids(
                     ours16, ids[i], new_tokens, jit_compile=xla, end_id=-1).numpy())
-                calls[f"keras-hub bf16 xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs16[xla].generate(
-                    padded[i], stop_token_ids=None))
+                if xla in theirs16:
+                    calls[f"keras-hub bf16 xla={xla}"] = (lambda i, xla=xla, padded=padded: theirs16[xla].generate(
+                        padded[i], stop_token_ids=None))
             calls = {name: common.timed(common.rounds(fn)) for name, fn in calls.items()}
             batch_calls[batch] = dict(calls)
             if worker is not None:
@@ -126,21 +136,9 @@ def main(argv=None):
                 rows.append(common.emit({"bench": "generation", "system": name, "batch": batch,
                                          "new_tokens": new_tokens, "tokens_per_s": tokens_per_s,
                                          "seconds": round(seconds, 4), **extra}))
-        # Batch 1 on cold cores: each system's fastest setting, each call after the cores idled `COLD_IDLE_SECONDS`
-        # (what a sparse stream of requests sees on these VMs; the rounds above start on busy cores,
-        # `common.interleaved`), on new prompts.
-        fastest = {system: best(system, 1)["system"] for system in ("tfformer", "keras-hub")}
-        cold = common.interleaved({name: _after_idle(batch_calls[1][name]) for name in fastest.values()},
-                                  repeats=repeats, warmup=0, self_timed=True, warm_seconds=0)
-        cold_seconds = {name: common.median(values) for name, values in cold.items()}
-        for name, seconds in cold_seconds.items():
-            common.emit({"bench": "generation_cold", "system": name, "batch": 1, "idle_seconds": COLD_IDLE_SECONDS,
-                         "new_tokens": new_tokens, "seconds": common.significant(seconds)})
-        cold_ratio = cold_seconds[fastest["keras-hub"]] / cold_seconds[fastest["tfformer"]]
-        cold_per_round = common.paired_ratio(cold[fastest["tfformer"]], cold[fastest["keras-hub"]])
-        common.emit({"bench": "generation_cold_ratio", "batch": 1, "tfformer": fastest["tfformer"],
-                     "keras_hub": fastest["keras-hub"], "ratio": common.significant(cold_ratio),
-                     "per_round": [common.significant(x) for x in cold_per_round]})
+        if not peers_only:
+            fastest = {system: best(system, 1)["system"] for system in ("tfformer", "keras-hub")}
+            cold_text = _cold_rows(batch_calls[1], fastest, repeats, new_tokens)
 
     ratio_rows = []  # the table's: tfformer's speed / the other's, of the medians and per round
 
@@ -156,9 +154,10 @@ def main(argv=None):
 
     goals = []
     for b in batches:
-        pairs = {"best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
-                 **{tag: (f"tfformer {tag}", f"keras-hub {tag}")
-                    for tag in ("xla=False", "xla=True", "bf16 xla=False", "bf16 xla=True")}}
+        pairs = {} if peers_only else {
+            "best": (best("tfformer", b)["system"], best("keras-hub", b)["system"]),
+            **{tag: (f"tfformer {tag}", f"keras-hub {tag}")
+               for tag in ("xla=False", "xla=True", "bf16 xla=False", "bf16 xla=True")}}
         for label, (ours_name, theirs_name) in pairs.items():
             ratio = compare(b, label, ours_name, theirs_name, "generation_ratio", "keras_hub")
             if label == "best":  # the issue's: batch 1 >= 2x keras-hub's fastest setting, batch 8 >= 1.5x
@@ -168,14 +167,53 @@ def main(argv=None):
         if worker is not None:
             compare(b, "best vs PyTorch", best("tfformer", b)["system"], best("pytorch", b)["system"],
                     "generation_ratio_pytorch", "pytorch")
-    # Per-token time at positions 50 and 500: difference of two lengths, so prefill cancels out; the prompt ends
-    # where the measured tokens, `short`..`long_` after it, are centred on the position. All four calls share the
-    # same interleaved rounds, so a change in machine speed hits both positions alike.
-    positions, short, long_ = ((50, 500), 16, 48) if not args.smoke else ((8, 32), 2, 6)
+    if not peers_only:
+        per_token_text = _per_token_rows(ours, rng, shape["vocab"], args.smoke, repeats, goals)
+    print()
+    print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
+    print()  # > 1: tfformer generates faster
+    print(common.table(ratio_rows, ["batch", "compared", "tfformer", "versus", "ratio", "per round"]))
+    if not peers_only:
+        print(per_token_text)
+        print(cold_text)
+        common.print_goals(goals, "Goals (ratios of the medians):")
+
+
+def _cold_rows(calls, fastest, repeats, new_tokens):
+    """Batch 1 on cold cores: each system's fastest setting (`fastest`: {system: its name in `calls`, the
+    self-timed calls of batch 1 by name}), each call after the cores idled `COLD_IDLE_SECONDS` (what a sparse
+    stream of requests sees on these VMs; the rounds of `main` start on busy cores, `common.interleaved`), on new
+    prompts. Emits their rows and ratio; returns the line that sums them up."""
+    cold = common.interleaved({name: _after_idle(calls[name]) for name in fastest.values()},
+                              repeats=repeats, warmup=0, self_timed=True, warm_seconds=0)
+    cold_seconds = {name: common.median(values) for name, values in cold.items()}
+    for name, seconds in cold_seconds.items():
+        common.emit({"bench": "generation_cold", "system": name, "batch": 1, "idle_seconds": COLD_IDLE_SECONDS,
+                     "new_tokens": new_tokens, "seconds": common.significant(seconds)})
+    cold_ratio = cold_seconds[fastest["keras-hub"]] / cold_seconds[fastest["tfformer"]]
+    cold_per_round = common.paired_ratio(cold[fastest["tfformer"]], cold[fastest["keras-hub"]])
+    common.emit({"bench": "generation_cold_ratio", "batch": 1, "tfformer": fastest["tfformer"],
+                 "keras_hub": fastest["keras-hub"], "ratio": common.significant(cold_ratio),
+                 "per_round": [common.significant(x) for x in cold_per_round]})
+    return (f"batch 1 after {COLD_IDLE_SECONDS} s of idle cores: {fastest['tfformer']} "
+            f"{cold_seconds[fastest['tfformer']]:.4f} s, {fastest['keras-hub']} "
+            f"{cold_seconds[fastest['keras-hub']]:.4f} s, ratio {cold_ratio:.2f}; per round "
+            f"{common.ratio_text(cold_per_round)}")
+
+
+def _per_token_rows(ours, rng, vocab, smoke, repeats, goals):
+    """tfformer's per-token time at positions 50 and 500 (8 and 32 in a smoke run): its rows emitted, its goal
+    appended to `goals`; returns the line that sums them up.
+
+    Each is a difference of two lengths, so prefill cancels out; the prompt ends where the measured tokens,
+    `short`..`long_` after it, are centred on the position. All four calls share the same interleaved rounds, so
+    a change in machine speed hits both positions alike.
+    """
+    positions, short, long_ = ((50, 500), 16, 48) if not smoke else ((8, 32), 2, 6)
     prompt_lengths = {position: position - (short + long_) // 2 for position in positions}
     calls = {}
     for position in positions:
-        prompt = rng.integers(4, shape["vocab"], size=(1, prompt_lengths[position])).astype("int32")
+        prompt = rng.integers(4, vocab, size=(1, prompt_lengths[position])).astype("int32")
         for n in (short, long_):
             calls[(position, n)] = (lambda prompt=prompt, n=n: generation.generate_ids(
                 ours, prompt, n, jit_compile=True, end_id=-1).numpy())
@@ -195,17 +233,8 @@ def main(argv=None):
                  "rounds": len(times[(positions[0], short)])})
     goals.append(common.goal(f"per-token time at {positions[1]} <= 1.5x at {positions[0]}", per_token_ratio, 1.5,
                              at_least=False, rows=["tfformer xla=True"]))
-    print()
-    print(common.table(rows, ["system", "batch", "tokens_per_s", "seconds", "peak_rss_mb"]))
-    print()  # > 1: tfformer generates faster
-    print(common.table(ratio_rows, ["batch", "compared", "tfformer", "versus", "ratio", "per round"]))
-    print(f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f} "
-          f"({len(times[(positions[0], short)])} rounds)")
-    print(f"batch 1 after {COLD_IDLE_SECONDS} s of idle cores: {fastest['tfformer']} "
-          f"{cold_seconds[fastest['tfformer']]:.4f} s, {fastest['keras-hub']} "
-          f"{cold_seconds[fastest['keras-hub']]:.4f} s, ratio {cold_ratio:.2f}; per round "
-          f"{common.ratio_text(cold_per_round)}")
-    common.print_goals(goals, "Goals (ratios of the medians):")
+    return (f"per-token time at {positions[1]} / at {positions[0]} = {per_token_ratio:.2f} "
+            f"({len(times[(positions[0], short)])} rounds)")
 
 
 def _after_idle(call):

@@ -58,11 +58,14 @@ interleaved with the rest. Their `peak_rss_mb` is the worker's, their FLOPs tffo
 `train_<workload>_vs_pytorch` lines give tfformer / PyTorch per dtype. The PyTorch bfloat16 row runs only on CPUs
 with bfloat16 instructions (`avx512_bf16`/`amx_bf16`): elsewhere PyTorch emulates them (82 s a step of the
 seq2seq workload on an AMD Zen 2, 190 times its float32 step) and the run says so.
+With `--systems peers` (smoke runs only) a run times only the PyTorch rows and the rows they are read against
+(tfformer float32 and bfloat16, keras-hub float32) and reads no goals.
 
-    python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON]
+    python -m benchmarks.training [--smoke] [--workload seq2seq|lm] [--torch-python PYTHON] [--systems all|peers]
 """
 
 import argparse
+import contextlib
 
 import keras
 import keras_hub
@@ -239,7 +242,10 @@ def torch_dtypes():
     return ("float32",)
 
 
-def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
+def run(workload, smoke=False, repeats=5, steps=3, torch_python=None, systems="all"):
+    """The rows of `workload` ("seq2seq" or "lm"); with `systems="peers"` only the PyTorch rows and the ones they
+    are read against (the strict tfformer rows, keras-hub float32), no floors, "+metrics", "+cpu_threads" or goals."""
+    peers_only = systems == "peers"
     rng = np.random.default_rng(0)
     if workload == "seq2seq":
         s = _seq2seq_shape(smoke)
@@ -264,9 +270,10 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
         attention_layers = s["layers"]
         torch_arrays = {"inputs": x["token_ids"], "labels": y}
     # Each library as its documentation compiles it, beside the strict systems above.
-    builders.update({"tfformer float32 +metrics": (documented["tfformer"], "float32"),
-                     "tfformer bfloat16 +metrics": (documented["tfformer"], "mixed_bfloat16"),
-                     "keras-hub float32 +metrics": (documented["keras-hub"], "float32")})
+    if not peers_only:
+        builders.update({"tfformer float32 +metrics": (documented["tfformer"], "float32"),
+                         "tfformer bfloat16 +metrics": (documented["tfformer"], "mixed_bfloat16"),
+                         "keras-hub float32 +metrics": (documented["keras-hub"], "float32")})
     # keras-hub's preprocessors hand its tasks the labels' padding mask as sample weights (no padding here).
     sample_weight = {"keras-hub float32 +metrics": np.ones(y.shape, "float32")}
     # The PyTorch worker builds its model while the Keras systems trace.
@@ -274,7 +281,9 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
     spec = {"shape": s, "steps": steps, "threads": common.cores()}
     # tfformer with one intra-op thread per micro-batch (`training.configure_cpu_threads`), a process-wide
     # setting: in a worker process of its own, which builds its systems meanwhile too.
-    threaded = keras_worker.start(f"train_{workload}", dict(spec, micro_batches=MICRO_BATCHES), ids)
+    threaded = contextlib.nullcontext()  # none with --systems peers
+    if not peers_only:
+        threaded = keras_worker.start(f"train_{workload}", dict(spec, micro_batches=MICRO_BATCHES), ids)
     with threaded, torch_worker.start(f"train_{workload}", spec, torch_arrays, torch_python) as pending:
         built = {}
         for name, (build, policy) in builders.items():
@@ -294,16 +303,17 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
             return common.timed(lambda: [model.train_on_batch(inputs, y, sample_weight=weights) for _ in range(steps)])
 
         callables = {name: step(name) for name in built}
-        for dtype in ("float32", "bfloat16"):
-            floor = matmul_floor(step_matmuls(s, workload), dtype)
-            floor_steps = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
-            callables[f"matmul floor {dtype}"] = floor_steps
-        threaded_worker = threaded.worker
-        if threaded_worker is None:
-            raise RuntimeError(threaded.skipped)
-        threaded_worker.wait_ready()  # its failure is an error, not a skip: these are tfformer's own systems
-        for dtype in ("float32", "bfloat16"):
-            callables[f"tfformer {dtype} +cpu_threads"] = lambda dtype=dtype: threaded_worker.run(dtype)
+        if not peers_only:
+            for dtype in ("float32", "bfloat16"):
+                floor = matmul_floor(step_matmuls(s, workload), dtype)
+                floor_steps = common.timed(lambda floor=floor: [floor().numpy() for _ in range(steps)])
+                callables[f"matmul floor {dtype}"] = floor_steps
+            threaded_worker = threaded.worker
+            if threaded_worker is None:
+                raise RuntimeError(threaded.skipped)
+            threaded_worker.wait_ready()  # its failure is an error, not a skip: these are tfformer's own systems
+            for dtype in ("float32", "bfloat16"):
+                callables[f"tfformer {dtype} +cpu_threads"] = lambda dtype=dtype: threaded_worker.run(dtype)
         worker = pending.ready()
         if worker is not None:
             for dtype in torch_dtypes():
@@ -353,6 +363,8 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None):
                 "bench": f"train_{workload}_vs_pytorch", "dtype": dtype,
                 "ratio": common.significant(common.median(theirs) / common.median(ours)),
                 "per_round": [common.significant(x) for x in common.paired_ratio(ours, theirs)]}))
+    if peers_only:
+        return rows
     # The issue's training goals, read from the rows that compile each library as its documentation does (see
     # "Which rows the goals are read from" above); the other two readings beside them.
     ratio = {r["system"]: common.median(times[r["baseline"]]) / common.median(times[r["system"]])
@@ -371,25 +383,30 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--workload", choices=["seq2seq", "lm"], action="append")
     torch_worker.add_python_option(parser, "train_lm")  # train_seq2seq asks for the same modules
+    common.add_systems_option(parser)
     args = parser.parse_args(argv)
+    common.check_systems(parser, args)
     rows = []
     for workload in args.workload or ["seq2seq", "lm"]:
-        rows += run(workload, smoke=args.smoke, torch_python=args.torch_python)
+        rows += run(workload, smoke=args.smoke, torch_python=args.torch_python, systems=args.systems)
     print()
     table_rows = [dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows if "system" in r]
     print(common.table(table_rows, ["bench", "system", "tokens_per_s", "ms_per_step", "gflops", "fraction_of_f32_limit",
                                     "fraction_of_own_limit", "ratio_vs_keras_hub", "per_round"]))
-    print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
-          "everything but its matmuls were free. Rows ending in +metrics: each library compiled as its documentation "
-          "does (tfformer's recipes' loss and metrics, keras-hub's task defaults), against keras-hub float32 +metrics. "
-          "Rows ending in +cpu_threads: tfformer in a process of its own with one share of the cores per "
-          "micro-batch (training.configure_cpu_threads), against keras-hub float32 with TensorFlow's default threads.")
+    if args.systems == "all":
+        print("A matmul floor row's ratio_vs_keras_hub is a ceiling: the most any system could reach in this run if "
+              "everything but its matmuls were free. Rows ending in +metrics: each library compiled as its "
+              "documentation does (tfformer's recipes' loss and metrics, keras-hub's task defaults), against "
+              "keras-hub float32 +metrics. Rows ending in +cpu_threads: tfformer in a process of its own with one "
+              "share of the cores per micro-batch (training.configure_cpu_threads), against keras-hub float32 with "
+              "TensorFlow's default threads.")
     for r in rows:
         if r["bench"].endswith("_vs_pytorch"):
             print(f"{r['bench']} {r['dtype']}: tfformer / PyTorch = {r['ratio']:.2f}; per round "
                   f"{common.ratio_text(r['per_round'])}")
-    common.print_goals(rows, "Goals (ratios of the medians; read from the +metrics rows, the strict and "
-                             "+cpu_threads readings after):")
+    if args.systems == "all":
+        common.print_goals(rows, "Goals (ratios of the medians; read from the +metrics rows, the strict and "
+                                 "+cpu_threads readings after):")
 
 
 if __name__ == "__main__":

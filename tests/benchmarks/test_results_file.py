@@ -32,7 +32,8 @@ def fake_workloads(tmp_path, monkeypatch):
         "print('| system | ratio |')\n"
         "print('[1, 2]')\n"
         f"print(json.dumps({RECORDS[1]!r}))\n"
-        "print('smoke' if '--smoke' in sys.argv else 'full')\n")
+        "print('smoke' if '--smoke' in sys.argv else 'full')\n"
+        "print('options:', *sys.argv[1:])\n")
     (modules / "failing_workload.py").write_text(
         f"import json, sys\nprint(json.dumps({RECORDS[0]!r}), flush=True)\nsys.exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(modules), ROOT]))
@@ -118,3 +119,32 @@ def test_the_runner_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--results-dir" in out.stdout and "--no-results" in out.stdout
+
+
+def test_systems_narrows_smoke_runs_of_the_workloads_that_take_it(fake_workloads, monkeypatch, capfd):
+    # `--systems peers` reaches a workload that takes it (smoke runs only), and only when given.
+    monkeypatch.setattr(runner, "WITH_SYSTEMS", ("fake",))
+    assert runner.main(["run", "fake", "--smoke", "--systems", "peers"]) == 0
+    assert "options: --smoke --systems peers" in capfd.readouterr().out
+    assert runner.main(["run", "fake", "--smoke", "--systems", "all"]) == 0
+    assert "options: --smoke\n" in capfd.readouterr().out
+    # A bad value, a run that is no smoke run or a workload without the option: a usage error naming the argument,
+    # before any workload runs.
+    for argv, message in ((["fake", "--smoke", "--systems", "none"], "invalid choice: 'none'"),
+                          (["fake", "--systems", "peers"], "'peers' needs --smoke"),
+                          (["fake", "failing", "--smoke", "--systems", "peers"],
+                           "'peers' applies to fake only, not failing")):
+        with pytest.raises(SystemExit) as exit_info:
+            runner.main(["run", *argv, "--no-results"])
+        out = capfd.readouterr()
+        assert exit_info.value.code == 2 and f"argument --systems: {message}" in out.err and "options:" not in out.out
+
+
+@pytest.mark.parametrize("workload", ["training", "generation"])
+def test_workloads_take_systems_in_smoke_runs_only(workload, capsys):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{workload}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--systems", "peers"])  # a usage error before anything is built
+    assert exit_info.value.code == 2 and "argument --systems: 'peers' needs --smoke" in capsys.readouterr().err
