@@ -242,10 +242,28 @@ def test_greedy_loop_under_xla_equals_the_graph_loop(model, features):
                                   speech.transcribe_ids(model, features, **options))
 
 
+def test_timestamp_kernels_are_the_weights_at_each_call(model):
+    """The layout is traced once, and reads the weights at each call: a change of them shows in the next layout."""
+    table = model.token_embedding.embeddings
+    original = table.numpy()
+    _, before = speech.timestamp_kernels(model, 1)
+    table.assign(original + 1.0)
+    try:
+        _, after = speech.timestamp_kernels(model, 1)
+    finally:
+        table.assign(original)
+    np.testing.assert_array_equal(before[id(table)][0].numpy(), original.T)  # (D, V)
+    np.testing.assert_array_equal(after[id(table)][0].numpy(), original.T + 1.0)
+    from tfformer.generation.decode import compiled_functions
+
+    (layout,) = [f for key, f in compiled_functions(model).items() if key == ("timestamp_kernels", 1)]
+    assert layout.function.experimental_get_tracing_count() == 1
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_timestamp_decoding_under_xla_equals_the_graph_runtime(model, features, rows):
-    """`transcribe_timestamp_ids(jit_compile=True)`: the encoder and the loop under XLA on a decode plan ("rows"
-    kernels and split caches for one row, "halves" for two), the prompt pass in the graph runtime. Greedy: the graph
+    """`transcribe_timestamp_ids(jit_compile=True)`: the loop under XLA on a decode plan ("rows" kernels and split
+    caches for one row, "halves" for two), the encoder and the prompt pass in the graph runtime. Greedy: the graph
     runtime's tokens, log-probability sums and <|nospeech|> probabilities, for prompts of three lengths, through XLA
     functions traced once for all three, with kernels laid out per call or once (`timestamp_kernels`). Sampled:
     XLA's own draws (TensorFlow's differ from the graph runtime's), the same for the same seed, and Whisper's rules
