@@ -95,7 +95,11 @@ def test_window_log_mel_equals_recorded_features_for_any_batch_and_length(record
         np.testing.assert_allclose(row.T, recorded[name], atol=1e-4, rtol=0)
         single = audio.window_log_mel(waveform[None, :], [len(waveform)])  # (1, 3000, 80)
         np.testing.assert_allclose(single[0].numpy().T, recorded[name], atol=1e-4, rtol=0)
-    assert audio.window_log_mel.experimental_get_tracing_count() == 1
+    assert audio.window_log_mel.function.experimental_get_tracing_count() == 1
+    for waveforms, lengths, name in [(batch.astype(np.float64), [1, 2, 3], "waveforms"), (batch[0], [1], "waveforms"),
+                                     (batch, [1, 2], "lengths"), (batch, [1.0, 2.0, 3.0], "lengths")]:
+        with pytest.raises(ValueError, match=f"`{name}` must be"):
+            audio.window_log_mel(waveforms, lengths)
 
 
 def test_long_audio_and_windows(recorded):
