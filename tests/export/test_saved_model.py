@@ -108,29 +108,55 @@ while True:
 
 
 def test_killed_exports_leave_only_complete_versions(tmp_path):
-    """SIGKILL the exporter at random moments (>= 20 times): base_path only ever holds loadable versions."""
+    """SIGKILL the exporter while it writes a version, 5 times: base_path only ever holds loadable versions.
+
+    Each kill waits for the export's hidden temporary directory to appear and then lands at a random moment of the
+    write (its length timed on a first, complete export), so the kills hit the files being written on a loaded
+    machine as on an idle one; a window of fixed seconds mostly killed the exporter while it traced, or before.
+    """
     base = tmp_path / "base"
     script = tmp_path / "exporter.py"
     script.write_text(KILL_SCRIPT)
+    log = tmp_path / "exporter.log"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+    def start():
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, str(script), str(base)], env=env, stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True)
+        assert proc.stdout.readline().strip() == "ready", log.read_text()[-3000:]
+        return proc
+
+    def temporaries(pid):
+        return [n for n in os.listdir(base) if n.startswith(".tmp-") and n.endswith(f"-{pid}")]
+
+    def wait_for_write(proc):  # not an earlier process's leftover: the name ends in the writer's pid
+        deadline = time.monotonic() + 600
+        while not (base.exists() and temporaries(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.005)
+        return time.monotonic()
+
+    # A first, complete export: the length of its write sets the kill windows; its version is loaded at the end.
+    proc = start()
+    began = wait_for_write(proc)
+    assert proc.stdout.readline().strip() == "exported", log.read_text()[-3000:]
+    write_seconds = time.monotonic() - began
     rng = random.Random(0)
-    trials = 0
-    while trials < 20:
-        proc = subprocess.Popen([sys.executable, str(script), str(base)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        # Kill somewhere inside the export loop: several kills per process.
-        for _ in range(4):
-            time.sleep(rng.uniform(0.0, 2.5))
-            trials += 1
-            if proc.poll() is not None:
-                break
+    interrupted = 0  # kills that left a half-written temporary behind
+    for kill in range(5):
+        if kill:
+            proc = start()
+        wait_for_write(proc)
+        time.sleep(rng.uniform(0.0, write_seconds))
         proc.kill()
         proc.wait()
-        for name in os.listdir(base) if base.exists() else []:
+        interrupted += bool(temporaries(proc.pid))
+        for name in os.listdir(base):
             if name.isdigit():
                 assert (base / name / "saved_model.pb").exists() and (base / name / "variables").is_dir()
+    assert interrupted >= 1, f"no kill landed inside a write ({write_seconds:.2f} s long)"
     versions = sorted(int(n) for n in os.listdir(base) if n.isdigit())
     assert versions, "no export completed"
     # Anything else is a killed export's hidden temporary directory, which TF Serving ignores.
