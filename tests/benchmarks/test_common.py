@@ -93,8 +93,11 @@ def test_warm_cores_keeps_every_core_busy():
     wall = time.perf_counter() - start
     after = cpu_seconds_per_thread()
     assert 0.4 <= wall < 0.8
-    busy = [tid for tid, seconds in after.items() if seconds - before.get(tid, 0.0) >= 0.1]
-    assert len(busy) >= min(common.cores(), 2), {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    # Busy: at least half the CPU time of the busiest thread, which had to run: relative, since on cores shared
+    # with other processes (another worker, another suite) every thread gets a smaller share of the 0.4 s.
+    used = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
+    busy = [tid for tid, seconds in used.items() if seconds >= 0.5 * max(used.values())]
+    assert max(used.values()) >= 0.05 and len(busy) >= min(common.cores(), 2), used
     start = time.perf_counter()
     common.warm_cores(0)  # nothing
     assert time.perf_counter() - start < 0.01
