@@ -14,6 +14,7 @@ the standard library: the peers' own interpreter runs it to build llama.cpp.
 
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -52,15 +53,16 @@ def describe(name):
 # On the Intel Xeon (AMX) KVM guests here, a native build's llama-bench died of SIGILL on the SmolLM2 Q4_1 GGUF, at a
 # `tileloadd` in ggml's AMX kernel (`tinygemm_kernel_amx<block_q8_1, block_q4_1>`), although the kernel granted the
 # process AMX state (arch_prctl ARCH_REQ_XCOMP_PERM). gcc's explicit -mno-* flags win over -march=native's, so the
-# build keeps AVX-512 and VNNI and leaves AMX out; CPUs without AMX (AMD Zen) build as before. On a host where AMX
-# works, llama.cpp's prefill could be faster with it than what the benchmarks record.
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# build keeps AVX-512 and VNNI and leaves AMX out; CPUs without AMX (AMD Zen) build as before, and other
+# architectures (whose compilers have no such flags) get no extra flags. On a host where AMX works, llama.cpp's
+# prefill could be faster with it than what the benchmarks record.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine().lower() in ("x86_64", "amd64") else ""
 
 
 def build_llama_cpp(prefix, jobs=None):
     """Build `LLAMA_TOOLS` from the `llama-cpp-python==LLAMA_CPP_PYTHON` sdist into `<prefix>/bin/`, with the cmake
-    and ninja of `prefix` (from PyPI). Native CPU kernels (`GGML_NATIVE`) without Intel AMX (`NO_AMX`), no network
-    code (`LLAMA_CURL=OFF`)."""
+    and ninja of `prefix` (from PyPI). Native CPU kernels (`GGML_NATIVE`), on x86 without Intel AMX's (`NO_AMX`),
+    no network code (`LLAMA_CURL=OFF`)."""
     prefix = os.path.abspath(prefix)
     bin_dir = os.path.join(prefix, "bin")
     cmake, ninja = os.path.join(bin_dir, "cmake"), os.path.join(bin_dir, "ninja")
@@ -81,8 +83,8 @@ def build_llama_cpp(prefix, jobs=None):
     build = os.path.join(work, "llama.cpp")
     subprocess.run([cmake, "-S", llama_cpp, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
-                    f"-DCMAKE_CXX_FLAGS={NO_AMX}"], check=True)
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                    *([f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if NO_AMX else [])], check=True)
     subprocess.run([cmake, "--build", build, "--target", *LLAMA_TOOLS, "-j", str(jobs or os.cpu_count() or 1)],
                    check=True)
     for tool in LLAMA_TOOLS:

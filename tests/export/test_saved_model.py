@@ -3,6 +3,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -121,41 +122,53 @@ def test_killed_exports_leave_only_complete_versions(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
+    exporters = []  # every process started, killed at the end whatever happens
+
     def start():
         with open(log, "w") as stderr:
             proc = subprocess.Popen([sys.executable, str(script), str(base)], env=env, stdout=subprocess.PIPE,
                                     stderr=stderr, text=True)
+        exporters.append(proc)
         assert proc.stdout.readline().strip() == "ready", log.read_text()[-3000:]
         return proc
 
-    def temporaries(pid):
-        return [n for n in os.listdir(base) if n.startswith(".tmp-") and n.endswith(f"-{pid}")]
+    def temporaries(pid=None):  # the writer's own when `pid` is given: not an earlier process's leftover
+        return [n for n in os.listdir(base) if n.startswith(".tmp-") and (pid is None or n.endswith(f"-{pid}"))]
 
-    def wait_for_write(proc):  # not an earlier process's leftover: the name ends in the writer's pid
-        deadline = time.monotonic() + 600
+    def wait_for_write(proc):
         while not (base.exists() and temporaries(proc.pid)):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.005)
         return time.monotonic()
 
-    # A first, complete export: the length of its write sets the kill windows; its version is loaded at the end.
-    proc = start()
-    began = wait_for_write(proc)
-    assert proc.stdout.readline().strip() == "exported", log.read_text()[-3000:]
-    write_seconds = time.monotonic() - began
-    rng = random.Random(0)
-    interrupted = 0  # kills that left a half-written temporary behind
-    for kill in range(5):
-        if kill:
-            proc = start()
-        wait_for_write(proc)
-        time.sleep(rng.uniform(0.0, write_seconds))
-        proc.kill()
-        proc.wait()
-        interrupted += bool(temporaries(proc.pid))
-        for name in os.listdir(base):
-            if name.isdigit():
-                assert (base / name / "saved_model.pb").exists() and (base / name / "variables").is_dir()
+    # A hung exporter is killed after 15 minutes: the blocking reads and waits then fail with its log.
+    watchdog = threading.Timer(900, lambda: [proc.kill() for proc in exporters])
+    watchdog.start()
+    try:
+        # A first, complete export: the length of its write sets the kill windows; its version is loaded at the end.
+        proc = start()
+        began = wait_for_write(proc)
+        assert proc.stdout.readline().strip() == "exported", log.read_text()[-3000:]
+        write_seconds = time.monotonic() - began
+        rng = random.Random(0)
+        interrupted = 0  # kills that left a half-written temporary behind
+        for kill in range(5):
+            if kill:
+                proc = start()
+            wait_for_write(proc)
+            time.sleep(rng.uniform(0.0, write_seconds))
+            proc.kill()
+            proc.wait()
+            interrupted += bool(temporaries(proc.pid))
+            assert len(temporaries()) <= 1  # each export removed the temporaries of the exporters killed before
+            for name in os.listdir(base):
+                if name.isdigit():
+                    assert (base / name / "saved_model.pb").exists() and (base / name / "variables").is_dir()
+    finally:
+        watchdog.cancel()
+        for proc in exporters:
+            proc.kill()
+            proc.wait()
     assert interrupted >= 1, f"no kill landed inside a write ({write_seconds:.2f} s long)"
     versions = sorted(int(n) for n in os.listdir(base) if n.isdigit())
     assert versions, "no export completed"

@@ -226,9 +226,11 @@ def test_batch_timeout_gathers_requests(scheduled):
     # A timeout long enough that "a full batch does not wait" stays clear of a loaded machine's scheduling delays.
     servable, _ = scheduled(max_batch_size=3, batch_timeout_micros=1_500_000)
     model = servable.servable
+    started = time.monotonic()
     futures = [servable.submit("", {"x": rows(index, 1)}) for index in range(2)]
     assert [future.result(30)[1]["y"].tolist() for future in futures] == [[0], [1]]
     assert [call[:, 0].tolist() for call in model.calls] == [[0, 1]]  # waited for more, then ran the 2
+    assert time.monotonic() - started >= 1.4  # the 1.5 s timeout, not a batch thread that happened to wake late
     started = time.monotonic()
     futures = [servable.submit("", {"x": rows(index, 1)}) for index in range(3)]  # a full batch does not wait
     [future.result(30) for future in futures]
