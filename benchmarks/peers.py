@@ -61,8 +61,8 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine().lower
 
 def build_llama_cpp(prefix, jobs=None):
     """Build `LLAMA_TOOLS` from the `llama-cpp-python==LLAMA_CPP_PYTHON` sdist into `<prefix>/bin/`, with the cmake
-    and ninja of `prefix` (from PyPI). Native CPU kernels (`GGML_NATIVE`), on x86 without Intel AMX's (`NO_AMX`),
-    no network code (`LLAMA_CURL=OFF`)."""
+    and ninja of `prefix` (from PyPI). Native CPU kernels (`GGML_NATIVE`), on x86 without the Intel AMX ones
+    (`NO_AMX`), no network code (`LLAMA_CURL=OFF`)."""
     prefix = os.path.abspath(prefix)
     bin_dir = os.path.join(prefix, "bin")
     cmake, ninja = os.path.join(bin_dir, "cmake"), os.path.join(bin_dir, "ninja")
