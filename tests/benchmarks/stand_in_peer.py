@@ -1,12 +1,13 @@
 """A stand-in for the benchmarks' peers, so that their smoke runs take the branch with peer rows in CI too.
 
-`smoke.peers_dir("stand-in", directory)` writes `bin/python` and `bin/llama-bench` there, each running this script;
-a smoke run with `TFFORMER_PEERS=directory` then finds them as it would find `.venv-peers`. As `python` it answers
-the module probe (`python -c ...`) and speaks `benchmarks.torch_worker`'s protocol for every system of
-`torch_worker.py` and `ct2_worker.py`: a ready line, then one reply per command with made-up seconds (for the llm,
-growing with the tokens asked for). As `llama-bench` it prints llama-bench's JSON lines for its `-p`, `-n` and `-pg`
-tests. Every version it reports is "stand-in", so its rows cannot pass for measurements. It imports only the
-standard library and numpy (to count the clips of an .npz file).
+`smoke.peers_dir("stand-in", directory)` writes `bin/python`, `bin/llama-bench` and `bin/llama-perplexity` there,
+each running this script; a smoke run with `TFFORMER_PEERS=directory` then finds them as it would find
+`.venv-peers`. As `python` it answers the module probe (`python -c ...`) and speaks `benchmarks.torch_worker`'s
+protocol for every system of `torch_worker.py` and `ct2_worker.py`: a ready line, then one reply per command with
+made-up seconds (for the llm, growing with the tokens asked for). As `llama-bench` it prints llama-bench's JSON
+lines for its `-p`, `-n` and `-pg` tests; as `llama-perplexity`, llama-perplexity's chunk count and final line, with
+the perplexity `PERPLEXITY`. Every version it reports is "stand-in", so its rows cannot pass for measurements. It
+imports only the standard library and numpy (to count the clips of an .npz file).
 """
 
 import json
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VERSION = "stand-in"
 SECONDS = 0.01  # per command, plus MILLISECONDS_PER_TOKEN per new token where a command has a count
 MILLISECONDS_PER_TOKEN = 1.0
+PERPLEXITY = 12.3456  # llama-perplexity's "Final estimate", whatever the text
 
 
 def reply(seconds, **extra):
@@ -71,9 +73,20 @@ def llama_bench(argv):
                           "stddev_ts": 0.0}), flush=True)
 
 
+def llama_perplexity(argv):
+    """llama-perplexity's lines that the benchmark reads (on stderr, as llama.cpp logs them): the chunk count (the
+    text's bytes over `-c`, as if a token were a byte) and the final estimate."""
+    options = dict(zip(argv[::2], argv[1::2]))
+    chunks = os.path.getsize(options["-f"]) // int(options["-c"])
+    print(f"perplexity: calculating perplexity over {chunks} chunks, n_ctx={options['-c']}", file=sys.stderr)
+    print(f"Final estimate: PPL = {PERPLEXITY:.4f} +/- 0.50000", file=sys.stderr)
+
+
 def main(role, argv):
     if role == "llama-bench":
         return llama_bench(argv)
+    if role == "llama-perplexity":
+        return llama_perplexity(argv)
     if argv[:1] == ["-c"]:  # `torch_worker._has_modules`: every module is "there"
         return 0
     script, system, spec = argv
