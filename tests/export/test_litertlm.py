@@ -118,16 +118,16 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
     # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
     # that holds it: the dense layers' (both signatures). The tied table, float32 twice (the lookup's, and the
-    # logits' times the final norm's scale), is one quantized buffer for the lookup (both signatures) and the logits.
+    # logits' times the final norm's scale), is one int8 buffer for the lookup (both signatures) and the logits.
     sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
                                                                  [8], kind)) for kind in ("none", quantize)}
     config = trained_lm.config
     matrices = [(k.shape[1], k.shape[0], 2) for k in litertlm_module.dense_kernels(trained_lm).values()]
     table = (config.vocabulary_size, config.hidden_dim, 3)  # (rows, inputs, tensors on the buffer)
+    int8 = [table] if quantize == "int4" else matrices + [table]  # an int4 file's table is int8
+    expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in int8)
     if quantize == "int4":
-        expected = sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices + [table])
-    else:
-        expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in matrices + [table])
+        expected += sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
     expected += 4 * table[0] * table[1]  # the second float32 copy
     total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 8 * table[0] * table[1]
     assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
@@ -155,6 +155,76 @@ def test_int4_blocks_round_trip():
     np.testing.assert_allclose(scales.astype(np.float32), expected_scales, rtol=1e-3)
     step = scales.astype(np.float32).repeat(32, axis=1)  # (3, 64)
     assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
+
+
+def q4_1_values(rng, shape):
+    """GGUF Q4_1 values of `shape` `(units, in)`, as `tfformer.convert.gguf` dequantizes them from random blocks
+    (float16 `d` and `m`, 4-bit `q`), each block's `q` spanning 0..15 as Q4_1's quantizer makes them (`m` its
+    minimum, `d` its spread / 15), with one constant block (`d` = 0) first."""
+    count = shape[0] * shape[1] // 32
+    d = rng.uniform(0.005, 0.02, count).astype(np.float16)
+    m = (-7.5 * d.astype(np.float32) + rng.normal(0, 0.002, count)).astype(np.float16)
+    d[0] = 0
+    nibbles = rng.integers(0, 256, (count, 16), dtype=np.uint8)
+    nibbles[:, 0] = 0xF0  # q = 0 at input 0 (low nibble), 15 at input 16 (high nibble)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2), nibbles], 1)  # (N, 20)
+    return gguf_reader.dequantize_q4_1(blocks).reshape(shape)
+
+
+def test_gguf_int4_blocks_keep_q4_1_values_exactly():
+    """`gguf_int4_blocks` against the GGUF dequantizer: `(q - 8) d + offset` gives back every Q4_1 value (to its
+    float32 rounding), q in -8..7; a constant block gets the smallest normal scale and zero weights; a matrix of
+    other values, or of Q4_1 values moved by one float32 step, is None."""
+    rng = np.random.default_rng(0)
+    weights = q4_1_values(rng, (6, 96))
+    q, scales, offsets = litertlm_module.gguf_int4_blocks(weights)
+    assert q.dtype == np.int8 and q.shape == (6, 96) and scales.shape == offsets.shape == (6, 3)
+    assert q.min() == -8 and q.max() == 7 and not q[0, :32].any()
+    assert scales.dtype == np.float16 and scales[0, 0] == np.finfo(np.float16).tiny
+    back = q.astype(np.float64) * scales.astype(np.float64).repeat(32, 1) + offsets.astype(np.float64).repeat(32, 1)
+    np.testing.assert_allclose(back, weights, rtol=2**-23, atol=0)
+    nudged = weights.copy()
+    nudged[3, 40] = np.nextafter(nudged[3, 40], np.float32(1))
+    assert litertlm_module.gguf_int4_blocks(nudged) is None
+    assert litertlm_module.gguf_int4_blocks(rng.normal(size=(6, 96)).astype(np.float32)) is None
+
+
+def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):
+    """A model whose matrices hold Q4_1 values: its int4 file stores each one's blocks as they are plus a float32
+    offset matrix `(units, in/32)` read by a second FULLY_CONNECTED, and its decode logits are float32's within
+    the run-time int8 quantization of the activations (the plain int4 blocks of the same matrices are further off)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    keras.utils.set_random_seed(0)
+    tokenizer = byte_pair_tokenizer(ascii_only=True)
+    config = dict(LLAMA, hidden_dim=64, num_heads=4, num_key_value_heads=2, intermediate_dim=64)
+    model = models.build_causal_lm(models.TransformerConfig(vocabulary_size=tokenizer.vocabulary_size, **config))
+    rng = np.random.default_rng(1)
+    kernels = litertlm_module.dense_kernels(model)
+    for kernel in kernels.values():
+        kernel.assign(q4_1_values(rng, (kernel.shape[1], kernel.shape[0])).T)  # (in, units)
+    logits = {}
+    for kind in ("none", "int4", "plain int4"):
+        if kind == "plain int4":  # the symmetric blocks of the same matrices
+            monkeypatch.setattr(litertlm_module, "gguf_int4_blocks", lambda weights: None)
+        path = litertlm_module._write_tflite(model, str(tmp_path / f"{kind}.tflite"), 64, [8], kind.split()[-1])
+        runner = Interpreter(model_path=path).get_signature_runner("decode")
+        feeds = {name: np.zeros(d["shape"], d["dtype"]) for name, d in runner.get_input_details().items()}
+        feeds["tokens"][:] = 5
+        logits[kind] = runner(**feeds)["logits"].ravel()  # (V,)
+        if kind == "int4":
+            tflite, names = _read_tflite(path)
+            (decode,) = [tflite.subgraphs[s.subgraphIndex] for s in tflite.signatureDefs if s.signatureKey == b"decode"]
+            filters = [decode.tensors[op.inputs[1]] for name, op in _graph_ops(tflite, names, decode)
+                       if name == "FULLY_CONNECTED"]
+            int4 = sorted(tuple(t.shape) for t in filters if t.type == 17)  # TensorType.INT4
+            offsets = sorted(tuple(t.shape) for t in filters if t.type == 0 and t.shape[1] * 32 in [s[1] for s in int4])
+            assert int4 == sorted((k.shape[1], k.shape[0]) for k in kernels.values())
+            assert offsets == sorted((k.shape[1], k.shape[0] // 32) for k in kernels.values())
+    error = {kind: np.abs(logits[kind] - logits["none"]).max() for kind in ("int4", "plain int4")}
+    scale = np.abs(logits["none"]).max()
+    assert scale > 1 and error["int4"] < 0.02 * scale and error["int4"] < error["plain int4"] / 2, (error, scale)
+    assert logits["int4"].argmax() == logits["none"].argmax()
 
 
 def _read_tflite(path):

@@ -65,10 +65,11 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
         path: the output file, e.g. `"model.litertlm"`.
         quantize: `"none"` (float32 weights), `"int8"` (every `FULLY_CONNECTED` filter per channel) or `"int4"`
             (in blocks of 32 inputs; `bind_kernels`), the output projection included, and the embedding table in
-            the same format (an `EMBEDDING_LOOKUP`, which dequantizes the rows it reads). A tied table is stored
-            once, for the lookup and the logits (the final norm's scale, which the converter folds into the logits'
-            filter, goes back to a `MUL` of the hidden state). SmolLM2-135M: float32 653 MB, int4 77 MB
-            (0.14x its float32 variables).
+            int8 (an `EMBEDDING_LOOKUP`, which dequantizes the rows it reads). A tied table is stored once, for the
+            lookup and the logits (the final norm's scale, which the converter folds into the logits' filter, goes
+            back to a `MUL` of the hidden state). A matrix that holds GGUF Q4_1 values (SmolLM2's) keeps them
+            exactly (`gguf_int4_blocks`): its int4 blocks plus a float32 offset a block, which a second, small
+            `FULLY_CONNECTED` applies to each block's sum of inputs.
         context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
             `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
             step attends over all of them.
@@ -145,9 +146,10 @@ class _BundleForms(DecodeForms):
     query heads is one batched matmul against its key/value head (no repeated copy of the cache), and a step writes
     its slots in place (`in_place_cache_writes`, decode) or by a select over the cache (prefill)."""
 
-    def __init__(self, fed, in_place_cache_writes):
+    def __init__(self, fed, in_place_cache_writes, offsets=None):
         super().__init__(in_place_cache_writes=in_place_cache_writes)
         self.fed = fed
+        self.offsets = offsets or {}  # {id(kernel): (units, in/B) tensor}: `gguf_int4_blocks`' block offsets
 
     def uses(self, x, kernel, bias=None):
         return id(kernel) in self.fed
@@ -158,6 +160,9 @@ class _BundleForms(DecodeForms):
             return dense(x, kernel, bias, start, stop)  # a slice of a fused kernel: not in a causal LM's steps
         flat = tf.reshape(tf.cast(x, tf.float32), [-1, kernel.shape[0]])  # (B*T, in)
         y = tf.matmul(flat, self.fed[id(kernel)], transpose_b=True)  # (B*T, units): FULLY_CONNECTED, no transpose
+        if id(kernel) in self.offsets:  # + each block's offset times the block's sum of inputs
+            blocks = tf.reshape(flat, [-1, kernel.shape[0] // INT4_BLOCK, INT4_BLOCK])  # (B*T, in/B, B)
+            y = y + tf.matmul(tf.reduce_sum(blocks, -1), self.offsets[id(kernel)], transpose_b=True)  # (B*T, units)
         if bias is not None:
             y = y + tf.cast(bias, tf.float32)
         return tf.cast(tf.reshape(y, list(x.shape[:-1]) + [kernel.shape[-1]]), x.dtype)  # (B, T, units)
@@ -202,7 +207,7 @@ def dense_kernels(task):
     return {f"weight_{i}": kernel for i, kernel in enumerate(kernels)}
 
 
-def _step_function(task, length, context_length, kernels):
+def _step_function(task, length, context_length, kernels, offsets=()):
     """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs."""
     config = task.config
     layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
@@ -214,11 +219,16 @@ def _step_function(task, length, context_length, kernels):
         specs[values] = tf.TensorSpec([1, heads, head_dim, context_length], tf.float32, name=values)  # (1, K, H, S)
     for name, kernel in kernels.items():
         specs[name] = tf.TensorSpec([kernel.shape[1], kernel.shape[0]], tf.float32, name=name)  # (units, in)
+        if name in offsets:
+            specs[offsets_name(name)] = tf.TensorSpec([kernel.shape[1], kernel.shape[0] // INT4_BLOCK], tf.float32,
+                                                      name=offsets_name(name))  # (units, in/B)
     decode = length == 1
 
     def step(inputs):
         # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
-        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode)
+        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode,
+                             {id(kernel): inputs[offsets_name(name)] for name, kernel in kernels.items()
+                              if name in offsets})
         caches = tuple((inputs[k], inputs[v]) for k, v in names)
         logits, caches = task.decode_step(inputs["tokens"], caches, inputs["input_pos"][0], last_only=True,
                                           plan=forms)
@@ -234,22 +244,38 @@ def _write_tflite(task, path, context_length, prefill_lengths, quantize="none"):
     """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
     in `quantize`."""
     kernels = dense_kernels(task)
+
+    def filter_of(kernel):
+        return np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
+
+    # name -> (q, scales): a GGUF Q4_1 matrix kept exactly, its block offsets a float32 input. Only these int4
+    # values (1 byte a weight) are held while the converter runs; the float32 filters are made after it.
+    exact, arrays = {}, {}
+    if quantize == "int4":
+        for name, kernel in kernels.items():
+            blocks = gguf_int4_blocks(filter_of(kernel))
+            if blocks is not None:
+                exact[name], arrays[name], arrays[offsets_name(name)] = blocks[:2], blocks[0], blocks[2]
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
         names = [f"prefill_{length}" for length in prefill_lengths] + ["decode"]
         for name, length in zip(names, list(prefill_lengths) + [1]):
-            fn, specs = _step_function(task, length, context_length, kernels)
+            fn, specs = _step_function(task, length, context_length, kernels, exact)
             archive.add_endpoint(name, fn, input_signature=specs)
         archive.write_out(tmp, verbose=False)
         converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         content = converter.convert()
-    arrays = {name: np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
-              for name, kernel in kernels.items()}
-    return write_atomic(path, bind_kernels(content, arrays, quantize))
+    arrays.update({name: filter_of(kernel) for name, kernel in kernels.items() if name not in exact})
+    return write_atomic(path, bind_kernels(content, arrays, quantize, exact))
 
 
-def bind_kernels(content, arrays, quantize="none"):
+def offsets_name(name):
+    """The signature input of the block offsets of the matrix input `name` (`gguf_int4_blocks`)."""
+    return f"{name}_offsets"
+
+
+def bind_kernels(content, arrays, quantize="none", exact=None):
     """The TFLite flatbuffer `content` with the signature inputs named in `arrays` (`{name: float32 array}`) made
     constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
     `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
@@ -259,8 +285,13 @@ def bind_kernels(content, arrays, quantize="none"):
     (litert_quantizer 0.11 itself, run on the bound file, quantized a shared buffer for one signature's tensor and
     left the other signatures' tensors on it float32: a file the runtime refuses.)
 
+    `exact` (`{name: (q, scales)}`, from `gguf_int4_blocks`) stores those matrices' int4 blocks as they are (their
+    `arrays` entry need only have the shape), and their block offsets (`arrays[offsets_name(name)]`) in float32.
+
     Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
     """
+    exact = exact or {}
+    float32 = {offsets_name(name) for name in exact}
     import flatbuffers
     from ai_edge_litert import schema_py_generated as schema
 
@@ -278,7 +309,8 @@ def bind_kernels(content, arrays, quantize="none"):
             if list(tensor.shape) != list(arrays[name].shape):
                 raise ValueError(f"{name}: tensor {list(tensor.shape)}, array {list(arrays[name].shape)}")
             if name not in stored:
-                stored[name] = _store(schema, model, arrays[name], quantize)
+                stored[name] = _store(schema, model, arrays[name], "none" if name in float32 else quantize,
+                                      exact.get(name))
             _set_filter(schema, graph, tensor, stored[name])
         graph.inputs = [i for i in graph.inputs if i not in bound]
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
@@ -327,8 +359,9 @@ def _quantize_lookup_tables(schema, model, quantize):
             if table.buffer not in tables:
                 weights = np.frombuffer(bytes(model.buffers[table.buffer].data), np.float32)
                 weights = weights.reshape([int(n) for n in table.shape])  # (V, D)
-                kind = "int4" if quantize == "int4" and weights.shape[1] % INT4_BLOCK == 0 else "int8"
-                tables[table.buffer] = weights, _store(schema, model, weights, kind)
+                # int8 even in an int4 file: SmolLM2's table in int4 took its perplexity from 26.0 to 31.3 (int8:
+                # 26.1), with its matrices as the GGUF's; the GGUF itself holds it in 8 bits (Q8_0).
+                tables[table.buffer] = weights, _store(schema, model, weights, "int8")
             if table.buffer not in quantized:
                 quantized[table.buffer] = _tensor(schema, graph, table.name + b"_quantized", table.shape,
                                                   schema.TensorType.FLOAT32)
@@ -464,10 +497,11 @@ def _buffer(schema, model, data):
     return len(model.buffers) - 1
 
 
-def _store(schema, model, weights, quantize):
-    """`(buffer, tensor type, quantization, scales buffer or None)` of one filter `(units, in)` in `quantize`."""
-    if quantize == "int4":
-        packed, scales, _ = int4_blocks(weights)
+def _store(schema, model, weights, quantize, blocks=None):
+    """`(buffer, tensor type, quantization, scales buffer or None)` of one filter `(units, in)` in `quantize`, or
+    as the int4 `blocks` `(q, scales)` given (`gguf_int4_blocks`)."""
+    if blocks is not None or quantize == "int4":
+        packed, scales = (pack_int4(blocks[0]), blocks[1]) if blocks is not None else int4_blocks(weights)[:2]
         return _buffer(schema, model, packed), schema.TensorType.INT4, None, _buffer(schema, model, scales)
     if quantize == "int8":
         q, scales = int8_channels(weights)
@@ -505,8 +539,39 @@ def int4_blocks(weights):
     scales[small] = np.finfo(np.float16).tiny
     q = np.clip(np.rint(blocks / scales[..., None].astype(np.float32)), -7, 7).astype(np.int8)
     q[small] = 0
-    q = q.reshape(units, width).astype(np.uint8) & 15
-    return q[:, 0::2] | (q[:, 1::2] << 4), scales, int(small.sum())
+    return pack_int4(q.reshape(units, width)), scales, int(small.sum())
+
+
+def pack_int4(q):
+    """int4 values `q` `(units, in)` in -8..7, two a byte (the even input in the low nibble): `(units, in/2)` uint8."""
+    q = q.astype(np.uint8) & 15
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def gguf_int4_blocks(weights):
+    """A float32 filter `(units, in)` whose every block of `INT4_BLOCK` inputs holds GGUF Q4_1 values, `d * q + m`
+    (q in 0..15, `d` and `m` float16, as `tfformer.convert.gguf` dequantizes them), as int4 blocks kept exactly:
+    `(q - 8, d, m + 8 d)`, int8 `(units, in)` in -8..7, float16 scales and float32 offsets `(units, in/B)`, with
+    `w = (q - 8) d + offset`. A block's `d` and `m` are its spread / 15 and its minimum (Q4_1's own choice). None
+    when a block does not hold such values (a matrix trained or converted otherwise) or a `d` is too small for
+    XNNPACK (below float16's smallest normal; a constant block gets that scale and zero weights)."""
+    units, width = weights.shape
+    if width % INT4_BLOCK:
+        return None
+    blocks = weights.reshape(units, width // INT4_BLOCK, INT4_BLOCK)  # (units, in/B, B)
+    low = blocks.min(-1).astype(np.float16)  # (units, in/B)
+    scales = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16)
+    d, m = scales.astype(np.float32)[..., None], low.astype(np.float32)[..., None]
+    constant = scales == 0
+    if np.any(~constant & (scales < np.finfo(np.float16).tiny)):
+        return None
+    q = np.clip(np.rint((blocks - m) / np.where(constant[..., None], 1, d)), 0, 15).astype(np.float32)
+    if not np.array_equal(q * d + m, blocks):  # the dequantizer's two roundings
+        return None
+    q[constant] = 8
+    scales[constant] = np.finfo(np.float16).tiny
+    offsets = (m + 8 * d)[..., 0]  # (units, in/B): exact, two float16 values
+    return (q - 8).astype(np.int8).reshape(units, width), scales, offsets.astype(np.float32)
 
 
 def int8_channels(weights):
