@@ -21,7 +21,8 @@ system). Systems:
   (`tfformer.export.litertlm`, context 2048), timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
   cores) in a process without TensorFlow: decode tokens/s of 128 new tokens after a 64-token prompt, and the
   512-token prefill's tokens/s, as its runtime reports them; the process's peak memory and the file's size beside
-  them. Smoke runs skip it (the random model has no tokenizer to bundle).
+  them; the export's own peak memory (its process's VmHWM) against 4x the float32 weights. Smoke runs skip it
+  (the random model has no tokenizer to bundle).
 - llama.cpp: its own `llama-bench` on the same GGUF file (Q4_1, its quantized kernels), after the others: the
   binary that `make peers` builds from the llama-cpp-python source distribution into `.venv-peers/bin/`
   (`benchmarks.peers`; PyPI has no wheel for this platform), or `--llama-bench PATH`; else a "skipped" record
@@ -75,6 +76,7 @@ SMOKE = {"prompt": 8, "new_tokens": 8, "short_tokens": 1, "prefill": 16, "repeat
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt")
 PERPLEXITY_CONTEXT = {"full": 256, "smoke": 16}  # llama-perplexity's -c: the chunk length
 PERPLEXITY_RATIO_TARGET = 1.05  # the issue's: the int4 bundle's perplexity <= 1.05x float32's
+EXPORT_PEAK_TARGET = 4.0  # the issue's: the export's peak resident memory <= 4x the float32 weights
 # The smoke run's random model: SmolLM2's architecture (grouped-query attention, SwiGLU, RMSNorm, rotary), tiny.
 SMOKE_SHAPE = {"vocab": 512, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                "max_length": 256}
@@ -220,10 +222,23 @@ print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
 """
 
 
+# `tfformer export ...` (argv) as the command runs it, in a process of its own, then its peak resident memory
+# (VmHWM; the child's ru_maxrss would carry this process's peak over fork + exec) as the last line.
+EXPORT_SCRIPT = """
+import json, runpy, sys
+sys.argv = ["tfformer", *sys.argv[1:]]
+try:
+    runpy.run_module("tfformer.cli", run_name="__main__", alter_sys=True)
+finally:
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
+    print(json.dumps({"export_peak_rss_mb": round(peak)}), flush=True)
+"""
+
+
 def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
-    """LiteRT-LM's own timings of the int4 bundle `tfformer export --format litertlm --quantize int4` writes, or
-    the reason there are none."""
-    from tfformer import export
+    """LiteRT-LM's own timings of the int4 bundle `tfformer export smollm2-135m-instruct --format litertlm
+    --quantize int4` writes (run as that command, its peak memory measured), or the reason there are none."""
     from tfformer.export.litertlm import DEFAULT_CONTEXT_LENGTH
 
     if getattr(model, "preprocessor", None) is None:
@@ -231,11 +246,12 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.litertlm")
         start = time.perf_counter()
-        try:
-            export.litertlm(model, path, quantize="int4")
-        except Exception as error:  # any failure of the export is the reason for the skip
-            return None, f"tfformer.export.litertlm failed: {type(error).__name__}: {str(error)[:300]}"
+        done = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, "export", PRESET, "--format", "litertlm",
+                               "--quantize", "int4", "--out", tmp], capture_output=True, text=True, timeout=3600)
         export_seconds = time.perf_counter() - start
+        if done.returncode or not os.path.exists(path):
+            return None, f"tfformer export --format litertlm failed ({done.returncode}): {done.stderr[-500:]}"
+        export_peak = json.loads(done.stdout.splitlines()[-1])["export_peak_rss_mb"]
         done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
                                str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
                               text=True, timeout=1800,
@@ -245,6 +261,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         result = json.loads(done.stdout.splitlines()[-1])
         result["perplexity"] = float(np.exp(result.pop("perplexity_nll") / result["perplexity_tokens"]))
         return {**result, "file_bytes": os.path.getsize(path), "export_seconds": round(export_seconds, 1),
+                "export_peak_rss_mb": export_peak,
                 "context_length": min(DEFAULT_CONTEXT_LENGTH, model.config.max_sequence_length)}, None
 
 
@@ -562,6 +579,9 @@ def main(argv=None):
                                      f"{dtype}", value, PREFILL_SPEEDUP_TARGET,
                                      rows=[f"tfformer {dtype}", f"pytorch {dtype}"]))
     if litert is not None:
+        goals.append(common.goal(f"llm int4 bundle export peak memory <= {EXPORT_PEAK_TARGET}x the float32 weights",
+                                 litert["export_peak_rss_mb"] * 2**20 / f32_bytes, EXPORT_PEAK_TARGET,
+                                 at_least=False, rows=["litert-lm int4"], reading="whole process peak"))
         goals.append(common.goal(f"llm int4 bundle perplexity <= {PERPLEXITY_RATIO_TARGET}x float32's",
                                  litert["perplexity"] / perplexity["perplexity"], PERPLEXITY_RATIO_TARGET,
                                  at_least=False, rows=["litert-lm int4", "tfformer float32"]))
