@@ -289,6 +289,9 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None, systems="a
         for name, (build, policy) in builders.items():
             keras.config.set_dtype_policy(policy)
             model = build(s)
+            # The optimizer's variables before the first step (as tfformer's models make them): made while it
+            # traces, they would make TensorFlow trace keras-hub's step twice.
+            model.optimizer.build(model.trainable_variables)
             inputs = dict(x)
             if name.startswith("keras-hub") and workload == "lm":
                 inputs["padding_mask"] = np.ones_like(x["token_ids"], bool)

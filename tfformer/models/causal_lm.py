@@ -154,9 +154,16 @@ class CausalLM(base.TransformerModel):
 
     def _stream_step(self):
         """`decode_step` as a `tf.function`, kept with the generate functions (`compile` drops them); no XLA: each
-        prompt length would compile."""
+        prompt length would compile. Traced once, for any number of tokens and any cache length: the shapes that
+        `reduce_retracing` reached only after tracing a prompt's pass, then its steps, then a new cache length
+        (each trace of SmolLM2-135M's 30 layers takes seconds)."""
+        c = self.config
+        signature = [tf.TensorSpec([1, None], tf.int32),  # (1, T) ids
+                     tf.TensorSpec([c.num_decoder_layers, 1, 2, c.key_value_heads, None, c.head_dim],
+                                   self.compute_dtype),  # (L, 1, 2, K, S, H) cache
+                     tf.TensorSpec([], tf.int32)]  # the cache index
         return cached_function(self, ("stream_step",), lambda: tf.function(
-            lambda ids, cache, index: self.decode_step(ids, cache, index), reduce_retracing=True))
+            lambda ids, cache, index: self.decode_step(ids, cache, index), input_signature=signature))
 
     # === Incremental decoding ===
     empty_cache = base.empty_cache  # (batch_size, max_length, dtype="float32") -> zeros (L, B, 2, K, T, H)
