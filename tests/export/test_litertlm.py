@@ -192,12 +192,14 @@ def test_gguf_int4_blocks_keep_q4_1_values_exactly():
 def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):
     """A model whose matrices hold Q4_1 values: its int4 file stores each one's blocks as they are plus a float32
     offset matrix `(units, in/32)` read by a second FULLY_CONNECTED, and its decode logits are float32's within
-    the run-time int8 quantization of the activations (the plain int4 blocks of the same matrices are further off)."""
+    the run-time int8 quantization of the activations (the plain int4 blocks of the same matrices are further off).
+    An intermediate width of 1024 gives the down projection offsets 32 wide, which int4 blocks would also fit: they
+    stay float32."""
     from ai_edge_litert.interpreter import Interpreter
 
     keras.utils.set_random_seed(0)
     tokenizer = byte_pair_tokenizer(ascii_only=True)
-    config = dict(LLAMA, hidden_dim=64, num_heads=4, num_key_value_heads=2, intermediate_dim=64)
+    config = dict(LLAMA, hidden_dim=64, num_heads=4, num_key_value_heads=2, intermediate_dim=1024)
     model = models.build_causal_lm(models.TransformerConfig(vocabulary_size=tokenizer.vocabulary_size, **config))
     rng = np.random.default_rng(1)
     kernels = litertlm_module.dense_kernels(model)
