@@ -316,7 +316,7 @@ def bind_kernels(content, arrays, quantize="none", exact=None):
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
     if quantize != "none":
         tables = _quantize_lookup_tables(schema, model, quantize)
-        _quantize_constant_filters(schema, model, quantize, tables, {stored[name][0] for name in float32})
+        _quantize_constant_filters(schema, model, quantize, tables, {entry[0] for entry in stored.values()})
     builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return builder.Output()
@@ -427,12 +427,13 @@ def _operator(schema, model, builtin, inputs, outputs):
     return op
 
 
-def _quantize_constant_filters(schema, model, quantize, tables, keep=()):
+def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
     """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
     matrices are: a tied embedding's logits projection. A filter that is a lookup table of `tables`
     (`_quantize_lookup_tables`), or such a table times a scale a column (the final norm's scale, which the converter
     folds in), reads the table's quantized buffer, after a `MUL` of its input by that scale: tied weights stored
-    once. The buffers in `keep` (bound block offsets) stay float32. Buffers no tensor reads any more are emptied."""
+    once. The buffers in `bound` (what `bind_kernels` stored, in their formats: float32 block offsets stay so)
+    are left as they are. Buffers no tensor reads any more are emptied."""
     fully_connected, multiply = schema.BuiltinOperator.FULLY_CONNECTED, schema.BuiltinOperator.MUL
     stored = {}  # float32 buffer -> (`_store`'s result, the scale a column to multiply the input by, or None)
     for graph in model.subgraphs:
@@ -446,7 +447,7 @@ def _quantize_constant_filters(schema, model, quantize, tables, keep=()):
             tensor = graph.tensors[index]
             data = model.buffers[tensor.buffer].data if tensor.buffer > 0 else None
             if (tensor.type != schema.TensorType.FLOAT32 or data is None or not len(data) or len(tensor.shape) != 2
-                    or tensor.buffer in keep or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
+                    or tensor.buffer in bound or (quantize == "int4" and tensor.shape[1] % INT4_BLOCK)):
                 operators.append(op)
                 continue
             if tensor.buffer not in stored:
@@ -559,8 +560,9 @@ def gguf_int4_blocks(weights):
     if width % INT4_BLOCK:
         return None
     blocks = weights.reshape(units, width // INT4_BLOCK, INT4_BLOCK)  # (units, in/B, B)
-    low = blocks.min(-1).astype(np.float16)  # (units, in/B)
-    scales = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16)
+    low = blocks.min(-1)  # (units, in/B)
+    scales = ((blocks.max(-1) - low) / 15).astype(np.float16)
+    low = low.astype(np.float16)
     d, m = scales.astype(np.float32)[..., None], low.astype(np.float32)[..., None]
     constant = scales == 0
     if np.any(~constant & (scales < np.finfo(np.float16).tiny)):
