@@ -3,6 +3,7 @@
 Both run on as many threads as the cores this process may use (`common.cores()`): TensorFlow's intra-op threads
 are set to that count (its default) and each LiteRT interpreter gets `num_threads` of it; each row records it.
 The model is `gpt-mini` (random weights, dropout off), 64 token ids in, logits out; 20 interleaved rounds.
+Then `edge_decode_rows`: the decode tokens/s of `tfformer.edge.Generator` on default decoder files.
 
     python -m benchmarks.tflite_latency [--smoke]
 """
@@ -17,6 +18,7 @@ from ai_edge_litert.interpreter import Interpreter
 
 from benchmarks import common
 from tfformer import export, models
+from tfformer.tokens import START_ID
 
 
 def main(argv=None):
@@ -64,6 +66,80 @@ def main(argv=None):
                        common.median(times["tflite float32"]) / base, 0.6, at_least=False,
                        rows=["tflite float32", "saved_model"])
     common.print_goals([goal], "Goal (ratio of the medians):")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = edge_decode_rows(threads, args.smoke, tmp)
+    print()
+    print(common.table([dict(r, per_round=common.ratio_text(r["per_round"])) for r in rows],
+                       ["model", "system", "cache_slots", "tokens", "tokens_per_s", "speedup", "per_round"]))
+
+
+def edge_decode_rows(threads, smoke, directory):
+    """Decode tokens/s of `tfformer.edge.Generator` (LiteRT's CompiledModel, the cache updated in place) on decoder
+    files as `tfformer.export.tflite_decoder` writes them by default (a cache of `max_sequence_length` slots): the
+    translator `transformer-tiny` (greedy) and `gpt-mini`, random weights, against the host loop that copies the
+    cache through numpy at every step (an `Interpreter` signature runner, the `Generator` of 36b9357 and
+    before) on the same file and the same tokens."""
+    from tfformer import edge
+
+    overrides = dict(hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64, max_sequence_length=16)
+    rows = []
+    for preset in ("transformer-tiny", "gpt-mini"):
+        model = models.from_preset(preset, dropout=0.0, **(overrides if smoke else {}))
+        path = export.tflite_decoder(model, os.path.join(directory, f"{preset}.tflite"))
+        generator = edge.Generator(path, num_threads=threads)
+        prompt = [5, 6, 7, 8, 9, 10]
+        room = generator.max_length - (0 if generator.is_seq2seq else len(prompt))
+        if generator.is_seq2seq:
+            tokens = generator.translate(prompt, max_new_tokens=room)  # stops at the end id, if chosen
+        else:
+            tokens = generator.generate(prompt, max_new_tokens=room, end_ids=())
+        fed = ([START_ID] + tokens[:-1]) if generator.is_seq2seq else prompt + tokens[:-1]
+        copying = _copying_loop(path, threads, prompt, fed, generator.cache_shape)
+        assert copying() == tokens, "the copying loop and edge.Generator chose different tokens"
+        if generator.is_seq2seq:
+            calls = {"edge.Generator": lambda g=generator: g.translate(prompt, max_new_tokens=room)}
+        else:
+            calls = {"edge.Generator": lambda g=generator: g.generate(prompt, max_new_tokens=room, end_ids=())}
+        calls["Interpreter, cache copied"] = copying
+        times = common.interleaved(calls, repeats=1 if smoke else 10, warmup=1)
+        base = times["Interpreter, cache copied"]
+        for name, values in times.items():
+            rows.append(common.emit({
+                "bench": "edge_decode", "model": preset, "system": name, "cache_slots": generator.max_length,
+                "tokens": len(tokens), "tokens_per_s": round(len(tokens) / common.median(values), 1),
+                "threads": threads, "speedup": round(common.median(base) / common.median(values), 2),
+                "per_round": [common.significant(x) for x in common.paired_ratio(values, base)]}))
+    return rows
+
+
+def _copying_loop(path, threads, prompt, fed, cache_shape):
+    """A callable that feeds `fed` (every step's input token, a causal LM's prompt first) to an `Interpreter`, the
+    cache copied in and out of each step, and returns the greedy choices after the prompt: the loop before the
+    CompiledModel one."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path, num_threads=threads)
+    step = interpreter.get_signature_runner("decode_step")
+    seq2seq = "encode" in interpreter.get_signature_list()
+    encode = interpreter.get_signature_runner("encode") if seq2seq else None
+
+    def run():
+        extra = {}
+        if seq2seq:
+            length = encode.get_input_details()["encoder_token_ids"]["shape"][1]
+            source = np.zeros((1, length), np.int32)
+            source[0, : len(prompt)] = prompt
+            extra = encode(encoder_token_ids=source)
+        cache, chosen = np.zeros(cache_shape, np.float32), []
+        start = 0 if seq2seq else len(prompt) - 1  # a causal LM's choices start after its whole prompt
+        for index, token in enumerate(fed):
+            out = step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32), **extra)
+            cache = out["cache"]
+            if index >= start:
+                chosen.append(int(np.argmax(out["logits"][0, -1])))
+        return chosen
+
+    return run
 
 
 def _ids_only_saved_model(model, path):

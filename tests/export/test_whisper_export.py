@@ -315,8 +315,9 @@ def _runner_ids(path, features, edge_asr):
     interpreter = Interpreter(model_path=path, num_threads=2)
     encode, step = interpreter.get_signature_runner("encode"), interpreter.get_signature_runner("decode_step")
     cross_cache = encode(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
-    cross = {f"cross_{half}_{i}": np.ascontiguousarray(cross_cache[i, :, h])
-             for i in range(cross_cache.shape[0]) for h, half in enumerate(("keys", "values"))}
+    cross = {f"cross_{half}_{i}": np.ascontiguousarray(cross_cache[i, :, h].transpose(order))  # values (1, K, H, S)
+             for i in range(cross_cache.shape[0])
+             for h, (half, order) in enumerate((("keys", (0, 1, 2, 3)), ("values", (0, 1, 3, 2))))}
     cache = np.zeros(step.get_input_details()["cache"]["shape"], np.float32)  # (L, 1, 2, K, S, H)
     bias = np.zeros(step.get_output_details()["logits"]["shape"][-1], np.float32)
     bias[edge_asr.suppress_ids] = -np.inf

@@ -1,9 +1,10 @@
 """Decoding on device: the host loop (greedy, or beam search for seq2seq) around the `decode_step` signature of a
-tfformer .tflite file."""
+tfformer .tflite file, run by LiteRT's `CompiledModel` with the cache updated in place."""
 
 import numpy as np
 
 from tfformer.checks import check_int, check_number
+from tfformer.edge.compiled import Signature, compiled_model
 from tfformer.tokens import END_ID, PAD_ID, START_ID, UNK_ID, cut_at_end
 
 BEAM_NEG = -1e9  # the score of an impossible beam, as tfformer.generation.beam
@@ -15,9 +16,15 @@ WHITESPACE_SYMBOLS = (("\t", "\u2409"), ("\n", "\u240a"), ("\r", "\u240d"))
 class Generator:
     """Runs a decoder written by `tfformer.export.tflite_decoder` with `ai_edge_litert`.
 
+    The file's signatures run in LiteRT's `CompiledModel` (XNNPACK on CPU), each input and output a buffer that
+    stays bound: the cache is `decode_step`'s input and output at once, so a step updates it in place, and a
+    seq2seq file's `encode` writes the cross-attention cache where `decode_step` reads it. Per step only the token,
+    the index and the logits cross between the host and the runtime. The `tokenize` / `detokenize` signatures (TF-Text
+    ops) run in an `Interpreter` made on first use (`interpreter`).
+
     Args:
         path: the .tflite file.
-        num_threads: interpreter threads.
+        num_threads: CPU threads of the runtime.
         tokenizer: optional host-side tokenizer for `generate_text`, for files without tokenizer signatures
             (a byte-level BPE's ops are not TFLite ops): an object with `tokenize(str) -> ids` and
             `detokenize(ids) -> str` (tensors of them are fine), e.g. a `tfformer.data.BytePairTokenizer`. Its
@@ -35,40 +42,55 @@ class Generator:
     """
 
     def __init__(self, path, num_threads=2, tokenizer=None):
-        from ai_edge_litert.interpreter import Interpreter, InterpreterWithCustomOps
-
         if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
                                           and callable(getattr(tokenizer, "detokenize", None))):
             raise ValueError("`tokenizer` must have `tokenize(text)` and `detokenize(ids)` (e.g. a BytePairTokenizer). "
                              f"Received: tokenizer={tokenizer!r}")
+        check_int("num_threads", num_threads)
         self.tokenizer = tokenizer
         ids = [int(i) for i in getattr(tokenizer, "end_ids", None) or []]
         # Id 0 is padding to a tfformer model: never a token to continue from (SmolLM2's <|endoftext|>).
         self.end_ids = ids + [PAD_ID] if ids else [END_ID]
-        self.interpreter = Interpreter(model_path=path, num_threads=num_threads)
-        signatures = self.interpreter.get_signature_list()
-        if "tokenize" in signatures:
-            import tensorflow_text as tf_text  # the file carries TF-Text tokenizer ops (custom ops)
-
-            self.interpreter = InterpreterWithCustomOps(
-                model_path=path, num_threads=num_threads,
-                custom_op_registerers=tf_text.tflite_registrar.SELECT_TFTEXT_OPS
-            )
+        self.path, self.num_threads = path, num_threads
+        self.model = compiled_model(path, num_threads)
+        signatures = self.model.get_signature_list()
         if "decode_step" not in signatures:
             raise ValueError(f"{path} has no decode_step signature (found {sorted(signatures)}); "
                              "write it with tfformer.export.tflite_decoder.")
-        self.signatures = signatures
-        self._step = self.interpreter.get_signature_runner("decode_step")
-        details = self._step.get_input_details()
-        self.cache_shape = tuple(details["cache"]["shape"])
-        self.max_length = self.cache_shape[4]
-        self.vocabulary_size = int(self._step.get_output_details()["logits"]["shape"][-1])
-        self.is_seq2seq = "encode" in signatures
         if "input_features" in signatures.get("encode", {}).get("inputs", []):
             raise ValueError(f"{path} is a Whisper (speech) decoder file: run it with tfformer.edge.Transcriber.")
+        self.signatures = signatures
+        self.is_seq2seq = "encode" in signatures
         if self.is_seq2seq:
-            self._encode = self.interpreter.get_signature_runner("encode")
-            self.source_length = int(self._encode.get_input_details()["encoder_token_ids"]["shape"][1])
+            self._encode = Signature(self.model, "encode")
+            # The cross-attention cache and the padding mask stay in encode's output buffers.
+            self._step = Signature(self.model, "decode_step", inputs=self._encode.outputs)
+            self.source_length = self._encode.specs["encoder_token_ids"][0][1]
+        else:
+            self._step = Signature(self.model, "decode_step")
+        self.cache_shape = self._step.specs["cache"][0]  # (L, 1, 2, K, S, H)
+        self.max_length = self.cache_shape[4]
+        self.vocabulary_size = self._step.specs["logits"][0][-1]
+        self._cache = self._step.inputs["cache"]
+        self._beam_caches = [self._cache]  # beam search's caches, made when first needed
+        self._interpreter = None
+
+    @property
+    def interpreter(self):
+        """The file in an `ai_edge_litert` Interpreter (with the TF-Text ops when it has a tokenizer), made on first
+        use: it runs `tokenize` and `detokenize`."""
+        if self._interpreter is None:
+            from ai_edge_litert.interpreter import Interpreter, InterpreterWithCustomOps
+
+            if "tokenize" in self.signatures:
+                import tensorflow_text as tf_text  # the file carries TF-Text tokenizer ops (custom ops)
+
+                self._interpreter = InterpreterWithCustomOps(
+                    model_path=self.path, num_threads=self.num_threads,
+                    custom_op_registerers=tf_text.tflite_registrar.SELECT_TFTEXT_OPS)
+            else:
+                self._interpreter = Interpreter(model_path=self.path, num_threads=self.num_threads)
+        return self._interpreter
 
     def _check(self, ids, max_new_tokens, limit, what):
         check_int("max_new_tokens", max_new_tokens, numpy=True)
@@ -92,20 +114,28 @@ class Generator:
                              f"this file's cache of {self.max_length} positions; ask for at most "
                              f"{self.max_length - len(prompt_ids)}.")
         end_ids = set(self.end_ids if end_ids is None else (int(i) for i in end_ids))
-        cache = np.zeros(self.cache_shape, np.float32)
-        new, logits = [], None
+        self._start(self._cache)
+        new = []
         for index, token in enumerate(prompt_ids):  # prefill, one token per call (fixed shapes)
-            out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32))
-            logits, cache = out["logits"], out["cache"]
+            logits = self._decode(token, index)
         index = len(prompt_ids)
         while True:
-            token = int(np.argmax(logits[0, -1]))
+            token = int(np.argmax(logits))
             new.append(token)
             if token in end_ids or len(new) == max_new_tokens:
                 return new
-            out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32))
-            logits, cache = out["logits"], out["cache"]
+            logits = self._decode(token, index)
             index += 1
+
+    def _start(self, cache):
+        """Steps read and update `cache` (a buffer of the `decode_step` cache), from zeros."""
+        self._step.bind("cache", cache)
+        self._step.write("cache", np.zeros(self.cache_shape, np.float32))
+
+    def _decode(self, token, index):
+        """One decoder step on the bound cache (updated in place): the next token's logits `(V,)`."""
+        self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
+        return self._step.read("logits")[0, -1]
 
     def generate_text(self, text, max_new_tokens=32):
         """Causal LM, text in and out with the host `tokenizer`: the greedy completion of `text`, up to (without)
@@ -131,33 +161,31 @@ class Generator:
         check_number("length_penalty", length_penalty)
         src = np.zeros((1, self.source_length), np.int32)
         src[0, : len(source_ids)] = source_ids
-        encoded = self._encode(encoder_token_ids=src)
+        self._encode(encoder_token_ids=src)  # its outputs are decode_step's inputs
         steps = min(max_new_tokens, self.max_length)
         if beam_size:
-            return self._beam_search(encoded, steps, int(beam_size), float(length_penalty))
-        cache = np.zeros(self.cache_shape, np.float32)
+            return self._beam_search(steps, int(beam_size), float(length_penalty))
+        self._start(self._cache)
         token, new = START_ID, []
         for index in range(steps):
-            logits, cache = self._decode(token, cache, index, encoded)
-            token = int(np.argmax(logits))
+            token = int(np.argmax(self._decode(token, index)))
             new.append(token)
             if token == END_ID:
                 break
         return new
 
-    def _decode(self, token, cache, index, encoded):
-        """One seq2seq decoder step: the next token's logits `(V,)` and the new cache."""
-        out = self._step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32),
-                         cross_cache=encoded["cross_cache"], encoder_padding_mask=encoded["encoder_padding_mask"])
-        return out["logits"][0, -1], out["cache"]
-
-    def _beam_search(self, encoded, steps, beams, length_penalty):
+    def _beam_search(self, steps, beams, length_penalty):
         """`BeamSampler.run` for one row, one decoder call per live beam and step: scores are float32 sums of
         log-probabilities; a finished beam continues with padding at no cost; ties go to the lower (beam, token)
         index, as `tf.math.top_k` does; the best beam at the end by `score / ((5 + length) / 6) ** length_penalty`.
+        Each beam has a cache buffer of its own; a beam that continues another's takes a copy of its cache.
         """
         vocab = self.vocabulary_size
-        caches = [np.zeros(self.cache_shape, np.float32)] * beams
+        while len(self._beam_caches) < beams:
+            self._beam_caches.append(self._step.new_buffer("cache"))
+        caches = self._beam_caches[:beams]
+        for cache in caches:
+            self._start(cache)
         tokens = np.zeros((beams, steps), np.int64)  # (K, N)
         scores = np.full(beams, BEAM_NEG, np.float32)
         scores[0] = 0.0  # only beam 0 is live at the start
@@ -170,27 +198,34 @@ class Generator:
                 scores = scores[source]
             else:
                 log_probs = np.zeros((beams, vocab), np.float32)  # (K, V)
-                new_caches = list(caches)
                 for k in range(beams):
                     if finished[k]:
                         log_probs[k] = BEAM_NEG
                         log_probs[k, PAD_ID] = 0.0
                     elif scores[k] > BEAM_NEG:  # a beam at BEAM_NEG (the start) is never chosen: no call
-                        logits, new_caches[k] = self._decode(int(last[k]), caches[k], index, encoded)
-                        log_probs[k] = _log_softmax(logits)
+                        self._step.bind("cache", caches[k])
+                        log_probs[k] = _log_softmax(self._decode(int(last[k]), index))
                 total = (scores[:, None] + log_probs).reshape(-1)  # (K*V,) float32
                 order = np.argsort(-total, kind="stable")[:beams]  # top_k: the lower index first among equals
                 scores, source, token = total[order], order // vocab, order % vocab
-                caches = [new_caches[k] for k in source]
+                self._reorder(caches, source)
             tokens = tokens[source]
             tokens[:, index] = token
             generated = ~finished[source]
             lengths = lengths[source] + generated.astype(np.int32)
             finished = finished[source] | (token == END_ID)
             last = token
+        self._step.bind("cache", self._cache)
         penalty = np.power((np.float32(5.0) + lengths.astype(np.float32)) / np.float32(6.0), np.float32(length_penalty))
         row = tokens[int(np.argmax(scores / penalty))].tolist()
         return cut_at_end(row, END_ID, keep_end=True)
+
+    def _reorder(self, caches, source):
+        """Beam `j` continues beam `source[j]`: the caches that change take a copy of their source's."""
+        moved = [j for j in range(len(caches)) if source[j] != j]
+        held = {int(source[j]): self._step.read("cache", caches[source[j]]) for j in moved}  # before any write
+        for j in moved:
+            self._step.write("cache", held[int(source[j])], caches[j])
 
     def tokenize(self, text):
         """Ids of `text`, as the SavedModel's tokenizer gives them: tab, newline and carriage return are mapped to

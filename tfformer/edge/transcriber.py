@@ -110,9 +110,12 @@ class Transcriber:
         step = self.interpreter.get_signature_runner("decode_step")
         step_inputs, step_outputs = step.get_input_details(), step.get_output_details()
         del step
-        if "new_cache" not in step_outputs:
+        keys, values = (tuple(int(d) for d in step_inputs.get(f"cross_{half}_0", {}).get("shape", ()))
+                        for half in ("keys", "values"))
+        if "new_cache" not in step_outputs or not keys or values != keys[:2] + keys[:1:-1]:  # (1, K, H, S_src)
             raise ValueError(f"`path` is a Whisper decoder file of an older layout (decode_step outputs "
-                             f"{sorted(step_outputs)}): write it again with tfformer.export.tflite_decoder.")
+                             f"{sorted(step_outputs)}, cross-attention values {values}, now (1, K, H, S_src)): write "
+                             "it again with tfformer.export.tflite_decoder.")
         main = {(d["name"], d["index"]) for d in self.interpreter.get_input_details()}
         if main != {(d["name"], d["index"]) for d in step_inputs.values()}:
             raise ValueError(f"`path` must have `decode_step` as its main subgraph (the inputs `invoke` runs), as "
@@ -185,9 +188,10 @@ class Transcriber:
         """Encodes one window `(1, F, M)`: its cross-attention keys/values into the interpreter, the cache zeroed."""
         interpreter = self.interpreter
         cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
-        for layer, pair in enumerate(self._cross):
-            for half, tensor in enumerate(pair):
-                interpreter.set_tensor(tensor, np.ascontiguousarray(cross_cache[layer, :, half]))  # (1, K, S_src, H)
+        for layer, (keys, values) in enumerate(self._cross):
+            interpreter.set_tensor(keys, np.ascontiguousarray(cross_cache[layer, :, 0]))  # (1, K, S_src, H)
+            # The values transposed, (1, K, H, S_src): each step's mixing reads them in place.
+            interpreter.set_tensor(values, np.ascontiguousarray(cross_cache[layer, :, 1].transpose(0, 1, 3, 2)))
         interpreter.tensor(self._cache)().fill(0.0)  # views of the interpreter's buffers live for one statement
 
     def _step(self, token, index):

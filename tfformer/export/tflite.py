@@ -6,14 +6,20 @@ is deprecated). Only builtin ops are used for the id models: Flex
 holds fixed-shape signatures (batch 1, cache of `max_length` slots) so the host
 app owns the loop, as the TFLite GPU delegate has no WHILE op:
 
-- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads)
+- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads;
+  the step cuts the cache into per-layer halves with RESHAPE + UNPACK, writes its slot with DYNAMIC_UPDATE_SLICE and
+  stacks it back: no op that TFLite runs element by element touches the cache, and `tfformer.edge.Generator` binds
+  one buffer as the cache input and output, so it is updated in place)
 - seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
-  `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}`
+  `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}` (both caches cut
+  as the causal LM's)
 - Whisper (speech_seq2seq): `encode(input_features (1,3000,80)) -> {cross_cache (L,1,2,K,1500,H), prompt_ids
   (1,P), end_id (), suppress_ids, suppress_ids_begin}` (the decoding options as constants; the id lists end with
-  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_keys_i, cross_values_i
-  (1,K,1500,H) for each layer i) -> {logits, new_cache (L,1,2,K,1,H)}`: the cross-attention keys/values are
-  inputs of their own (TFLite copies a slice of a stacked tensor element by element), and the step returns
+  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_keys_i (1,K,1500,H), cross_values_i
+  (1,K,H,1500) for each layer i) -> {logits, new_cache (L,1,2,K,1,H)}`: the cross-attention keys/values are
+  inputs of their own (TFLite copies a slice of a stacked tensor element by element), the values transposed (the
+  host transposes them once a window; XNNPACK then repacks them for each step's product with its vectorized
+  routine, where values `(S, H)` took a scalar one), and the step returns
   only the cache slot it wrote at `index`, which the host writes into the cache it keeps. The encoder takes
   log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in numpy), so
   the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400). The logits
@@ -40,6 +46,7 @@ from tfformer.export import exact_int8
 from tfformer.export import signatures as sig
 from tfformer.files import write_atomic
 from tfformer.layers.decode_forms import DecodeForms
+from tfformer.layers.layer_utils import PlainForms
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.whisper import WhisperModel
 
@@ -169,10 +176,10 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
     max_length = cache_spec.shape[4]
     step_specs = {sig.TOKEN_IDS: token_spec, "cache": cache_spec, "index": index_spec}
     for i in range(layers):
-        for half in ("keys", "values"):
-            name = f"cross_{half}_{i}"
-            step_specs[name] = tf.TensorSpec(  # (B, K, S_src, H)
-                [1, heads, config.max_source_positions, head_dim], tf.float32, name=name)
+        step_specs[f"cross_keys_{i}"] = tf.TensorSpec(  # (B, K, S_src, H)
+            [1, heads, config.max_source_positions, head_dim], tf.float32, name=f"cross_keys_{i}")
+        step_specs[f"cross_values_{i}"] = tf.TensorSpec(  # (B, K, H, S_src): transposed
+            [1, heads, head_dim, config.max_source_positions], tf.float32, name=f"cross_values_{i}")
 
     def decode_step(inputs):
         # TFLite copies a slice of a stacked cache (`cache[i]`, `[:, 0]`) element by element, most of a step: the
@@ -183,7 +190,7 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
         index = inputs["index"]
         # Split caches are a decode form: DecodeForms() reads them, every other form stays plain (TFLite builtins).
         logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], tuple(zip(halves[0::2], halves[1::2])), index,
-                                           cross, None, plan=DecodeForms())
+                                           cross, None, plan=_FileForms(transposed_cross_values=True))
         # Only the slot this step wrote goes out, and the host writes it into the cache it keeps.
         new = tf.stack([tf.slice(half, [0, index, 0], [heads, 1, head_dim]) for pair in caches for half in pair])
         new = tf.reshape(new, [layers, 1, 2, heads, 1, head_dim])  # (2L, K, 1, H) -> (L, 1, 2, K, 1, H)
@@ -277,10 +284,45 @@ def _check_decoder_arguments(model, max_length, source_length, quantize, tokeniz
     return config
 
 
+class _FileForms(DecodeForms):
+    """The forms of a decoder file's step: split self-attention caches read as they are, each step's slot written
+    with DYNAMIC_UPDATE_SLICE (`in_place_cache_writes`) instead of a select over the whole cache; the attention over
+    a stacked cross-attention cache keeps its plain products (TFLite BATCH_MATMULs, not XLA's fused forms), and with
+    `transposed_cross_values` its values come as `(B, K, H, S)` (Whisper's file)."""
+
+    def __init__(self, transposed_cross_values=False):
+        super().__init__(in_place_cache_writes=True)
+        self.transposed_cross_values = transposed_cross_values
+
+    def dot(self, q, k):
+        return super().dot(q, k) if len(k.shape) == 3 else PlainForms.dot(self, q, k)
+
+    def mix(self, weights, v, dtype):
+        if self.transposed_cross_values and len(v.shape) == 4:
+            return tf.cast(tf.matmul(weights, v, transpose_b=True), dtype)  # (B, N, T, S) x (B, N, H, S)^T
+        return super().mix(weights, v, dtype) if len(v.shape) == 3 else PlainForms.mix(self, weights, v, dtype)
+
+
+def _split_halves(cache, batch_axis=False):
+    """A stacked cache `(L, 1, 2, K, S, H)` as per-layer pairs (keys, values), each `(K, S, H)` (a split cache) or
+    with `batch_axis` `(1, K, S, H)`: cut along its leading axis only (RESHAPE + UNPACK, plain copies). TFLite
+    copies a slice such as `cache[i]` or `[:, 0]` element by element, which was most of a step."""
+    layers, _, _, heads, length, head_dim = cache.shape
+    shape = [2 * layers] + [1] * batch_axis + [heads, length, head_dim]
+    halves = tf.unstack(tf.reshape(cache, shape))  # 2L x ([1,] K, S, H)
+    return tuple(zip(halves[0::2], halves[1::2]))
+
+
+def _stacked(caches, shape):
+    """Per-layer split pairs `(K, S, H)` back as one stacked cache of `shape` `(L, 1, 2, K, S, H)` (PACK)."""
+    return tf.reshape(tf.stack([half for pair in caches for half in pair]), shape)  # (2L, K, S, H) -> shape
+
+
 def _causal_lm_endpoints(model, token_spec, cache_spec, index_spec):
     def decode_step(token_ids, cache, index):
-        logits, cache = model.decode_step(token_ids, cache, index)
-        return {sig.LOGITS: logits, "cache": cache}
+        # Split caches are a decode form: DecodeForms() reads them, every other form stays plain (TFLite builtins).
+        logits, caches = model.decode_step(token_ids, _split_halves(cache), index, plan=_FileForms())
+        return {sig.LOGITS: logits, "cache": _stacked(caches, cache.shape)}
 
     return {"decode_step": (decode_step, [token_spec, cache_spec, index_spec])}
 
@@ -300,9 +342,10 @@ def _seq2seq_endpoints(model, source_length, token_spec, cache_spec, index_spec)
                 "encoder_padding_mask": tf.cast(mask, tf.int32)}
 
     def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
-        logits, cache = model.decode_step(token_ids, cache, index, cross_cache,
-                                          tf.cast(encoder_padding_mask, tf.bool))
-        return {sig.LOGITS: logits, "cache": cache}
+        cross = [_StackedKeysValues(*pair) for pair in _split_halves(cross_cache, batch_axis=True)]
+        logits, caches = model.decode_step(token_ids, _split_halves(cache), index, cross,
+                                           tf.cast(encoder_padding_mask, tf.bool), plan=_FileForms())
+        return {sig.LOGITS: logits, "cache": _stacked(caches, cache.shape)}
 
     return {"encode": (encode, [src_spec]),
             "decode_step": (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])}

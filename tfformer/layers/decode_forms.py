@@ -11,10 +11,10 @@ chooses them for a loop and lays the kernels out. What each form does, and why (
     the kernel; the product runs in float32, the rows converted inside the fused loop.
   - `"halves"`, for larger batches: `concat([x @ W[:, :u/2], x @ W[:, u/2:]]) + b`, two independent dots that
     XLA's executor runs on both threads (one small dot runs on one).
-- `in_place_cache_writes` (XLA only): cache writes are dynamic-update-slices, so a step writes `T` positions
+- `in_place_cache_writes` (XLA; TFLite files): cache writes are dynamic-update-slices, so a step writes `T` positions
   instead of rewriting the whole buffer; and one query against a stacked cache takes the fused one-step scores and
-  mixing (`dot`, `mix`). Outside XLA the update is XlaDynamicUpdateSlice, which needs XLA at run time and has no
-  TFLite builtin, hence the select form by default.
+  mixing (`dot`, `mix`). In TensorFlow's graph runtime the update is XlaDynamicUpdateSlice, which needs XLA at run
+  time, hence the select form by default; TFLite's converter makes it DYNAMIC_UPDATE_SLICE (`export.tflite`).
 - Split caches (`layer_utils.split_cache`: `(keys, values)`, each `(B*K, S, H)`, float32 under any policy, passed as
   a `layer_utils.SplitCache` so that Keras does not cast them): the attention reads each half as a buffer of its own
   with a batched matmul; a half sliced from a stacked buffer is not one, and XLA copies every cached key and value
@@ -44,7 +44,7 @@ class DecodeForms(PlainForms):
 
     Args:
         kernel_layout: `"rows"`, `"halves"` or None (plain matmuls). XLA only.
-        in_place_cache_writes: bool. In-place cache writes and one-step attention forms. XLA only.
+        in_place_cache_writes: bool. In-place cache writes and one-step attention forms. XLA (TFLite files: the writes).
         native_bfloat16: bool. bfloat16 softmax and SiLU without float32 casts around them. Graph runtime only.
         kernels: `{id(kernel): (parts, id(bias) or None)}` laid out in `kernel_layout`
             (`generation.plan.prepared_kernels`).

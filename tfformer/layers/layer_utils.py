@@ -96,9 +96,10 @@ def write_cache(cache, new, index, in_place=False):
     `cache` is a stacked `(B, 2, N, S, H)` cache with `new` `(B, 2, N, T, H)`, or one half
     `(B*N, S, H)` of a split cache with `new` `(B*N, T, H)`. By default a gather + select with
     static shapes, instead of `ops.slice_update`: on TensorFlow that is XlaDynamicUpdateSlice,
-    which needs XLA at run time (not in every TF Serving build) and has no TFLite builtin, while a
-    dynamic pad would break XLA compilation. This form runs in all three; with `in_place` (code
-    compiled with XLA only) the slice update is used, so a step's cost does not grow with `S`.
+    which needs XLA at run time (not in every TF Serving build), while a dynamic pad would break
+    XLA compilation. This form runs everywhere; with `in_place` (code compiled with XLA, and TFLite
+    files, whose converter makes it DYNAMIC_UPDATE_SLICE) the slice update is used, so a step's
+    cost does not grow with `S`.
     """
     axis = len(cache.shape) - 2
     if isinstance(index, int) and index == 0 and not in_place:
