@@ -93,7 +93,13 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
-def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """A tiny translation run killed (SIGKILL) once it wrote a backup, then the same command again, run as a new
+    user runs it (`newcomer`): `(run directory, the resumed command's CompletedProcess, the killed process's
+    output)`. The resume test checks the resume; the translate/export test goes on from the finished run, so the
+    module trains one run, not two."""
+    tmp_path = tmp_path_factory.mktemp("cli")
     data = _tsv(tmp_path / "d.tsv")
     out = tmp_path / "run"
     args = ["train", "translation", "--data", data, "--out", str(out), "--time-budget", "45s", "--eval-every", "5",
@@ -108,26 +114,30 @@ def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
     assert metadata.exists(), "no backup was written before the deadline"
     time.sleep(1.0)
     proc.send_signal(signal.SIGKILL)  # mid-epoch, maybe mid-save
-    proc.wait()
+    killed_output = proc.communicate()[0]
     assert not (out / "metrics.json").exists()
-    resumed = _cli(*args)
+    return out, _cli(*args, newcomer=True), killed_output
+
+
+def test_killed_run_resumes_from_its_backup_and_finishes(resumed_run):
+    out, resumed, _ = resumed_run
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout
     assert (out / "metrics.json").exists() and (out / "model.keras").exists()
     assert not (out / "backup").exists()  # deleted once training finished
 
 
-def test_train_translate_export_from_the_command_line(tmp_path, capsys):
+def test_train_translate_export_from_the_command_line(resumed_run, tmp_path, capsys):
     """A whole tiny run through the CLI: train, translate (same strings as the library), export both formats.
-    Training runs as a new user runs it, in a fresh process; the commands after it in this one (`_here`)."""
-    out = tmp_path / "run"
-    trained = _cli("train", "translation", "--data", _tsv(tmp_path / "d.tsv", 200), "--out", str(out),
-                   "--time-budget", "25s", "--eval-every", "20", *TINY, newcomer=True)
+    Training is `resumed_run`'s, in fresh processes (its first from scratch, killed; the second as a new user runs
+    it); the commands after it run in this process (`_here`)."""
+    out, trained, killed_output = resumed_run
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "BLEU on the test split" in trained.stdout
     # No TensorFlow error line on a machine without a GPU, and no Keras warning at the end of an epoch or of an
-    # evaluation (the datasets state their length).
-    assert "cuInit" not in trained.stderr and "ran out of data" not in trained.stderr + trained.stdout
+    # evaluation (the datasets state their length), from scratch or resumed.
+    assert "cuInit" not in trained.stderr
+    assert "ran out of data" not in trained.stderr + trained.stdout + killed_output
     translated = _here(capsys, "translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3",
                        "save a folder 9")
     assert translated.returncode == 0, translated.stderr[-3000:]
