@@ -112,10 +112,9 @@ def _skip_reason(name, smoke, translator):
     return None
 
 
-def measure(name, smoke, translator, tmp):
-    """The rows of one model: one per condition, and the goal."""
+def measure(name, version_dir, smoke):
+    """The rows of one model, exported to `version_dir`: one per condition, and the goal."""
     repeats = 2 if smoke else REPEATS
-    version_dir = _worker("export", name, os.path.join(tmp, name), str(smoke), translator or "")["path"]
     with open(os.path.join(version_dir, "assets.extra", "tf_serving_warmup_requests"), "rb") as f:
         warmup_bytes = len(f.read())
     text = SENTENCE if name == "translator" else PROMPT
@@ -142,22 +141,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         kind, *rest = args.worker
-        if kind == "export":
-            name, out, smoke, translator = rest
-            print(json.dumps({"path": export_model(name, out, smoke == "True", translator or None)}))
+        if kind == "export":  # every model of the run, one after another in this one process
+            tmp, smoke, translator, *names = rest
+            print(json.dumps({name: export_model(name, os.path.join(tmp, name), smoke == "True", translator or None)
+                              for name in names}))
         else:
             base_path, text, condition, repeats = rest
             print(json.dumps(serve_once(base_path, text, condition, int(repeats))))
         return
     translator = args.run or _demo_translator()
     rows, goals = [], []
+    names = []
+    for name in ("translator", "smollm2"):
+        reason = _skip_reason(name, args.smoke, translator)
+        if reason:
+            print(f"{name} skipped: {reason}")
+        else:
+            names.append(name)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("translator", "smollm2"):
-            reason = _skip_reason(name, args.smoke, translator)
-            if reason:
-                print(f"{name} skipped: {reason}")
-                continue
-            model_rows, goal = measure(name, args.smoke, translator, tmp)
+        # One process exports them all (its imports once); each serving process is fresh.
+        version_dirs = _worker("export", tmp, str(args.smoke), translator or "", *names) if names else {}
+        for name in names:
+            model_rows, goal = measure(name, version_dirs[name], args.smoke)
             rows += model_rows
             goals.append(goal)
     print()

@@ -39,6 +39,19 @@ def _cli(*args, timeout=600, newcomer=False):
                           timeout=timeout, env=env)
 
 
+def _here(capsys, *args):
+    """`tfformer ARGS` in this process (`cli.main`, as the tests above call it), its exit code and output as `_cli`
+    gives them: the commands after a run's training share this process's TensorFlow instead of importing it again
+    each (about 5 s a command). A fresh process's output is what `_cli(..., newcomer=True)` checks."""
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exit:  # argparse's errors
+        code = exit.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["tfformer", *args], code, out, err)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -80,7 +93,13 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
-def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """A tiny translation run killed (SIGKILL) once it wrote a backup, then the same command again, run as a new
+    user runs it (`newcomer`): `(run directory, the resumed command's CompletedProcess, the killed process's
+    output)`. The resume test checks the resume; the translate/export test goes on from the finished run, so the
+    module trains one run, not two."""
+    tmp_path = tmp_path_factory.mktemp("cli")
     data = _tsv(tmp_path / "d.tsv")
     out = tmp_path / "run"
     args = ["train", "translation", "--data", data, "--out", str(out), "--time-budget", "45s", "--eval-every", "5",
@@ -95,26 +114,32 @@ def test_killed_run_resumes_from_its_backup_and_finishes(tmp_path):
     assert metadata.exists(), "no backup was written before the deadline"
     time.sleep(1.0)
     proc.send_signal(signal.SIGKILL)  # mid-epoch, maybe mid-save
-    proc.wait()
+    killed_output = proc.communicate()[0]
     assert not (out / "metrics.json").exists()
-    resumed = _cli(*args)
+    return out, _cli(*args, newcomer=True), killed_output
+
+
+def test_killed_run_resumes_from_its_backup_and_finishes(resumed_run):
+    out, resumed, _ = resumed_run
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout
     assert (out / "metrics.json").exists() and (out / "model.keras").exists()
     assert not (out / "backup").exists()  # deleted once training finished
 
 
-def test_train_translate_export_from_the_command_line(tmp_path):
-    """A whole tiny run through the CLI: train, translate (same strings as the library), export both formats."""
-    out = tmp_path / "run"
-    trained = _cli("train", "translation", "--data", _tsv(tmp_path / "d.tsv", 200), "--out", str(out),
-                   "--time-budget", "25s", "--eval-every", "20", *TINY, newcomer=True)
+def test_train_translate_export_from_the_command_line(resumed_run, tmp_path, capsys):
+    """A whole tiny run through the CLI: train, translate (same strings as the library), export both formats.
+    Training is `resumed_run`'s, in fresh processes (its first from scratch, killed; the second as a new user runs
+    it); the commands after it run in this process (`_here`)."""
+    out, trained, killed_output = resumed_run
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "BLEU on the test split" in trained.stdout
     # No TensorFlow error line on a machine without a GPU, and no Keras warning at the end of an epoch or of an
-    # evaluation (the datasets state their length).
-    assert "cuInit" not in trained.stderr and "ran out of data" not in trained.stderr + trained.stdout
-    translated = _cli("translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3", "save a folder 9")
+    # evaluation (the datasets state their length), from scratch or resumed.
+    assert "cuInit" not in trained.stderr
+    assert "ran out of data" not in trained.stderr + trained.stdout + killed_output
+    translated = _here(capsys, "translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3",
+                       "save a folder 9")
     assert translated.returncode == 0, translated.stderr[-3000:]
     from tfformer.recipes import translation
 
@@ -124,27 +149,27 @@ def test_train_translate_export_from_the_command_line(tmp_path):
     expected = translator.translate(texts, max_new_tokens=8, beam_size=translation.BEAM_SIZE,
                                     length_penalty=translation.LENGTH_PENALTY)
     assert translated.stdout.splitlines()[-2:] == expected
-    greedy = _cli("translate", "--run", str(out), "--max-new-tokens", "8", "--beam-size", "1", *texts)
+    greedy = _here(capsys, "translate", "--run", str(out), "--max-new-tokens", "8", "--beam-size", "1", *texts)
     assert greedy.stdout.splitlines()[-2:] == translator.translate(texts, max_new_tokens=8)
-    exported = _cli("export", str(out), "--format", "all", "--out", str(tmp_path / "models" / "en-de"),
-                    "--max-new-tokens", "8")
+    exported = _here(capsys, "export", str(out), "--format", "all", "--out", str(tmp_path / "models" / "en-de"),
+                     "--max-new-tokens", "8")
     assert exported.returncode == 0, exported.stderr[-3000:]
     names = sorted(os.listdir(tmp_path / "models" / "en-de"))
     assert names == ["1", "decoder.tflite", "model.tflite"]
-    static = _cli("export", str(out), "--format", "tflite", "--out", str(tmp_path / "static"), "--batch-size", "1",
-                  "--sequence-length", "8")
+    static = _here(capsys, "export", str(out), "--format", "tflite", "--out", str(tmp_path / "static"),
+                   "--batch-size", "1", "--sequence-length", "8")
     assert static.returncode == 0, static.stderr[-3000:]
     from ai_edge_litert.interpreter import Interpreter
 
     runner = Interpreter(model_path=str(tmp_path / "static" / "model.tflite")).get_signature_runner("predict_ids")
     assert {name: list(d["shape"]) for name, d in runner.get_input_details().items()} == {
         "encoder_token_ids": [1, 8], "decoder_token_ids": [1, 8]}
-    again = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
-                 "--version", "1")
+    again = _here(capsys, "export", str(out), "--format", "saved_model", "--out",
+                  str(tmp_path / "models" / "en-de"), "--version", "1")
     assert again.returncode == 2 and "already exists" in again.stderr
     # Warm-up records at the batch sizes a batching server forms (TF Serving's PredictionLog TFRecord).
-    warm = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
-                "--max-new-tokens", "8", "--warmup-batch-sizes", "3")
+    warm = _here(capsys, "export", str(out), "--format", "saved_model", "--out", str(tmp_path / "models" / "en-de"),
+                 "--max-new-tokens", "8", "--warmup-batch-sizes", "3")
     assert warm.returncode == 0, warm.stderr[-3000:]
     import tensorflow as tf
     from tensorflow_serving.apis import prediction_log_pb2
@@ -154,8 +179,8 @@ def test_train_translate_export_from_the_command_line(tmp_path):
             for record in tf.data.TFRecordDataset(str(records))]
     assert logs and {log.predict_log.request.inputs[next(iter(log.predict_log.request.inputs))]
                      .tensor_shape.dim[0].size for log in logs} == {3}
-    bad = _cli("export", str(out), "--format", "saved_model", "--out", str(tmp_path / "bad"), "--warmup-batch-sizes",
-               "0,8")
+    bad = _here(capsys, "export", str(out), "--format", "saved_model", "--out", str(tmp_path / "bad"),
+                "--warmup-batch-sizes", "0,8")
     assert bad.returncode == 2 and "--warmup-batch-sizes" in bad.stderr and not (tmp_path / "bad").exists()
-    blank = _cli("translate", "--run", str(out), "   ")
+    blank = _here(capsys, "translate", "--run", str(out), "   ")
     assert blank.returncode == 2 and "whitespace-only" in blank.stderr

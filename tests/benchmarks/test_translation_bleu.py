@@ -17,6 +17,17 @@ def _bleu_bench(*args):
                           capture_output=True, text=True, timeout=900, env=ENV)
 
 
+def _bleu_bench_here(capsys, *args):
+    """`python -m benchmarks.translation_bleu ARGS` in this process (`main`), for runs that must stop at their
+    arguments: its exit code and stderr, without a fresh interpreter importing TensorFlow and keras-hub first."""
+    from benchmarks import translation_bleu
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        translation_bleu.main(list(args))
+    return exit.value.code, capsys.readouterr().err
+
+
 def test_translation_bleu_smoke(tmp_path):
     out = _bleu_bench("--smoke", "--mixed-precision", "--out", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -51,19 +62,19 @@ def test_translation_bleu_smoke(tmp_path):
     assert os.path.exists(tmp_path / "run" / "model.keras") and os.path.exists(tmp_path / "run-bf16" / "model.keras")
 
 
-def test_an_existing_run_is_kept_without_overwrite(tmp_path):
+def test_an_existing_run_is_kept_without_overwrite(tmp_path, capsys):
     (tmp_path / "run-bf16").mkdir()
     (tmp_path / "run-bf16" / "metrics.json").write_text("{}")
-    out = _bleu_bench("--out", str(tmp_path / "run"), "--mixed-precision")
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "run-bf16' already holds a run; pass --overwrite" in out.stderr
+    code, stderr = _bleu_bench_here(capsys, "--out", str(tmp_path / "run"), "--mixed-precision")
+    assert code == 2, stderr[-2000:]
+    assert "run-bf16' already holds a run; pass --overwrite" in stderr
     assert (tmp_path / "run-bf16" / "metrics.json").read_text() == "{}"
     assert not (tmp_path / "run").exists()  # nothing started
 
 
-def test_bad_arguments_are_named(tmp_path):
+def test_bad_arguments_are_named(tmp_path, capsys):
     for args, message in [(["--minutes", "0"], "--minutes must be > 0"),
                           (["--data", str(tmp_path / "none.tsv")], "--data: ")]:
-        out = _bleu_bench("--out", str(tmp_path / "run"), *args)
-        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+        code, stderr = _bleu_bench_here(capsys, "--out", str(tmp_path / "run"), *args)
+        assert code == 2 and message in stderr, stderr[-2000:]
     assert not (tmp_path / "run").exists()
