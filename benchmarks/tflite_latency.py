@@ -78,7 +78,8 @@ def edge_decode_rows(threads, smoke, directory):
     files as `tfformer.export.tflite_decoder` writes them by default (a cache of `max_sequence_length` slots): the
     translator `transformer-tiny` (greedy) and `gpt-mini`, random weights, against the host loop that copies the
     cache through numpy at every step (an `Interpreter` signature runner, the `Generator` of 36b9357 and
-    before) on the same file and the same tokens."""
+    before) on the same file and the same tokens. tokens/s: new tokens over the call's time, `gpt-mini`'s 6-token
+    prompt (fed one step a token) included."""
     from tfformer import edge
 
     overrides = dict(hidden_dim=16, num_heads=2, intermediate_dim=32, vocabulary_size=64, max_sequence_length=16)

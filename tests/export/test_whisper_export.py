@@ -386,7 +386,8 @@ def test_transcriber_bad_input(transcribers, tflite_files, waveforms, tmp_path):
 
 def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
     """A Whisper file whose `decode_step` takes one stacked `cross_cache` and returns the whole cache (the layout
-    before `new_cache`) gets a clear error, not a KeyError: a tiny stand-in with those signatures."""
+    before `new_cache`), or takes its cross-attention values untransposed (before e50ae6f), gets a clear error, not
+    a KeyError or a wrong transcript: tiny stand-ins with those signatures."""
     import tensorflow as tf
 
     from tfformer import edge
@@ -402,14 +403,27 @@ def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
         def decode_step(self, token_ids, cache, cross_cache):
             return {"logits": cache + cross_cache + tf.cast(token_ids[0, 0], tf.float32), "cache": cache * 2.0}
 
-    module = OldLayout()
-    saved = str(tmp_path / "old")
-    tf.saved_model.save(module, saved, signatures={"encode": module.encode, "decode_step": module.decode_step})
-    content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["encode", "decode_step"]).convert()
-    path = tmp_path / "old.tflite"
-    path.write_bytes(content)
-    with pytest.raises(ValueError, match="older layout .*write it again with tfformer.export.tflite_decoder"):
-        edge.Transcriber(str(path))
+    class UntransposedValues(tf.Module):  # the layout of 36b9357: `new_cache`, cross values (1, K, S_src, H)
+        @tf.function(input_signature=[tf.TensorSpec([1, 4, 2], tf.float32, name="input_features")])
+        def encode(self, input_features):
+            return {"cross_cache": input_features * 2.0, "end_id": tf.constant(3)}
+
+        @tf.function(input_signature=[tf.TensorSpec([1, 1], tf.int32, name="token_ids"),
+                                      tf.TensorSpec([1, 1, 2, 2, 3, 8], tf.float32, name="cache"),
+                                      tf.TensorSpec([1, 2, 5, 8], tf.float32, name="cross_keys_0"),
+                                      tf.TensorSpec([1, 2, 5, 8], tf.float32, name="cross_values_0")])
+        def decode_step(self, token_ids, cache, cross_keys_0, cross_values_0):
+            step = tf.reduce_sum(cross_keys_0 + cross_values_0) + tf.cast(token_ids[0, 0], tf.float32)
+            return {"logits": tf.fill([1, 1, 4], step), "new_cache": cache[..., :1, :] * 2.0}
+
+    for i, module in enumerate((OldLayout(), UntransposedValues())):
+        saved = str(tmp_path / f"old{i}")
+        tf.saved_model.save(module, saved, signatures={"encode": module.encode, "decode_step": module.decode_step})
+        content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["encode", "decode_step"]).convert()
+        path = tmp_path / f"old{i}.tflite"
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match="older layout .*write it again with tfformer.export.tflite_decoder"):
+            edge.Transcriber(str(path))
 
 
 def test_tflite_decoder_argument_errors(asr, tmp_path):

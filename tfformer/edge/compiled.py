@@ -1,31 +1,51 @@
 """A .tflite file's signatures run by LiteRT's `CompiledModel`, each input and output a `TensorBuffer` of its own that
 stays bound between runs: a decode loop writes only its token and index and reads only its logits, and an output
-bound to the input of the same name (a cache) is updated in place, with no copy through the host."""
+bound to the input of the same name (a cache) is read and written in the runtime's buffer, never copied through the
+host."""
 
 import contextlib
 import os
+import sys
 import tempfile
+import threading
 
 import numpy as np
 
+# What LiteRT logs to stderr while it makes its environment and a model on a CPU machine: the NPU and GPU
+# accelerators and the vendors' compiler plugins it looks for and does not find, and what it registers.
+_RUNTIME_LOG = ("environment.cc", "npu_registry.cc", "gpu_registry.cc", "accelerator_registry.cc", "cpu_registry.cc",
+                "compiler_plugin.cc", "compiled_model.cc", "XNNPACK delegate for CPU", "ai_edge_litert/vendors/")
+_STDERR_LOCK = threading.Lock()  # fd 2 is the process's: one holder at a time
+
 
 @contextlib.contextmanager
-def _native_log_held():
-    """Holds what native code writes to stderr (LiteRT's INFO lines about the NPU and GPU accelerators it looks for
-    and cannot find on a CPU machine); writes it out only if the block raises."""
-    with tempfile.TemporaryFile() as held:
-        saved = os.dup(2)
-        os.dup2(held.fileno(), 2)
+def _runtime_log_dropped():
+    """Holds what native code writes to stderr inside the block; then writes it back but for LiteRT's lines about its
+    accelerators and plugins (`_RUNTIME_LOG`), or all of it if the block raises. Without a usable fd 2, does
+    nothing."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
         try:
+            saved = os.dup(2)
+        except OSError:
+            yield
+            return
+        failed = False
+        try:
+            os.dup2(held.fileno(), 2)
             yield
         except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            os.write(2, held.read())
+            failed = True
             raise
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+            held.seek(0)
+            lines = held.read().decode("utf-8", "replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if failed or not any(name in line for name in _RUNTIME_LOG))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 _ENVIRONMENT = []  # the LiteRT environment every model shares, made once (its accelerators registered once)
@@ -39,7 +59,7 @@ def compiled_model(path, num_threads):
     from ai_edge_litert.environment import Environment, EnvironmentOptions
     from ai_edge_litert.options import Options
 
-    with _native_log_held():
+    with _runtime_log_dropped():
         if not _ENVIRONMENT:
             runtime = os.path.dirname(os.path.abspath(ai_edge_litert.__file__))
             _ENVIRONMENT.append(Environment.create(options=EnvironmentOptions(runtime_path=runtime)))
@@ -50,7 +70,8 @@ def compiled_model(path, num_threads):
 class Signature:
     """One signature of a `CompiledModel` with its buffers. `inputs`: buffers of other signatures to read as they
     are (`{name: TensorBuffer}`, e.g. an encoder's outputs as a decoder's inputs); the others are made here. An
-    output named like an input is that input's buffer: the signature updates it in place.
+    output named like an input is that input's buffer: the runtime reads and writes it there (a decoder's cache,
+    which its step cuts and stacks back inside the runtime), and the host never copies it.
 
     Example:
     ```python
@@ -66,10 +87,13 @@ class Signature:
         self.specs = {}  # name -> (shape, dtype)
         self.inputs, self.outputs = {}, {}
         for key, detail in model.get_input_tensor_details(name).items():
-            self.specs[key] = (tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]))
+            self.specs[key] = _spec(detail)
+            if key in inputs and _spec(inputs[key].get_tensor_details()) != self.specs[key]:
+                raise ValueError(f"Signature {name!r}: the buffer given for input {key!r} holds "
+                                 f"{_spec(inputs[key].get_tensor_details())}, not {self.specs[key]}")
             self.inputs[key] = inputs[key] if key in inputs else model.create_input_buffer_by_name(name, key)
         for key, detail in model.get_output_tensor_details(name).items():
-            spec = (tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]))
+            spec = _spec(detail)
             if key in self.inputs:
                 if self.specs[key] != spec:
                     raise ValueError(f"Signature {name!r}: output {key!r} {spec} differs from its input "
@@ -78,7 +102,7 @@ class Signature:
             else:
                 self.specs[key] = spec
                 self.outputs[key] = model.create_output_buffer_by_name(name, key)
-        with _native_log_held():  # the first write makes the runtime's buffer context, logging INFO lines
+        with _runtime_log_dropped():  # the first write makes the runtime's buffer context, logging INFO lines
             for key in set(self.inputs) - set(inputs):
                 self.write(key, np.zeros(*self.specs[key]))
 
@@ -93,6 +117,8 @@ class Signature:
         return self.model.create_input_buffer_by_name(self.name, key)
 
     def write(self, key, array, buffer=None):
+        if key not in self.inputs:
+            raise ValueError(f"Signature {self.name!r} has no input {key!r}; its inputs: {sorted(self.inputs)}")
         shape, dtype = self.specs[key]
         array = np.asarray(array, dtype)
         if array.shape != shape:
@@ -110,3 +136,8 @@ class Signature:
         for key, array in arrays.items():
             self.write(key, array)
         self.model.run_by_name(self.name, self.inputs, self.outputs)
+
+
+def _spec(detail):
+    """`(shape, dtype)` of a tensor's or buffer's details (`{"shape": ..., "dtype": ...}`)."""
+    return tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"])

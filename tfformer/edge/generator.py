@@ -1,5 +1,5 @@
 """Decoding on device: the host loop (greedy, or beam search for seq2seq) around the `decode_step` signature of a
-tfformer .tflite file, run by LiteRT's `CompiledModel` with the cache updated in place."""
+tfformer .tflite file, run by LiteRT's `CompiledModel` with the cache kept in the runtime's buffer."""
 
 import numpy as np
 
@@ -17,7 +17,8 @@ class Generator:
     """Runs a decoder written by `tfformer.export.tflite_decoder` with `ai_edge_litert`.
 
     The file's signatures run in LiteRT's `CompiledModel` (XNNPACK on CPU), each input and output a buffer that
-    stays bound: the cache is `decode_step`'s input and output at once, so a step updates it in place, and a
+    stays bound: the cache is `decode_step`'s input and output at once (the step cuts and stacks it inside the
+    runtime; the host never copies it), and a
     seq2seq file's `encode` writes the cross-attention cache where `decode_step` reads it. Per step only the token,
     the index and the logits cross between the host and the runtime. The `tokenize` / `detokenize` signatures (TF-Text
     ops) run in an `Interpreter` made on first use (`interpreter`).
@@ -46,7 +47,7 @@ class Generator:
                                           and callable(getattr(tokenizer, "detokenize", None))):
             raise ValueError("`tokenizer` must have `tokenize(text)` and `detokenize(ids)` (e.g. a BytePairTokenizer). "
                              f"Received: tokenizer={tokenizer!r}")
-        check_int("num_threads", num_threads)
+        check_int("num_threads", num_threads, numpy=True)
         self.tokenizer = tokenizer
         ids = [int(i) for i in getattr(tokenizer, "end_ids", None) or []]
         # Id 0 is padding to a tfformer model: never a token to continue from (SmolLM2's <|endoftext|>).
@@ -55,10 +56,11 @@ class Generator:
         self.model = compiled_model(path, num_threads)
         signatures = self.model.get_signature_list()
         if "decode_step" not in signatures:
-            raise ValueError(f"{path} has no decode_step signature (found {sorted(signatures)}); "
-                             "write it with tfformer.export.tflite_decoder.")
+            raise ValueError(f"`path` must be a decoder file with a decode_step signature, written by "
+                             f"tfformer.export.tflite_decoder. Received: path={path!r} with {sorted(signatures)}")
         if "input_features" in signatures.get("encode", {}).get("inputs", []):
-            raise ValueError(f"{path} is a Whisper (speech) decoder file: run it with tfformer.edge.Transcriber.")
+            raise ValueError(f"`path` is a Whisper (speech) decoder file: run it with tfformer.edge.Transcriber. "
+                             f"Received: path={path!r}")
         self.signatures = signatures
         self.is_seq2seq = "encode" in signatures
         if self.is_seq2seq:
@@ -108,6 +110,9 @@ class Generator:
         `end_ids`: the ids that stop generation (included in the result); defaults to `self.end_ids`, `()` never
         stops. The prompt and the new tokens must fit the file's cache (`max_length` positions).
         """
+        if self.is_seq2seq:
+            raise ValueError(f"`generate` continues a causal LM's prompt; {self.path} is a seq2seq (translator) file: "
+                             "use `translate`.")
         self._check(prompt_ids, max_new_tokens, self.max_length - 1, "prompt")
         if len(prompt_ids) + max_new_tokens > self.max_length:
             raise ValueError(f"`max_new_tokens`={max_new_tokens} after a prompt of {len(prompt_ids)} tokens overflows "
@@ -133,7 +138,7 @@ class Generator:
         self._step.write("cache", np.zeros(self.cache_shape, np.float32))
 
     def _decode(self, token, index):
-        """One decoder step on the bound cache (updated in place): the next token's logits `(V,)`."""
+        """One decoder step on the bound cache (written in the runtime's buffer): the next token's logits `(V,)`."""
         self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
         return self._step.read("logits")[0, -1]
 
@@ -156,6 +161,9 @@ class Generator:
         """Seq2seq: target ids for `source_ids` (ending with the end token if one is chosen), greedy or, with a
         `beam_size`, by beam search with the GNMT `length_penalty`: the choices of the SavedModel's
         `serving_default` exported with the same `beam_size` (`tfformer.generation.BeamSampler`)."""
+        if not self.is_seq2seq:
+            raise ValueError(f"`translate` needs a seq2seq (translator) file; {self.path} is a causal LM's: use "
+                             "`generate`.")
         self._check(source_ids, max_new_tokens, self.source_length, "source")
         check_int("beam_size", beam_size, allow_none=True, numpy=True)
         check_number("length_penalty", length_penalty)

@@ -129,7 +129,7 @@ class Transcriber:
         self._cache = step_inputs["cache"]["index"]
         self._logits = step_outputs["logits"]["index"]
         self._new_cache = step_outputs["new_cache"]["index"]
-        # Per layer, the tensor indices of its cross-attention (keys, values), each (1, K, S_src, H).
+        # Per layer, the tensor indices of its cross-attention keys (1, K, S_src, H) and values (1, K, H, S_src).
         self._cross = [tuple(step_inputs[f"cross_{half}_{i}"]["index"] for half in ("keys", "values"))
                        for i in range(self.cache_shape[0])]
         vocabulary_size = int(step_outputs["logits"]["shape"][-1])
