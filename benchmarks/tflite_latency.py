@@ -9,6 +9,7 @@ Then `edge_decode_rows`: the decode tokens/s of `tfformer.edge.Generator` on def
 """
 
 import argparse
+import functools
 import os
 import tempfile
 
@@ -74,7 +75,7 @@ def main(argv=None):
 
 
 def edge_decode_rows(threads, smoke, directory):
-    """Decode tokens/s of `tfformer.edge.Generator` (LiteRT's CompiledModel, the cache updated in place) on decoder
+    """Decode tokens/s of `tfformer.edge.Generator` (LiteRT's CompiledModel, the cache in its buffer) on decoder
     files as `tfformer.export.tflite_decoder` writes them by default (a cache of `max_sequence_length` slots): the
     translator `transformer-tiny` (greedy) and `gpt-mini`, random weights, against the host loop that copies the
     cache through numpy at every step (an `Interpreter` signature runner, the `Generator` of 36b9357 and
@@ -90,18 +91,15 @@ def edge_decode_rows(threads, smoke, directory):
         generator = edge.Generator(path, num_threads=threads)
         prompt = [5, 6, 7, 8, 9, 10]
         room = generator.max_length - (0 if generator.is_seq2seq else len(prompt))
-        if generator.is_seq2seq:
-            tokens = generator.translate(prompt, max_new_tokens=room)  # stops at the end id, if chosen
+        if generator.is_seq2seq:  # stops at the end id, if chosen
+            decode = functools.partial(generator.translate, prompt, max_new_tokens=room)
         else:
-            tokens = generator.generate(prompt, max_new_tokens=room, end_ids=())
+            decode = functools.partial(generator.generate, prompt, max_new_tokens=room, end_ids=())
+        tokens = decode()
         fed = ([START_ID] + tokens[:-1]) if generator.is_seq2seq else prompt + tokens[:-1]
         copying = _copying_loop(path, threads, prompt, fed, generator.cache_shape)
         assert copying() == tokens, "the copying loop and edge.Generator chose different tokens"
-        if generator.is_seq2seq:
-            calls = {"edge.Generator": lambda g=generator: g.translate(prompt, max_new_tokens=room)}
-        else:
-            calls = {"edge.Generator": lambda g=generator: g.generate(prompt, max_new_tokens=room, end_ids=())}
-        calls["Interpreter, cache copied"] = copying
+        calls = {"edge.Generator": decode, "Interpreter, cache copied": copying}
         times = common.interleaved(calls, repeats=1 if smoke else 10, warmup=1)
         base = times["Interpreter, cache copied"]
         for name, values in times.items():
@@ -123,14 +121,12 @@ def _copying_loop(path, threads, prompt, fed, cache_shape):
     step = interpreter.get_signature_runner("decode_step")
     seq2seq = "encode" in interpreter.get_signature_list()
     encode = interpreter.get_signature_runner("encode") if seq2seq else None
+    if seq2seq:
+        source = np.zeros((1, encode.get_input_details()["encoder_token_ids"]["shape"][1]), np.int32)
+        source[0, : len(prompt)] = prompt
 
     def run():
-        extra = {}
-        if seq2seq:
-            length = encode.get_input_details()["encoder_token_ids"]["shape"][1]
-            source = np.zeros((1, length), np.int32)
-            source[0, : len(prompt)] = prompt
-            extra = encode(encoder_token_ids=source)
+        extra = encode(encoder_token_ids=source) if seq2seq else {}
         cache, chosen = np.zeros(cache_shape, np.float32), []
         start = 0 if seq2seq else len(prompt) - 1  # a causal LM's choices start after its whole prompt
         for index, token in enumerate(fed):

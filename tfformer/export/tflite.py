@@ -9,7 +9,7 @@ app owns the loop, as the TFLite GPU delegate has no WHILE op:
 - causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads;
   the step cuts the cache into per-layer halves with RESHAPE + UNPACK, writes its slot with DYNAMIC_UPDATE_SLICE and
   stacks it back: no op that TFLite runs element by element touches the cache, and `tfformer.edge.Generator` binds
-  one buffer as the cache input and output, so it is updated in place)
+  one buffer as the cache input and output, so the host never copies it)
 - seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
   `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}` (both caches cut
   as the causal LM's)
@@ -173,7 +173,6 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
         return {"cross_cache": model.cross_attention_caches(outputs), **options}
 
     layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
-    max_length = cache_spec.shape[4]
     step_specs = {sig.TOKEN_IDS: token_spec, "cache": cache_spec, "index": index_spec}
     for i in range(layers):
         step_specs[f"cross_keys_{i}"] = tf.TensorSpec(  # (B, K, S_src, H)
@@ -182,14 +181,12 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
             [1, heads, head_dim, config.max_source_positions], tf.float32, name=f"cross_values_{i}")
 
     def decode_step(inputs):
-        # TFLite copies a slice of a stacked cache (`cache[i]`, `[:, 0]`) element by element, most of a step: the
-        # cross-attention keys/values are inputs of their own, and the self-attention cache is cut along its
-        # leading axis only (RESHAPE + UNPACK, a plain copy) into split per-layer pairs.
-        halves = tf.unstack(tf.reshape(inputs["cache"], [2 * layers, heads, max_length, head_dim]))  # 2L x (K, S, H)
+        # The cross-attention keys/values are inputs of their own, and the self-attention cache is cut by
+        # `_split_halves` (TFLite copies a slice of a stacked tensor element by element).
         cross = [_StackedKeysValues(inputs[f"cross_keys_{i}"], inputs[f"cross_values_{i}"]) for i in range(layers)]
         index = inputs["index"]
-        # Split caches are a decode form: DecodeForms() reads them, every other form stays plain (TFLite builtins).
-        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], tuple(zip(halves[0::2], halves[1::2])), index,
+        # Split caches are a decode form: _FileForms reads them, its other forms are TFLite builtins.
+        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], _split_halves(inputs["cache"]), index,
                                            cross, None, plan=_FileForms(transposed_cross_values=True))
         # Only the slot this step wrote goes out, and the host writes it into the cache it keeps.
         new = tf.stack([tf.slice(half, [0, index, 0], [heads, 1, head_dim]) for pair in caches for half in pair])
@@ -320,7 +317,7 @@ def _stacked(caches, shape):
 
 def _causal_lm_endpoints(model, token_spec, cache_spec, index_spec):
     def decode_step(token_ids, cache, index):
-        # Split caches are a decode form: DecodeForms() reads them, every other form stays plain (TFLite builtins).
+        # Split caches are a decode form: _FileForms reads them, its other forms are TFLite builtins.
         logits, caches = model.decode_step(token_ids, _split_halves(cache), index, plan=_FileForms())
         return {sig.LOGITS: logits, "cache": _stacked(caches, cache.shape)}
 
