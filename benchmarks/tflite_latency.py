@@ -97,7 +97,7 @@ def edge_decode_rows(threads, smoke, directory):
             decode = functools.partial(generator.generate, prompt, max_new_tokens=room, end_ids=())
         tokens = decode()
         fed = ([START_ID] + tokens[:-1]) if generator.is_seq2seq else prompt + tokens[:-1]
-        copying = _copying_loop(path, threads, prompt, fed, generator.cache_shape)
+        copying = _copying_loop(path, threads, prompt, fed)
         assert copying() == tokens, "the copying loop and edge.Generator chose different tokens"
         calls = {"edge.Generator": decode, "Interpreter, cache copied": copying}
         times = common.interleaved(calls, repeats=1 if smoke else 10, warmup=1)
@@ -111,14 +111,15 @@ def edge_decode_rows(threads, smoke, directory):
     return rows
 
 
-def _copying_loop(path, threads, prompt, fed, cache_shape):
+def _copying_loop(path, threads, prompt, fed):
     """A callable that feeds `fed` (every step's input token, a causal LM's prompt first) to an `Interpreter`, the
-    cache copied in and out of each step, and returns the greedy choices after the prompt: the loop before the
+    caches copied in and out of each step, and returns the greedy choices after the prompt: the loop before the
     CompiledModel one."""
     from ai_edge_litert.interpreter import Interpreter
 
     interpreter = Interpreter(model_path=path, num_threads=threads)
     step = interpreter.get_signature_runner("decode_step")
+    shapes = {name: detail["shape"] for name, detail in step.get_input_details().items() if name.startswith("cache_")}
     seq2seq = "encode" in interpreter.get_signature_list()
     encode = interpreter.get_signature_runner("encode") if seq2seq else None
     if seq2seq:
@@ -127,11 +128,11 @@ def _copying_loop(path, threads, prompt, fed, cache_shape):
 
     def run():
         extra = encode(encoder_token_ids=source) if seq2seq else {}
-        cache, chosen = np.zeros(cache_shape, np.float32), []
+        caches, chosen = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, []
         start = 0 if seq2seq else len(prompt) - 1  # a causal LM's choices start after its whole prompt
         for index, token in enumerate(fed):
-            out = step(token_ids=np.array([[token]], np.int32), cache=cache, index=np.array(index, np.int32), **extra)
-            cache = out["cache"]
+            out = step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32), **caches, **extra)
+            caches = {name: out[name] for name in shapes}
             if index >= start:
                 chosen.append(int(np.argmax(out["logits"][0, -1])))
         return chosen

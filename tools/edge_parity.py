@@ -149,10 +149,7 @@ def explain(text, edge_text, serve, generate_ids, gen, tokenizer, max_new_tokens
     result = {"where": "decoding", "position": position, "saved_model_ids": served, "edge_ids": new}
     if not beam_size and position < len(served) and position < len(new):
         # The edge's logits at the parting step, fed the tokens both chose before it.
-        encoded = gen._encode(encoder_token_ids=_padded(host, gen.source_length))
-        cache = np.zeros(gen.cache_shape, np.float32)
-        for index, token in enumerate([2] + served[:position]):
-            logits, cache = gen._decode(token, cache, index, encoded)
+        logits = gen.next_logits([2] + served[:position], source_ids=host)
         result["edge_logit_margin"] = float(logits[new[position]] - logits[served[position]])
     return result
 

@@ -265,14 +265,15 @@ def test_rewritten_logits_and_greedy_ids_equal_the_float32_files(files, storage,
     f32 = edge.Generator(out["f32"])
     exact = edge.Generator(out[storage, bits][0])
     steps = [f.interpreter.get_signature_runner("decode_step") for f in (f32, exact)]
-    cache = [np.zeros(f32.cache_shape, np.float32)] * 2
+    caches = [{name: np.zeros(detail["shape"], np.float32) for name, detail in step.get_input_details().items()
+               if name.startswith("cache_")} for step in steps]  # each (K, S, H), fed and taken back every step
     worst = 0.0
     for index, token in enumerate([5, 300, 17, 511, 0, 42]):
         logits = []
         for i, step in enumerate(steps):
-            result = step(token_ids=np.array([[token]], np.int32), cache=cache[i], index=np.array(index, np.int32))
+            result = step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32), **caches[i])
             logits.append(result["logits"])
-            cache[i] = result["cache"]
+            caches[i] = {name: result[name] for name in caches[i]}
         scale = float(np.abs(logits[0]).max())
         assert scale > 1.0  # not a degenerate model
         worst = max(worst, float(np.abs(logits[0] - logits[1]).max()) / scale)

@@ -307,27 +307,27 @@ def test_int8_wer_within_two_points_of_float32(transcribers, edge_ids, tflite_fi
 
 
 def _runner_ids(path, features, edge_asr):
-    """Greedy ids of one window through the file's signature runners, every input passed at every call: the
-    cross-attention keys/values each step and the cache from the host (its slot `index` written from
-    `new_cache`), the suppression from the ids the Transcriber read."""
+    """Greedy ids of one window through the file's signature runners in an `Interpreter`, every input passed at
+    every call from the host: the cross-attention keys/values each step, and each layer's cache halves taken back
+    from the step's outputs of the same names; the suppression from the ids the Transcriber read."""
     from ai_edge_litert.interpreter import Interpreter
 
     interpreter = Interpreter(model_path=path, num_threads=2)
     encode, step = interpreter.get_signature_runner("encode"), interpreter.get_signature_runner("decode_step")
-    cross_cache = encode(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
-    cross = {f"cross_{half}_{i}": np.ascontiguousarray(cross_cache[i, :, h].transpose(order))  # values (1, K, H, S)
-             for i in range(cross_cache.shape[0])
-             for h, (half, order) in enumerate((("keys", (0, 1, 2, 3)), ("values", (0, 1, 3, 2))))}
-    cache = np.zeros(step.get_input_details()["cache"]["shape"], np.float32)  # (L, 1, 2, K, S, H)
+    cross = encode(input_features=features)  # cross_keys_i (1, K, S_src, H), cross_values_i (1, K, H, S_src)
+    inputs = step.get_input_details()
+    caches = {name: np.zeros(detail["shape"], np.float32) for name, detail in inputs.items()
+              if name.startswith("cache_")}  # (K, S, H) each
+    assert set(cross) == {name.replace("cache", "cross") for name in caches}
     bias = np.zeros(step.get_output_details()["logits"]["shape"][-1], np.float32)
     bias[edge_asr.suppress_ids] = -np.inf
     first = bias.copy()
     first[edge_asr.suppress_ids_begin] = -np.inf
     tokens, new = list(edge_asr.prompt), []
-    for index in range(cache.shape[4]):
-        out = step(token_ids=np.array([[tokens[index]]], np.int32), cache=cache, index=np.array(index, np.int32),
+    for index in range(caches["cache_keys_0"].shape[1]):
+        out = step(token_ids=np.array([[tokens[index]]], np.int32), index=np.array(index, np.int32), **caches,
                    **cross)
-        cache[..., index, :] = out["new_cache"][..., 0, :]
+        caches = {name: out[name] for name in caches}
         if index + 1 < len(edge_asr.prompt):
             continue
         new.append(int(np.argmax(out["logits"][0, -1] + (bias if new else first))))
@@ -337,9 +337,10 @@ def _runner_ids(path, features, edge_asr):
     return new
 
 
-def test_transcriber_keeps_caches_in_the_interpreter(transcribers, tflite_files, manifest, waveforms):
-    """The Transcriber sets each window's cross-attention keys/values once and writes each step's slot into the
-    cache inside the interpreter; passing every input at every call gives the same ids. Two clips in a row on
+def test_transcriber_keeps_caches_in_the_runtime(transcribers, tflite_files, manifest, waveforms):
+    """The Transcriber's CompiledModel reads each window's cross-attention keys/values where `encode` wrote them and
+    writes each step's slot into the cache buffers it binds as the step's inputs and outputs; an `Interpreter` fed
+    every input at every call from the host gives the same ids. Two clips in a row on
     one Transcriber (the second window must not see the first's caches), float32 and int8; float32's are the
     manifest's (CTranslate2's) ids."""
     for name in ("float32", "dynamic"):
@@ -386,8 +387,9 @@ def test_transcriber_bad_input(transcribers, tflite_files, waveforms, tmp_path):
 
 def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
     """A Whisper file whose `decode_step` takes one stacked `cross_cache` and returns the whole cache (the layout
-    before `new_cache`), or takes its cross-attention values untransposed (before e50ae6f), gets a clear error, not
-    a KeyError or a wrong transcript: tiny stand-ins with those signatures."""
+    before `new_cache`), or takes one stacked cache and returns the slot it wrote as `new_cache` (36b9357 to the
+    per-layer caches), gets a clear error, not a KeyError or a wrong transcript: tiny stand-ins with those
+    signatures."""
     import tensorflow as tf
 
     from tfformer import edge
@@ -403,7 +405,7 @@ def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
         def decode_step(self, token_ids, cache, cross_cache):
             return {"logits": cache + cross_cache + tf.cast(token_ids[0, 0], tf.float32), "cache": cache * 2.0}
 
-    class UntransposedValues(tf.Module):  # the layout of 36b9357: `new_cache`, cross values (1, K, S_src, H)
+    class NewCache(tf.Module):  # the layout of 36b9357: `new_cache`, the options in `encode`
         @tf.function(input_signature=[tf.TensorSpec([1, 4, 2], tf.float32, name="input_features")])
         def encode(self, input_features):
             return {"cross_cache": input_features * 2.0, "end_id": tf.constant(3)}
@@ -416,7 +418,7 @@ def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
             step = tf.reduce_sum(cross_keys_0 + cross_values_0) + tf.cast(token_ids[0, 0], tf.float32)
             return {"logits": tf.fill([1, 1, 4], step), "new_cache": cache[..., :1, :] * 2.0}
 
-    for i, module in enumerate((OldLayout(), UntransposedValues())):
+    for i, module in enumerate((OldLayout(), NewCache())):
         saved = str(tmp_path / f"old{i}")
         tf.saved_model.save(module, saved, signatures={"encode": module.encode, "decode_step": module.decode_step})
         content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["encode", "decode_step"]).convert()

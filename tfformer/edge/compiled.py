@@ -138,6 +138,15 @@ class Signature:
         self.model.run_by_name(self.name, self.inputs, self.outputs)
 
 
+def constants(model, name):
+    """The outputs `{name: array}` of signature `name`, which takes no inputs (constants, such as a file's decoding
+    options), run once. The runtime logs an INFO line for each constant output it binds; they are dropped."""
+    signature = Signature(model, name)
+    with _runtime_log_dropped():
+        signature()
+    return {key: signature.read(key) for key in signature.outputs}
+
+
 def _spec(detail):
     """`(shape, dtype)` of a tensor's or buffer's details (`{"shape": ..., "dtype": ...}`)."""
     return tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"])

@@ -1,5 +1,5 @@
 """Decoding on device: the host loop (greedy, or beam search for seq2seq) around the `decode_step` signature of a
-tfformer .tflite file, run by LiteRT's `CompiledModel` with the cache kept in the runtime's buffer."""
+tfformer .tflite file, run by LiteRT's `CompiledModel` with the caches kept in the runtime's buffers."""
 
 import numpy as np
 
@@ -17,11 +17,11 @@ class Generator:
     """Runs a decoder written by `tfformer.export.tflite_decoder` with `ai_edge_litert`.
 
     The file's signatures run in LiteRT's `CompiledModel` (XNNPACK on CPU), each input and output a buffer that
-    stays bound: the cache is `decode_step`'s input and output at once (the step cuts and stacks it inside the
-    runtime; the host never copies it), and a
-    seq2seq file's `encode` writes the cross-attention cache where `decode_step` reads it. Per step only the token,
-    the index and the logits cross between the host and the runtime. The `tokenize` / `detokenize` signatures (TF-Text
-    ops) run in an `Interpreter` made on first use (`interpreter`).
+    stays bound: each layer's cache keys and values are one buffer that `decode_step` reads and writes (its input
+    and output of the same name), so a step writes only its own slot and the host never copies a cache, and a
+    seq2seq file's `encode` writes the cross-attention keys and values where `decode_step` reads them. Per step only
+    the token, the index and the logits cross between the host and the runtime. The `tokenize` / `detokenize`
+    signatures (TF-Text ops) run in an `Interpreter` made on first use (`interpreter`).
 
     Args:
         path: the .tflite file.
@@ -62,19 +62,23 @@ class Generator:
             raise ValueError(f"`path` is a Whisper (speech) decoder file: run it with tfformer.edge.Transcriber. "
                              f"Received: path={path!r}")
         self.signatures = signatures
+        if "cache_keys_0" not in signatures["decode_step"]["inputs"]:
+            raise ValueError(f"`path` is a decoder file of an older layout (one stacked `cache`; now per-layer "
+                             f"`cache_keys_i` / `cache_values_i`): write it again with tfformer.export.tflite_decoder. "
+                             f"Received: path={path!r}")
         self.is_seq2seq = "encode" in signatures
         if self.is_seq2seq:
             self._encode = Signature(self.model, "encode")
-            # The cross-attention cache and the padding mask stay in encode's output buffers.
+            # The cross-attention keys/values and the padding mask stay in encode's output buffers.
             self._step = Signature(self.model, "decode_step", inputs=self._encode.outputs)
             self.source_length = self._encode.specs["encoder_token_ids"][0][1]
         else:
             self._step = Signature(self.model, "decode_step")
-        self.cache_shape = self._step.specs["cache"][0]  # (L, 1, 2, K, S, H)
-        self.max_length = self.cache_shape[4]
+        self.cache_names = sorted(name for name in self._step.inputs if name.startswith("cache_"))
+        self.max_length = self._step.specs["cache_keys_0"][0][1]  # each cache (K, S, H)
         self.vocabulary_size = self._step.specs["logits"][0][-1]
-        self._cache = self._step.inputs["cache"]
-        self._beam_caches = [self._cache]  # beam search's caches, made when first needed
+        self._caches = {name: self._step.inputs[name] for name in self.cache_names}
+        self._beam_caches = [self._caches]  # beam search's caches, made when first needed
         self._interpreter = None
 
     @property
@@ -94,8 +98,9 @@ class Generator:
                 self._interpreter = Interpreter(model_path=self.path, num_threads=self.num_threads)
         return self._interpreter
 
-    def _check(self, ids, max_new_tokens, limit, what):
-        check_int("max_new_tokens", max_new_tokens, numpy=True)
+    def _check(self, ids, limit, what, max_new_tokens=None):
+        if max_new_tokens is not None:
+            check_int("max_new_tokens", max_new_tokens, numpy=True)
         if not len(ids):
             raise ValueError(f"The {what} is empty.")
         if len(ids) > limit:
@@ -113,13 +118,13 @@ class Generator:
         if self.is_seq2seq:
             raise ValueError(f"`generate` continues a causal LM's prompt; {self.path} is a seq2seq (translator) file: "
                              "use `translate`.")
-        self._check(prompt_ids, max_new_tokens, self.max_length - 1, "prompt")
+        self._check(prompt_ids, self.max_length - 1, "prompt", max_new_tokens)
         if len(prompt_ids) + max_new_tokens > self.max_length:
             raise ValueError(f"`max_new_tokens`={max_new_tokens} after a prompt of {len(prompt_ids)} tokens overflows "
                              f"this file's cache of {self.max_length} positions; ask for at most "
                              f"{self.max_length - len(prompt_ids)}.")
         end_ids = set(self.end_ids if end_ids is None else (int(i) for i in end_ids))
-        self._start(self._cache)
+        self._start(self._caches)
         new = []
         for index, token in enumerate(prompt_ids):  # prefill, one token per call (fixed shapes)
             logits = self._decode(token, index)
@@ -132,15 +137,39 @@ class Generator:
             logits = self._decode(token, index)
             index += 1
 
-    def _start(self, cache):
-        """Steps read and update `cache` (a buffer of the `decode_step` cache), from zeros."""
-        self._step.bind("cache", cache)
-        self._step.write("cache", np.zeros(self.cache_shape, np.float32))
+    def _start(self, caches):
+        """Steps read and update `caches` (`{name: buffer}` of `decode_step`'s caches), from zeros."""
+        self._bind(caches)
+        zeros = np.zeros(self._step.specs["cache_keys_0"][0], np.float32)  # (K, S, H), every cache's shape
+        for name, buffer in caches.items():
+            self._step.write(name, zeros, buffer)
+
+    def _bind(self, caches):
+        for name, buffer in caches.items():
+            self._step.bind(name, buffer)
 
     def _decode(self, token, index):
-        """One decoder step on the bound cache (written in the runtime's buffer): the next token's logits `(V,)`."""
+        """One decoder step on the bound caches (written in the runtime's buffers): the next token's logits `(V,)`."""
         self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
         return self._step.read("logits")[0, -1]
+
+    def next_logits(self, ids, source_ids=None):
+        """The logits `(V,)` of the token after `ids`, fed one per step from empty caches: for a seq2seq file after
+        encoding `source_ids` (`ids` then start with the start id), for a causal LM `ids` are the prompt and more.
+        What a greedy or beam step chose among (e.g. to see by how much two decoders' choices differ)."""
+        if self.is_seq2seq != (source_ids is not None):
+            raise ValueError(f"`source_ids` is required for a seq2seq file and refused for a causal LM's. Received: "
+                             f"source_ids={source_ids!r} for a {'seq2seq' if self.is_seq2seq else 'causal LM'} file")
+        self._check(ids, self.max_length, "`ids`")
+        if self.is_seq2seq:
+            self._check(source_ids, self.source_length, "source")
+            src = np.zeros((1, self.source_length), np.int32)
+            src[0, : len(source_ids)] = source_ids
+            self._encode(encoder_token_ids=src)
+        self._start(self._caches)
+        for index, token in enumerate(ids):
+            logits = self._decode(int(token), index)
+        return logits
 
     def generate_text(self, text, max_new_tokens=32):
         """Causal LM, text in and out with the host `tokenizer`: the greedy completion of `text`, up to (without)
@@ -164,7 +193,7 @@ class Generator:
         if not self.is_seq2seq:
             raise ValueError(f"`translate` needs a seq2seq (translator) file; {self.path} is a causal LM's: use "
                              "`generate`.")
-        self._check(source_ids, max_new_tokens, self.source_length, "source")
+        self._check(source_ids, self.source_length, "source", max_new_tokens)
         check_int("beam_size", beam_size, allow_none=True, numpy=True)
         check_number("length_penalty", length_penalty)
         src = np.zeros((1, self.source_length), np.int32)
@@ -173,7 +202,7 @@ class Generator:
         steps = min(max_new_tokens, self.max_length)
         if beam_size:
             return self._beam_search(steps, int(beam_size), float(length_penalty))
-        self._start(self._cache)
+        self._start(self._caches)
         token, new = START_ID, []
         for index in range(steps):
             token = int(np.argmax(self._decode(token, index)))
@@ -186,11 +215,11 @@ class Generator:
         """`BeamSampler.run` for one row, one decoder call per live beam and step: scores are float32 sums of
         log-probabilities; a finished beam continues with padding at no cost; ties go to the lower (beam, token)
         index, as `tf.math.top_k` does; the best beam at the end by `score / ((5 + length) / 6) ** length_penalty`.
-        Each beam has a cache buffer of its own; a beam that continues another's takes a copy of its cache.
+        Each beam has cache buffers of its own; a beam that continues another's takes a copy of its caches.
         """
         vocab = self.vocabulary_size
         while len(self._beam_caches) < beams:
-            self._beam_caches.append(self._step.new_buffer("cache"))
+            self._beam_caches.append({name: self._step.new_buffer(name) for name in self.cache_names})
         caches = self._beam_caches[:beams]
         for cache in caches:
             self._start(cache)
@@ -211,7 +240,7 @@ class Generator:
                         log_probs[k] = BEAM_NEG
                         log_probs[k, PAD_ID] = 0.0
                     elif scores[k] > BEAM_NEG:  # a beam at BEAM_NEG (the start) is never chosen: no call
-                        self._step.bind("cache", caches[k])
+                        self._bind(caches[k])
                         log_probs[k] = _log_softmax(self._decode(int(last[k]), index))
                 total = (scores[:, None] + log_probs).reshape(-1)  # (K*V,) float32
                 order = np.argsort(-total, kind="stable")[:beams]  # top_k: the lower index first among equals
@@ -223,7 +252,7 @@ class Generator:
             lengths = lengths[source] + generated.astype(np.int32)
             finished = finished[source] | (token == END_ID)
             last = token
-        self._step.bind("cache", self._cache)
+        self._bind(self._caches)
         penalty = np.power((np.float32(5.0) + lengths.astype(np.float32)) / np.float32(6.0), np.float32(length_penalty))
         row = tokens[int(np.argmax(scores / penalty))].tolist()
         return cut_at_end(row, END_ID, keep_end=True)
@@ -231,9 +260,11 @@ class Generator:
     def _reorder(self, caches, source):
         """Beam `j` continues beam `source[j]`: the caches that change take a copy of their source's."""
         moved = [j for j in range(len(caches)) if source[j] != j]
-        held = {int(source[j]): self._step.read("cache", caches[source[j]]) for j in moved}  # before any write
+        held = {int(source[j]): {name: self._step.read(name, buffer) for name, buffer in caches[source[j]].items()}
+                for j in moved}  # before any write
         for j in moved:
-            self._step.write("cache", held[int(source[j])], caches[j])
+            for name, array in held[int(source[j])].items():
+                self._step.write(name, array, caches[j][name])
 
     def tokenize(self, text):
         """Ids of `text`, as the SavedModel's tokenizer gives them: tab, newline and carriage return are mapped to

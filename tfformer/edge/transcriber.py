@@ -10,6 +10,7 @@ TensorFlow-free `tfformer.timestamps` (`long_form_segments`).
 import numpy as np
 
 from tfformer.checks import check_int
+from tfformer.edge.compiled import Signature, compiled_model, constants
 from tfformer.timestamps import (
     MAX_INITIAL_TIMESTAMP,
     NONE,
@@ -71,16 +72,17 @@ class Transcriber:
     timestamped `tfformer.timestamps.Segment`s: the file's `decode_step` takes any prompt, so the timestamp prompt
     (and the previous text) goes in as it is.
 
-    The caches stay in the interpreter: `decode_step` is the file's main subgraph, whose input tensors keep
-    their contents between runs, so each window's cross-attention keys/values are set once, and each step
-    returns only the cache slot it wrote (`new_cache`), which goes into the `cache` input in place. Per step
-    only the token, the index, the logits and that slot cross between host and interpreter.
+    The file's signatures run in LiteRT's `CompiledModel` (XNNPACK on CPU), each input and output a buffer that
+    stays bound (`tfformer.edge.compiled.Signature`): `encode` writes each window's cross-attention keys/values
+    into the buffers `decode_step` reads, and each layer's self-attention keys and values are one buffer that
+    `decode_step` reads and writes (its output of the same name), so a step writes only its own slot. Per step only
+    the token, the index and the logits cross between the host and the runtime.
 
     Args:
         path: the .tflite file (float32 or `quantize="dynamic"`).
         tokenizer: the Whisper `tfformer.data.BytePairTokenizer` (e.g. `models.from_preset("whisper-tiny-en")
             .preprocessor`), for text; without it only `transcribe_ids` works.
-        num_threads: interpreter threads.
+        num_threads: CPU threads of the runtime.
 
     Example:
     ```python
@@ -93,49 +95,35 @@ class Transcriber:
     """
 
     def __init__(self, path, tokenizer=None, num_threads=2):
-        from ai_edge_litert.interpreter import Interpreter
-
         if tokenizer is not None and not callable(getattr(tokenizer, "detokenize", None)):
             raise ValueError("`tokenizer` must have `detokenize(ids)` (the Whisper BytePairTokenizer). "
                              f"Received: tokenizer={tokenizer!r}")
+        check_int("num_threads", num_threads, numpy=True)
         self.tokenizer = tokenizer
-        self.interpreter = Interpreter(model_path=path, num_threads=num_threads)
-        signatures = self.interpreter.get_signature_list()
-        encode_inputs = signatures.get("encode", {}).get("inputs", [])
-        if "decode_step" not in signatures or "input_features" not in encode_inputs:
+        self.model = compiled_model(path, num_threads)
+        signatures = self.model.get_signature_list()
+        if "decode_step" not in signatures or "input_features" not in signatures.get("encode", {}).get("inputs", []):
             raise ValueError(f"`path` must be a Whisper decoder file (an `encode` signature on `input_features` and a "
                              f"`decode_step`), written by tfformer.export.tflite_decoder(whisper_model, path). "
                              f"Received: path={path!r} with signatures {signatures}")
-        # Runners are made per use: a live one holds the interpreter, whose own `invoke` then refuses to run.
-        step = self.interpreter.get_signature_runner("decode_step")
-        step_inputs, step_outputs = step.get_input_details(), step.get_output_details()
-        del step
-        keys, values = (tuple(int(d) for d in step_inputs.get(f"cross_{half}_0", {}).get("shape", ()))
-                        for half in ("keys", "values"))
-        if "new_cache" not in step_outputs or not keys or values != keys[:2] + keys[:1:-1]:  # (1, K, H, S_src)
-            raise ValueError(f"`path` is a Whisper decoder file of an older layout (decode_step outputs "
-                             f"{sorted(step_outputs)}, cross-attention values {values}, now (1, K, H, S_src)): write "
-                             "it again with tfformer.export.tflite_decoder.")
-        main = {(d["name"], d["index"]) for d in self.interpreter.get_input_details()}
-        if main != {(d["name"], d["index"]) for d in step_inputs.values()}:
-            raise ValueError(f"`path` must have `decode_step` as its main subgraph (the inputs `invoke` runs), as "
-                             f"tfformer.export.tflite_decoder writes it. Received: path={path!r}")
-        features = self._runner("encode").get_input_details()["input_features"]
-        self.input_shape = tuple(int(d) for d in features["shape"])  # (1, F, M)
-        self.cache_shape = tuple(int(d) for d in step_inputs["cache"]["shape"])  # (L, 1, 2, K, S, H)
-        self.max_length = self.cache_shape[4]
-        self._token = step_inputs["token_ids"]["index"]
-        self._index = step_inputs["index"]["index"]
-        self._cache = step_inputs["cache"]["index"]
-        self._logits = step_outputs["logits"]["index"]
-        self._new_cache = step_outputs["new_cache"]["index"]
-        # Per layer, the tensor indices of its cross-attention keys (1, K, S_src, H) and values (1, K, H, S_src).
-        self._cross = [tuple(step_inputs[f"cross_{half}_{i}"]["index"] for half in ("keys", "values"))
-                       for i in range(self.cache_shape[0])]
-        vocabulary_size = int(step_outputs["logits"]["shape"][-1])
-        self.interpreter.allocate_tensors()  # the main subgraph, run through `invoke`
-        # The options are constant outputs of `encode`: one run on silence reads them.
-        options = self._runner("encode")(input_features=np.zeros(self.input_shape, np.float32))
+        step_inputs = signatures["decode_step"]["inputs"]
+        layers = sum(name.startswith("cache_keys_") for name in step_inputs)
+        cross = {f"cross_{half}_{i}" for half in ("keys", "values") for i in range(layers)}
+        caches = {f"cache_{half}_{i}" for half in ("keys", "values") for i in range(layers)}
+        if ("options" not in signatures or not layers or not cross | caches <= set(step_inputs)
+                or not cross <= set(signatures["encode"]["outputs"])):
+            raise ValueError(f"`path` is a Whisper decoder file of an older layout (decode_step inputs "
+                             f"{sorted(step_inputs)}; now per-layer `cache_keys_i` / `cache_values_i`, the "
+                             "cross-attention keys/values from `encode`, an `options` signature): write it again "
+                             "with tfformer.export.tflite_decoder.")
+        self._encode = Signature(self.model, "encode")
+        # encode's cross-attention keys (1, K, S_src, H) and values (1, K, H, S_src) are decode_step's inputs.
+        self._step = Signature(self.model, "decode_step", inputs={name: self._encode.outputs[name] for name in cross})
+        self._caches = sorted(caches)
+        self.input_shape = self._encode.specs["input_features"][0]  # (1, F, M)
+        self.max_length = self._step.specs["cache_keys_0"][0][1]  # each cache (K, S, H)
+        vocabulary_size = self._step.specs["logits"][0][-1]
+        options = constants(self.model, "options")
         self.prompt = [int(i) for i in options["prompt_ids"].reshape(-1)]
         self.end_id = int(options["end_id"])
         self.suppress_ids = [int(i) for i in options["suppress_ids"] if i >= 0]  # -1 pads the list in the file
@@ -144,9 +132,6 @@ class Transcriber:
         self._every_step[self.suppress_ids] = -np.inf
         self._first_step = self._every_step.copy()
         self._first_step[self.suppress_ids_begin] = -np.inf
-
-    def _runner(self, name):
-        return self.interpreter.get_signature_runner(name)
 
     def features(self, waveform):
         """Log-mel features `(1, 3000, 80)` of one 16 kHz window (`log_mel_features`)."""
@@ -164,7 +149,7 @@ class Transcriber:
                            "prompt)")
         self._start_window(features)
         for index, token in enumerate(self.prompt):  # prefill, one id per call
-            logits = self._step(token, index)
+            logits = self._step_logits(token, index)
         new = []
         bias = self._first_step
         while True:
@@ -172,7 +157,7 @@ class Transcriber:
             new.append(token)
             if token == self.end_id or len(new) == max_new_tokens:
                 return new
-            logits = self._step(token, len(self.prompt) + len(new) - 1)
+            logits = self._step_logits(token, len(self.prompt) + len(new) - 1)
             bias = self._every_step
 
     def _check_features(self, input_features):
@@ -185,24 +170,17 @@ class Transcriber:
         return features
 
     def _start_window(self, features):
-        """Encodes one window `(1, F, M)`: its cross-attention keys/values into the interpreter, the cache zeroed."""
-        interpreter = self.interpreter
-        cross_cache = self._runner("encode")(input_features=features)["cross_cache"]  # (L, 1, 2, K, S_src, H)
-        for layer, (keys, values) in enumerate(self._cross):
-            interpreter.set_tensor(keys, np.ascontiguousarray(cross_cache[layer, :, 0]))  # (1, K, S_src, H)
-            # The values transposed, (1, K, H, S_src): each step's mixing reads them in place.
-            interpreter.set_tensor(values, np.ascontiguousarray(cross_cache[layer, :, 1].transpose(0, 1, 3, 2)))
-        interpreter.tensor(self._cache)().fill(0.0)  # views of the interpreter's buffers live for one statement
+        """Encodes one window `(1, F, M)` (its cross-attention keys/values into `decode_step`'s input buffers) and
+        zeroes the self-attention caches."""
+        self._encode(input_features=features)
+        zeros = np.zeros(self._step.specs["cache_keys_0"][0], np.float32)  # (K, S, H)
+        for name in self._caches:
+            self._step.write(name, zeros)
 
-    def _step(self, token, index):
-        """Feeds `token` at cache position `index`; returns the logits `(V,)` after it."""
-        interpreter = self.interpreter
-        interpreter.set_tensor(self._token, np.array([[token]], np.int32))
-        interpreter.set_tensor(self._index, np.array(index, np.int32))
-        interpreter.invoke()
-        new_cache = interpreter.get_tensor(self._new_cache)  # (L, 1, 2, K, 1, H)
-        interpreter.tensor(self._cache)()[..., index, :] = new_cache[..., 0, :]
-        return interpreter.get_tensor(self._logits)[0, -1]
+    def _step_logits(self, token, index):
+        """Feeds `token` at cache position `index` (each cache written in its buffer); the logits `(V,)` after it."""
+        self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
+        return self._step.read("logits")[0, -1]
 
     def transcribe_timestamp_ids(self, input_features, prompt_ids, ids, max_new_tokens,
                                  max_initial_timestamp=MAX_INITIAL_TIMESTAMP):
@@ -228,7 +206,7 @@ class Transcriber:
         first = self._first_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
         self._start_window(features)
         for index, token in enumerate(prompt):
-            logits = self._step(token, index)  # (V,) float32
+            logits = self._step_logits(token, index)  # (V,) float32
         no_speech_prob = float(np.exp(log_softmax(logits)[ids.no_speech]))
         log_probs = log_softmax(logits + first)
         tokens, total, last, penultimate, last_timestamp = [], np.float32(0.0), NONE, NONE, NONE
@@ -243,7 +221,7 @@ class Transcriber:
             penultimate = token if last == NONE else last
             last = token
             last_timestamp = token if token >= ids.timestamp_begin else last_timestamp
-            logits = self._step(token, len(prompt) + len(tokens) - 1) + self._every_step
+            logits = self._step_logits(token, len(prompt) + len(tokens) - 1) + self._every_step
             logits = timestamp_rules(logits[None], [last], [penultimate], [last_timestamp], self.end_id, ids)[0]
             log_probs = log_softmax(logits)
         return cut_at_end(tokens, self.end_id), float(total), no_speech_prob

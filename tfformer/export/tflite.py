@@ -13,14 +13,16 @@ app owns the loop, as the TFLite GPU delegate has no WHILE op:
 - seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
   `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}` (both caches cut
   as the causal LM's)
-- Whisper (speech_seq2seq): `encode(input_features (1,3000,80)) -> {cross_cache (L,1,2,K,1500,H), prompt_ids
-  (1,P), end_id (), suppress_ids, suppress_ids_begin}` (the decoding options as constants; the id lists end with
-  a -1 that is never an id) and `decode_step(token_ids, cache, index, cross_keys_i (1,K,1500,H), cross_values_i
-  (1,K,H,1500) for each layer i) -> {logits, new_cache (L,1,2,K,1,H)}`: the cross-attention keys/values are
-  inputs of their own (TFLite copies a slice of a stacked tensor element by element), the values transposed (the
-  host transposes them once a window; XNNPACK then repacks them for each step's product with its vectorized
-  routine, where values `(S, H)` took a scalar one), and the step returns
-  only the cache slot it wrote at `index`, which the host writes into the cache it keeps. The encoder takes
+- Whisper (speech_seq2seq): `options() -> {prompt_ids (1,P), end_id (), suppress_ids, suppress_ids_begin}`
+  (the decoding options as constants; the id lists end with a -1 that is never an id), `encode(input_features
+  (1,3000,80)) -> {cross_keys_i (1,K,1500,H), cross_values_i (1,K,H,1500)}` and `decode_step(token_ids, index,
+  cache_keys_i (K,S,H), cache_values_i (K,S,H), cross_keys_i, cross_values_i for each layer i) -> {logits,
+  cache_keys_i, cache_values_i}`: every cache is an input of its own (TFLite copies a slice of a stacked tensor
+  element by element), each self-attention half goes out as the DYNAMIC_UPDATE_SLICE that wrote the step's slot
+  under its input's name (`tfformer.edge.Transcriber` binds one buffer as both, and encode's outputs as the
+  step's inputs: nothing but the token, the index and the logits crosses the host per step), and the
+  cross-attention values come transposed (XNNPACK then repacks them for each step's product with its vectorized
+  routine, where values `(S, H)` took a scalar one). The encoder takes
   log-mel features, not a waveform: the host computes them (`tfformer.edge.Transcriber` does, in numpy), so
   the file needs no FFT (TFLite's RFFT2D takes only power-of-two lengths, Whisper's n_fft is 400). The logits
   are raw: the host adds Whisper's suppression (`suppress_ids` every step, `suppress_ids_begin` at the first)
@@ -155,8 +157,9 @@ class _StackedKeysValues:
         return self.keys if item[1] == 0 else self.values
 
 
-def _speech_endpoints(model, token_spec, cache_spec, index_spec):
-    """Whisper's `encode` (log-mel features -> cross caches and the decoding options) and `decode_step`."""
+def _speech_endpoints(model, step_specs):
+    """Whisper's `options` (the decoding options, constants), `encode` (log-mel features -> per-layer
+    cross-attention keys/values) and `decode_step`."""
     config = model.config
     num_frames = 2 * config.max_source_positions  # one 30-second window: 3000 frames
     features_spec = sig.features_spec(num_frames, config.num_mel_bins, batch=1)
@@ -170,30 +173,17 @@ def _speech_endpoints(model, token_spec, cache_spec, index_spec):
 
     def encode(input_features):
         outputs, _ = model.encode(input_features)  # (1, 1500, D); Whisper has no encoder padding mask
-        return {"cross_cache": model.cross_attention_caches(outputs), **options}
+        return _cross_outputs(model, outputs)
 
-    layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
-    step_specs = {sig.TOKEN_IDS: token_spec, "cache": cache_spec, "index": index_spec}
-    for i in range(layers):
-        step_specs[f"cross_keys_{i}"] = tf.TensorSpec(  # (B, K, S_src, H)
-            [1, heads, config.max_source_positions, head_dim], tf.float32, name=f"cross_keys_{i}")
-        step_specs[f"cross_values_{i}"] = tf.TensorSpec(  # (B, K, H, S_src): transposed
-            [1, heads, head_dim, config.max_source_positions], tf.float32, name=f"cross_values_{i}")
+    step_specs = {**step_specs, **_cross_specs(config, config.max_source_positions)}
 
     def decode_step(inputs):
-        # The cross-attention keys/values are inputs of their own, and the self-attention cache is cut by
-        # `_split_halves` (TFLite copies a slice of a stacked tensor element by element).
-        cross = [_StackedKeysValues(inputs[f"cross_keys_{i}"], inputs[f"cross_values_{i}"]) for i in range(layers)]
-        index = inputs["index"]
-        # Split caches are a decode form: _FileForms reads them, its other forms are TFLite builtins.
-        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], _split_halves(inputs["cache"]), index,
-                                           cross, None, plan=_FileForms(transposed_cross_values=True))
-        # Only the slot this step wrote goes out, and the host writes it into the cache it keeps.
-        new = tf.stack([tf.slice(half, [0, index, 0], [heads, 1, head_dim]) for pair in caches for half in pair])
-        new = tf.reshape(new, [layers, 1, 2, heads, 1, head_dim])  # (2L, K, 1, H) -> (L, 1, 2, K, 1, H)
-        return {sig.LOGITS: logits, "new_cache": new}
+        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], _caches(inputs), inputs["index"], _cross(inputs),
+                                           None, plan=_FileForms())
+        return {sig.LOGITS: logits, **_cache_outputs(caches)}
 
-    return {"encode": (encode, [features_spec]), "decode_step": (decode_step, [step_specs])}
+    return {"options": (lambda: options, []), "encode": (encode, [features_spec]),
+            "decode_step": (decode_step, [step_specs])}
 
 
 def tflite_decoder(model, path, max_length=None, source_length=None, quantize=None, tokenizer=None):
@@ -220,13 +210,12 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
     """
     config = _check_decoder_arguments(model, max_length, source_length, quantize, tokenizer)
     max_length = max_length or config.max_sequence_length
-    cache_spec = tf.TensorSpec(
-        [config.num_decoder_layers, 1, 2, config.key_value_heads, max_length, config.head_dim], tf.float32, name="cache"
-    )
-    index_spec = tf.TensorSpec([], tf.int32, name="index")
-    token_spec = tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS)
+    step_specs = {sig.TOKEN_IDS: tf.TensorSpec([1, 1], tf.int32, name=sig.TOKEN_IDS),
+                  "index": tf.TensorSpec([], tf.int32, name="index")}
+    for name in cache_names(config.num_decoder_layers):  # a split cache per layer and half
+        step_specs[name] = tf.TensorSpec([config.key_value_heads, max_length, config.head_dim], tf.float32, name=name)
     if config.architecture == "causal_lm":
-        endpoints = _causal_lm_endpoints(model, token_spec, cache_spec, index_spec)
+        endpoints = _causal_lm_endpoints(model, step_specs)
     elif config.architecture == "speech_seq2seq":
         if not isinstance(model, WhisperModel):
             raise ValueError(f"A speech_seq2seq decoder file needs a `tfformer.models.WhisperModel` (its prompt, "
@@ -235,10 +224,10 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
             raise ValueError("A Whisper decoder file takes 30-second windows of log-mel frames and keeps its "
                              "byte-level BPE on the host: pass neither `source_length` nor `tokenizer`. Received: "
                              f"source_length={source_length!r}, tokenizer={type(tokenizer).__name__}")
-        endpoints = _speech_endpoints(model, token_spec, cache_spec, index_spec)
+        endpoints = _speech_endpoints(model, step_specs)
     elif config.architecture == "seq2seq":
         source_length = source_length or config.max_sequence_length
-        endpoints = _seq2seq_endpoints(model, source_length, token_spec, cache_spec, index_spec)
+        endpoints = _seq2seq_endpoints(model, source_length, step_specs)
     else:
         raise ValueError(f"A decoder file needs a seq2seq, speech_seq2seq or causal_lm model. Received "
                          f"architecture={config.architecture!r}")
@@ -282,70 +271,116 @@ def _check_decoder_arguments(model, max_length, source_length, quantize, tokeniz
 
 
 class _FileForms(DecodeForms):
-    """The forms of a decoder file's step: split self-attention caches read as they are, each step's slot written
-    with DYNAMIC_UPDATE_SLICE (`in_place_cache_writes`) instead of a select over the whole cache; the attention over
-    a stacked cross-attention cache keeps its plain products (TFLite BATCH_MATMULs, not XLA's fused forms), and with
-    `transposed_cross_values` its values come as `(B, K, H, S)` (Whisper's file)."""
+    """The forms of a decoder file's step (batch 1): per-layer split self-attention caches `(K, S, H)` read in place,
+    each group of `N / K` query heads one batched matmul against its key/value head (no repeated copy of the cache,
+    which TFLite's TILE made at every step), each step's slot written with DYNAMIC_UPDATE_SLICE
+    (`in_place_cache_writes`) instead of a select over the whole cache; the cross-attention keys `(1, K, S, H)` and
+    transposed values `(1, K, H, S)` read with plain products (TFLite BATCH_MATMULs, not XLA's fused forms)."""
 
-    def __init__(self, transposed_cross_values=False):
+    def __init__(self):
         super().__init__(in_place_cache_writes=True)
-        self.transposed_cross_values = transposed_cross_values
+
+    def shared_heads(self, x, q, groups):
+        if len(x.shape) != 3:
+            return super().shared_heads(x, q, groups)
+        return x  # a split cache: `dot` and `mix` read each key/value head for its group of query heads
+
+    def key_heads(self, k, q):
+        if len(k.shape) != 3:
+            return k
+        # A split cache's keys repeated for each group of query heads (additive scores are not a product).
+        return tf.repeat(tf.cast(k, q.dtype)[None], q.shape[1] // k.shape[0], axis=1)  # (K, S, H) -> (1, N, S, H)
 
     def dot(self, q, k):
-        return super().dot(q, k) if len(k.shape) == 3 else PlainForms.dot(self, q, k)
+        if len(k.shape) != 3:
+            return PlainForms.dot(self, q, k)
+        b, heads, t, head_dim = q.shape  # (1, N, T, H)
+        q = tf.reshape(tf.cast(q, k.dtype), [k.shape[0], heads // k.shape[0] * t, head_dim])  # (K, G*T, H)
+        return tf.reshape(tf.matmul(q, k, transpose_b=True), [b, heads, t, k.shape[1]])  # (K, G*T, S) -> (1, N, T, S)
 
     def mix(self, weights, v, dtype):
-        if self.transposed_cross_values and len(v.shape) == 4:
-            return tf.cast(tf.matmul(weights, v, transpose_b=True), dtype)  # (B, N, T, S) x (B, N, H, S)^T
-        return super().mix(weights, v, dtype) if len(v.shape) == 3 else PlainForms.mix(self, weights, v, dtype)
+        if len(v.shape) == 4:  # cross-attention values (1, K, H, S)
+            return tf.cast(tf.matmul(weights, v, transpose_b=True), dtype)  # (1, N, T, S) x (1, K, H, S)^T
+        b, heads, t, slots = weights.shape  # (1, N, T, S)
+        weights = tf.reshape(tf.cast(weights, v.dtype), [v.shape[0], heads // v.shape[0] * t, slots])  # (K, G*T, S)
+        x = tf.reshape(tf.matmul(weights, v), [b, heads, t, v.shape[2]])  # (K, G*T, H) -> (1, N, T, H)
+        return tf.cast(x, dtype)
 
 
-def _split_halves(cache, batch_axis=False):
-    """A stacked cache `(L, 1, 2, K, S, H)` as per-layer pairs (keys, values), each `(K, S, H)` (a split cache) or
-    with `batch_axis` `(1, K, S, H)`: cut along its leading axis only (RESHAPE + UNPACK, plain copies). TFLite
-    copies a slice such as `cache[i]` or `[:, 0]` element by element, which was most of a step."""
-    layers, _, _, heads, length, head_dim = cache.shape
-    shape = [2 * layers] + [1] * batch_axis + [heads, length, head_dim]
-    halves = tf.unstack(tf.reshape(cache, shape))  # 2L x ([1,] K, S, H)
-    return tuple(zip(halves[0::2], halves[1::2]))
+HALVES = ("keys", "values")
 
 
-def _stacked(caches, shape):
-    """Per-layer split pairs `(K, S, H)` back as one stacked cache of `shape` `(L, 1, 2, K, S, H)` (PACK)."""
-    return tf.reshape(tf.stack([half for pair in caches for half in pair]), shape)  # (2L, K, S, H) -> shape
+def cache_names(layers):
+    """The names of a decoder file's self-attention caches: `cache_keys_i`, `cache_values_i` for each layer `i`,
+    each a split cache `(K, S, H)`, an input of `decode_step` and its output of the same name."""
+    return [f"cache_{half}_{i}" for i in range(layers) for half in HALVES]
 
 
-def _causal_lm_endpoints(model, token_spec, cache_spec, index_spec):
-    def decode_step(token_ids, cache, index):
-        # Split caches are a decode form: _FileForms reads them, its other forms are TFLite builtins.
-        logits, caches = model.decode_step(token_ids, _split_halves(cache), index, plan=_FileForms())
-        return {sig.LOGITS: logits, "cache": _stacked(caches, cache.shape)}
-
-    return {"decode_step": (decode_step, [token_spec, cache_spec, index_spec])}
+def _caches(inputs):
+    """The step's per-layer caches as the model's split caches: `((keys, values), ...)`, each `(K, S, H)`."""
+    layers = sum(name.startswith("cache_keys_") for name in inputs)
+    return tuple((inputs[f"cache_keys_{i}"], inputs[f"cache_values_{i}"]) for i in range(layers))
 
 
-def _seq2seq_endpoints(model, source_length, token_spec, cache_spec, index_spec):
+def _cache_outputs(caches):
+    """The split caches a step wrote, under their inputs' names: each the DYNAMIC_UPDATE_SLICE that wrote its slot."""
+    return {f"cache_{half}_{i}": value for i, pair in enumerate(caches) for half, value in zip(HALVES, pair)}
+
+
+def _cross_specs(config, source_length):
+    """Per layer, the cross-attention keys `(1, K, S_src, H)` and values, transposed, `(1, K, H, S_src)`."""
+    specs = {}
+    for i in range(config.num_decoder_layers):
+        for half, shape in zip(HALVES, ([source_length, config.head_dim], [config.head_dim, source_length])):
+            specs[f"cross_{half}_{i}"] = tf.TensorSpec([1, config.key_value_heads] + shape, tf.float32,
+                                                       name=f"cross_{half}_{i}")
+    return specs
+
+
+def _cross_outputs(model, encoder_outputs):
+    """`encode`'s per-layer cross-attention keys `(1, K, S_src, H)` and values `(1, K, H, S_src)` (`_cross_specs`),
+    computed once a source; the values transposed (XNNPACK then repacks them for each step's product with its
+    vectorized routine, where values `(S, H)` took a scalar one)."""
+    cross = {}
+    for i, block in enumerate(model.decoder_blocks):
+        # (1, 2, K, S_src, H) cut along axis 1 (UNPACK: whole rows)
+        keys, values = tf.unstack(block.compute_cross_attention_cache(encoder_outputs), axis=1)
+        cross[f"cross_keys_{i}"] = keys
+        cross[f"cross_values_{i}"] = tf.transpose(values, [0, 1, 3, 2])  # (1, K, S_src, H) -> (1, K, H, S_src)
+    return cross
+
+
+def _cross(inputs):
+    """The step's per-layer cross-attention inputs as the read-only caches the model reads (`_StackedKeysValues`)."""
+    layers = sum(name.startswith("cross_keys_") for name in inputs)
+    return [_StackedKeysValues(inputs[f"cross_keys_{i}"], inputs[f"cross_values_{i}"]) for i in range(layers)]
+
+
+def _causal_lm_endpoints(model, step_specs):
+    def decode_step(inputs):
+        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], _caches(inputs), inputs["index"], plan=_FileForms())
+        return {sig.LOGITS: logits, **_cache_outputs(caches)}
+
+    return {"decode_step": (decode_step, [step_specs])}
+
+
+def _seq2seq_endpoints(model, source_length, step_specs):
     config = model.config
     src_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_token_ids")
-    cross_spec = tf.TensorSpec(
-        [config.num_decoder_layers, 1, 2, config.key_value_heads, source_length, config.head_dim], tf.float32,
-        name="cross_cache",
-    )
     mask_spec = tf.TensorSpec([1, source_length], tf.int32, name="encoder_padding_mask")
 
     def encode(encoder_token_ids):
         outputs, mask = model.encode(encoder_token_ids)
-        return {"cross_cache": model.cross_attention_caches(outputs),
-                "encoder_padding_mask": tf.cast(mask, tf.int32)}
+        return {**_cross_outputs(model, outputs), "encoder_padding_mask": tf.cast(mask, tf.int32)}
 
-    def decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask):
-        cross = [_StackedKeysValues(*pair) for pair in _split_halves(cross_cache, batch_axis=True)]
-        logits, caches = model.decode_step(token_ids, _split_halves(cache), index, cross,
-                                           tf.cast(encoder_padding_mask, tf.bool), plan=_FileForms())
-        return {sig.LOGITS: logits, "cache": _stacked(caches, cache.shape)}
+    step_specs = {**step_specs, **_cross_specs(config, source_length), "encoder_padding_mask": mask_spec}
 
-    return {"encode": (encode, [src_spec]),
-            "decode_step": (decode_step, [token_spec, cache_spec, index_spec, cross_spec, mask_spec])}
+    def decode_step(inputs):
+        logits, caches = model.decode_step(inputs[sig.TOKEN_IDS], _caches(inputs), inputs["index"], _cross(inputs),
+                                           tf.cast(inputs["encoder_padding_mask"], tf.bool), plan=_FileForms())
+        return {sig.LOGITS: logits, **_cache_outputs(caches)}
+
+    return {"encode": (encode, [src_spec]), "decode_step": (decode_step, [step_specs])}
 
 
 def _tokenizer_endpoints(tokenizer, text_length):
