@@ -1,3 +1,4 @@
+import contextlib
 import itertools
 import re
 
@@ -415,6 +416,58 @@ def _one_row_model(options, policy="float32"):
         keras.config.set_dtype_policy(previous)
 
 
+@pytest.fixture(scope="module")
+def one_row_model():
+    """`(name, policy="float32") -> model`: `ONE_ROW_MODELS[name]` built under `policy`, once per module: the decode
+    functions that `generate_ids` keeps on it (`compiled_functions`), and XLA's compilations of them, serve every test
+    that decodes with it. Tests look at the functions their own calls use (`_decodes`), never at all of them."""
+    built = {}
+
+    def get(name, policy="float32"):
+        if (name, policy) not in built:
+            built[name, policy] = _one_row_model(ONE_ROW_MODELS[name], policy)
+        return built[name, policy]
+
+    yield get
+    built.clear()
+
+
+@pytest.fixture(scope="module")
+def xla_step():
+    """`_xla_step`, computed once per model and layout in the module (its function compiles each time it is made)."""
+    done = {}
+
+    def get(model, layout):
+        if (id(model), layout) not in done:
+            done[id(model), layout] = model, _xla_step(model, layout)  # the model held: its id stays its own
+        return done[id(model), layout][1]
+
+    yield get
+    done.clear()
+
+
+@contextlib.contextmanager
+def _decodes(model):
+    """`with _decodes(model) as used:` the keys of `compiled_functions(model)` whose functions the decodes inside
+    run, one per call in call order (each made there or reused: `decode.cached_function`). On leaving, every
+    function added to `compiled_functions(model)` is one of them and each of them is kept: what a model's functions
+    would be after these calls alone."""
+    before, used, cached_function = set(compiled_functions(model)), [], decode.cached_function
+
+    def spy(of, key, make):
+        if of is model:
+            used.append(key)
+        return cached_function(of, key, make)
+
+    decode.cached_function = spy
+    try:
+        yield used
+    finally:
+        decode.cached_function = cached_function
+    added = set(compiled_functions(model)) - before
+    assert added <= set(used) <= set(compiled_functions(model)), (added, used)
+
+
 def _xla_step(model, layout):
     """One decode step of one token under XLA at position 3 of a cache, batch 1 (rows) or 2, a `DecodePlan` of
     kernel layout `layout` (None: off). Returns the first row's logits and the matmuls with a prepared-kernel
@@ -442,12 +495,12 @@ def _xla_step(model, layout):
 
 @pytest.mark.parametrize("layout", ["rows", "halves"])
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
-def test_decode_step_on_prepared_kernels_equals_the_plain_step(name, layout):
+def test_decode_step_on_prepared_kernels_equals_the_plain_step(one_row_model, xla_step, name, layout):
     """XLA decoding on kernels laid out before the loop (DecodePlan: [W^T | b] transposed back for a batch of
     one, column halves for more): same logits as the plain step, biases included."""
-    model = _one_row_model(ONE_ROW_MODELS[name])
-    plain, plain_fed = _xla_step(model, None)
-    prepared, fed = _xla_step(model, layout)
+    model = one_row_model(name)
+    plain, plain_fed = xla_step(model, None)
+    prepared, fed = xla_step(model, layout)
     # Every decode-step matmul of a decoder layer (self-attention qkv/output, FFN in/out, for seq2seq also the
     # cross-attention output, and its query in "rows": "halves" leaves a column slice plain) and an untied
     # output projection use the prepared kernels (two matmuls each for "halves").
@@ -460,15 +513,14 @@ def test_decode_step_on_prepared_kernels_equals_the_plain_step(name, layout):
     np.testing.assert_allclose(prepared, plain, rtol=1e-5, atol=1e-4)
 
 
-def test_one_row_decode_step_under_mixed_bfloat16():
+def test_one_row_decode_step_under_mixed_bfloat16(one_row_model, xla_step):
     """Under mixed_bfloat16 the one-row matmuls read bfloat16 rows (the weights as the bfloat16 step multiplies
     them; their dtypes: test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel) in float32
     products: same logits as the bfloat16 step, to bfloat16 precision."""
-    options = ONE_ROW_MODELS["causal untied swiglu"]
-    reference, _ = _xla_step(_one_row_model(options), None)
-    model = _one_row_model(options, "mixed_bfloat16")
-    plain, _ = _xla_step(model, None)
-    rows, transposed = _xla_step(model, "rows")
+    reference, _ = xla_step(one_row_model("causal untied swiglu"), None)
+    model = one_row_model("causal untied swiglu", "mixed_bfloat16")
+    plain, _ = xla_step(model, None)
+    rows, transposed = xla_step(model, "rows")
     assert transposed >= 4 * CFG["num_decoder_layers"] + 1
     assert rows.dtype == plain.dtype == np.float32
     scale = np.abs(reference).max()
@@ -477,19 +529,19 @@ def test_one_row_decode_step_under_mixed_bfloat16():
     assert np.abs(rows - plain).max() < 0.05 * scale
 
 
-def test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel():
+def test_rows_take_the_compute_dtype_of_the_layer_that_holds_the_kernel(one_row_model):
     """A float32 layer inside a mixed_bfloat16 model (the untied output projection: float32 logits) keeps float32
     rows, no silent rounding of its weights; the decoder blocks' are bfloat16. A float32 model's stay float32."""
     from tfformer.generation.plan import prepared_kernels
 
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
+    model = one_row_model("causal untied swiglu", "mixed_bfloat16")
     head = model.get_layer("output_projection")
     assert head.compute_dtype == "float32"
     table = prepared_kernels(model, "rows")
     assert table[id(head.kernel)][0].dtype.name == "float32"
     assert {rows.dtype.name for key, (rows, _) in table.items() if key != id(head.kernel)} == {"bfloat16"}
     assert len(table) == 4 * CFG["num_decoder_layers"] + 1
-    plain = prepared_kernels(_one_row_model(ONE_ROW_MODELS["causal untied swiglu"]), "rows")
+    plain = prepared_kernels(one_row_model("causal untied swiglu"), "rows")
     assert {rows.dtype.name for rows, _ in plain.values()} == {"float32"}
 
 
@@ -499,14 +551,15 @@ def _loop_states(hlo):
     return [re.findall(r"(?:bf16|f32|f16|s32|pred)\[[0-9,]*\]", state) for state in states]
 
 
-def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
+def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16(one_row_model):
     """The decode loop's state carries the bfloat16 rows (`DecodePlan.while_loop`): without the barrier XLA hoists
     their conversion out of the loop and every step reads a float32 copy, twice the bytes. Its caches are float32
     split pairs (`SplitCache`: no cast to bfloat16 at each layer call). Tokens: the same as the batch's, whose
     matmuls run in bfloat16 too."""
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], "mixed_bfloat16")
-    rows = np.asarray(generation.generate_ids(model, PROMPTS[1:2], max_new_tokens=6))
-    (fn,) = compiled_functions(model).values()
+    model = one_row_model("causal untied swiglu", "mixed_bfloat16")
+    with _decodes(model) as used:
+        rows = np.asarray(generation.generate_ids(model, PROMPTS[1:2], max_new_tokens=6))
+    (fn,) = [compiled_functions(model)[key] for key in used]
     hlo = fn.experimental_get_compiler_ir(tf.constant(PROMPTS[1:2]))(stage="optimized_hlo")
     d, f = CFG["hidden_dim"], CFG["intermediate_dim"]
     # qkv, attention output, swiglu's doubled intermediate, output; each [units, input_dim + 1] with its bias column
@@ -526,26 +579,28 @@ def test_batch_one_decode_loop_reads_bfloat16_rows_under_mixed_bfloat16():
 
 
 @pytest.mark.parametrize("name", ["causal tied gelu_approximate", "seq2seq untied relu"])
-def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(name):
+def test_batch_one_generate_under_mixed_bfloat16_equals_the_batch(one_row_model, name):
     """Under mixed_bfloat16 a prompt alone (bfloat16 rows, float32 split caches) decodes the same tokens as in a
     batch (bfloat16 matmuls, stacked caches)."""
-    model = _one_row_model(ONE_ROW_MODELS[name], "mixed_bfloat16")
+    model = one_row_model(name, "mixed_bfloat16")
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
-    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
-            for i in range(len(inputs))]
-    batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6))
-    assert sorted(key[-1] for key in compiled_functions(model)) == ["halves", "rows"]
+    with _decodes(model) as used:
+        rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
+                for i in range(len(inputs))]
+        batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6))
+    assert sorted(key[-1] for key in set(used)) == ["halves", "rows"]
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
 
 
 @pytest.mark.parametrize("name", list(ONE_ROW_MODELS))
-def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(name):
-    model = _one_row_model(ONE_ROW_MODELS[name])
+def test_batch_one_generate_takes_the_one_row_form_and_equals_the_batch(one_row_model, name):
+    model = one_row_model(name)
     inputs = SOURCE if ONE_ROW_MODELS[name]["architecture"] == "seq2seq" else PROMPTS
-    rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
-            for i in range(len(inputs))]
-    assert [key[-1] for key in compiled_functions(model)] == ["rows"]  # only the one-row function so far
+    with _decodes(model) as used:
+        rows = [np.asarray(generation.generate_ids(model, inputs[i : i + 1], max_new_tokens=6))[0]
+                for i in range(len(inputs))]
+    assert [key[-1] for key in set(used)] == ["rows"]  # only the one-row function so far
     batch = np.asarray(generation.generate_ids(model, inputs, max_new_tokens=6, jit_compile=False))  # no XLA
     np.testing.assert_array_equal(np.stack(rows), batch)
     assert len({tuple(r) for r in _trim(batch)}) > 1 and len(set(batch.ravel())) > 3  # not one repeated token
@@ -560,26 +615,28 @@ def _compiled(key):
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 3])  # a batch of one on the "rows" plan (split caches), more on "halves"
-def test_prefill_outside_xla_gives_the_fused_functions_ids(policy, rows):
+def test_prefill_outside_xla_gives_the_fused_functions_ids(one_row_model, policy, rows):
     """The prompts' pass in TensorFlow's graph runtime, the loop under XLA: the greedy ids of the function that
     compiles both, which in float32 are those of decoding without a cache. Both functions are kept, under keys
     that differ in the prefill's choice only."""
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    model = one_row_model("causal untied swiglu", policy)
     prompts = PROMPTS[:rows]
-    fused = np.asarray(generation.generate_ids(model, prompts, 6))
-    split = np.asarray(generation.generate_ids(model, prompts, 6, prefill_jit_compile=False))
+    with _decodes(model) as keys:  # the fused function's key, the split one's
+        fused = np.asarray(generation.generate_ids(model, prompts, 6))
+        split = np.asarray(generation.generate_ids(model, prompts, 6, prefill_jit_compile=False))
     np.testing.assert_array_equal(split, fused)
     if policy == "float32":
         assert _trim(split) == _uncached_lm(model, prompts, 6)
     assert len(set(fused.ravel())) > 3  # not one repeated token
-    keys = sorted(compiled_functions(model), key=lambda k: _compiled(k) == "loop")
     assert [_compiled(k) for k in keys] == [True, "loop"]
     assert keys[0][:3] + keys[0][4:] == keys[1][:3] + keys[1][4:]
     # Cached: a second call runs the kept function again, without a retrace.
     split_fn = compiled_functions(model)[keys[1]]
-    before = split_fn.experimental_get_tracing_count()
-    again = np.asarray(generation.generate_ids(model, prompts[:, :3], 6, prefill_jit_compile=False))
-    assert split_fn.experimental_get_tracing_count() == before and len(compiled_functions(model)) == 2
+    before, kept = split_fn.experimental_get_tracing_count(), set(compiled_functions(model))
+    with _decodes(model) as used:
+        again = np.asarray(generation.generate_ids(model, prompts[:, :3], 6, prefill_jit_compile=False))
+    assert split_fn.experimental_get_tracing_count() == before and used == keys[1:]
+    assert set(compiled_functions(model)) == kept  # no function made
     np.testing.assert_array_equal(again, generation.generate_ids(model, prompts[:, :3], 6))
 
 
@@ -592,12 +649,13 @@ def _xla_calls(graph):
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
-def test_prefill_outside_xla_runs_the_prompt_in_the_graph_and_the_loop_under_xla(policy):
+def test_prefill_outside_xla_runs_the_prompt_in_the_graph_and_the_loop_under_xla(one_row_model, policy):
     """The split function is a graph function (no XLA) holding the prompts' pass, its projections in the compute
     dtype (oneDNN's bfloat16 matmuls under mixed_bfloat16), and one call of an XLA-compiled loop."""
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
-    generation.generate_ids(model, PROMPTS[:1], 6, prefill_jit_compile=False)
-    (fn,) = compiled_functions(model).values()
+    model = one_row_model("causal untied swiglu", policy)
+    with _decodes(model) as used:
+        generation.generate_ids(model, PROMPTS[:1], 6, prefill_jit_compile=False)
+    (fn,) = [compiled_functions(model)[key] for key in used]
     concrete = fn.get_concrete_function(tf.TensorSpec([None, None], tf.int32))
     assert len(_xla_calls(concrete.graph)) == 1  # the loop, in the branch that runs decode steps
     ops = concrete.graph.get_operations()
@@ -613,18 +671,19 @@ def test_prefill_outside_xla_runs_the_prompt_in_the_graph_and_the_loop_under_xla
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("prompts", ["equal", "ragged"])
-def test_prefill_outside_xla_first_token_alone(policy, prompts):
+def test_prefill_outside_xla_first_token_alone(one_row_model, policy, prompts):
     """One new token for prompts of one length needs no decode step: the graph function takes it from the prompt's
     logits, in the branch that does not call the XLA loop (nor lay its kernels out). Ragged prompts still need
     steps. The ids are the fused function's either way, and those of a longer call start with them."""
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    model = one_row_model("causal untied swiglu", policy)
     ids = np.concatenate([PROMPTS[1:2], PROMPTS[1:2, ::-1]]) if prompts == "equal" else PROMPTS  # (2, 5) unpadded
-    fused = np.asarray(generation.generate_ids(model, ids, 1))
-    split = np.asarray(generation.generate_ids(model, ids, 1, prefill_jit_compile=False))
+    with _decodes(model) as used:
+        fused = np.asarray(generation.generate_ids(model, ids, 1))
+        split = np.asarray(generation.generate_ids(model, ids, 1, prefill_jit_compile=False))
     np.testing.assert_array_equal(split, fused)
     if policy == "float32":
         assert _trim(split) == _uncached_lm(model, ids, 1)
-    loop_fns = [k for k in compiled_functions(model) if _compiled(k) == "loop"]
+    loop_fns = [k for k in set(used) if _compiled(k) == "loop"]
     assert len(loop_fns) == 1
     longer = np.asarray(generation.generate_ids(model, ids, 5, prefill_jit_compile=False))
     np.testing.assert_array_equal(longer[:, :1], split)
@@ -654,19 +713,20 @@ def test_prefill_jit_compile_arguments(seq2seq, lm):
 
 
 @pytest.mark.parametrize("policy, under_xla", [("float32", True), ("mixed_bfloat16", False), ("bfloat16", False)])
-def test_causal_lm_generate_chooses_the_prefill_by_its_dtype_policy(policy, under_xla):
+def test_causal_lm_generate_chooses_the_prefill_by_its_dtype_policy(one_row_model, policy, under_xla):
     """`CausalLM.generate` runs the prompts' pass outside XLA under a bfloat16 compute dtype (its
     `prefill_jit_compile_for_policy`), unless told otherwise; without XLA, nothing is compiled."""
-    model = _one_row_model(ONE_ROW_MODELS["causal untied swiglu"], policy)
+    model = one_row_model("causal untied swiglu", policy)
     assert model.prefill_jit_compile_for_policy() is under_xla
-    ids = np.asarray(model.generate(PROMPTS, 6))
-    (key,) = compiled_functions(model)
-    assert _compiled(key) == (True if under_xla else "loop")
-    np.testing.assert_array_equal(ids, generation.generate_ids(model, PROMPTS, 6, prefill_jit_compile=under_xla))
-    np.testing.assert_array_equal(model.generate(PROMPTS, 6, prefill_jit_compile=not under_xla), ids)
-    model.generate(PROMPTS, 6, jit_compile=False)
-    assert {_compiled(k) for k in compiled_functions(model)} == {False, True, "loop"}
-    assert len(compiled_functions(model)) == 3
+    with _decodes(model) as used:
+        ids = np.asarray(model.generate(PROMPTS, 6))
+        (key,) = used
+        assert _compiled(key) == (True if under_xla else "loop")
+        np.testing.assert_array_equal(ids, generation.generate_ids(model, PROMPTS, 6, prefill_jit_compile=under_xla))
+        np.testing.assert_array_equal(model.generate(PROMPTS, 6, prefill_jit_compile=not under_xla), ids)
+        model.generate(PROMPTS, 6, jit_compile=False)
+    assert {_compiled(k) for k in used} == {False, True, "loop"}
+    assert len(set(used)) == 3
 
 
 # === Beam search with patience (CTranslate2's search) ===
