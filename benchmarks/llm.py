@@ -17,7 +17,7 @@ system). Systems:
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
   fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
-- LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm --quantize int4` writes
+- LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by default (int4)
   (`tfformer.export.litertlm`, context 2048), timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
   cores) in a process without TensorFlow: decode tokens/s of 128 new tokens after a 64-token prompt, and the
   512-token prefill's tokens/s, as its runtime reports them; the process's peak memory and the file's size beside
@@ -238,8 +238,8 @@ finally:
 
 
 def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
-    """LiteRT-LM's own timings of the int4 bundle `tfformer export smollm2-135m-instruct --format litertlm
-    --quantize int4` writes (run as that command, its peak memory measured), or the reason there are none."""
+    """LiteRT-LM's own timings of the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by
+    default (int4; run as that command, its peak memory measured), or the reason there are none."""
     from tfformer.export.litertlm import DEFAULT_CONTEXT_LENGTH
 
     if getattr(model, "preprocessor", None) is None:
@@ -249,7 +249,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, "export", PRESET, "--format", "litertlm",
-                                   "--quantize", "int4", "--out", tmp], capture_output=True, text=True, timeout=3600)
+                                   "--out", tmp], capture_output=True, text=True, timeout=3600)  # default: int4
         except subprocess.TimeoutExpired:
             return None, "tfformer export --format litertlm took over an hour"
         export_seconds = time.perf_counter() - start

@@ -314,9 +314,10 @@ else:
 # ## On the device: a TFLite decode step
 #
 # A phone app owns its loop. `export.tflite_decoder` converts one decode step with a fixed-size key/value cache
-# (here 64 positions, `(30, 1, 2, 3, 64, 64)`) to TFLite with builtin ops only; `tfformer.edge.Generator` feeds the
-# prompt one token per call, then each chosen token, with the byte-level tokenizer on the host side (its ops are
-# not TFLite ops). The float32 file holds the same weights as the Keras model, so it picks the same tokens.
+# (here 64 positions: 60 inputs `(3, 64, 64)`, each layer's keys and values, written in place) to TFLite with
+# builtin ops only; `tfformer.edge.Generator` feeds the prompt one token per call, then each chosen token, with
+# the byte-level tokenizer on the host side (its ops are not TFLite ops). The float32 file holds the same weights
+# as the Keras model, so it picks the same tokens.
 #
 # `quantize="dynamic"` stores the weights as int8: about a quarter of the size. Greedy decoding of this model
 # passes near-ties (the top two logits a few hundredths apart), and int8 weights move the logits by about one

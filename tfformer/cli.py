@@ -159,9 +159,13 @@ def _export_litertlm(args, model):
     """A causal LM as one .litertlm bundle (model, tokenizer, metadata) for Google's LiteRT-LM runtime."""
     from tfformer import export
 
-    path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=args.quantize or "none",
+    from tfformer.export.litertlm import default_quantize
+
+    quantize = args.quantize or default_quantize(model)
+    path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=quantize,
                            context_length=args.max_length)
-    print(f"LiteRT-LM: {path} (litert_lm.Engine({path!r}), or LiteRT-LM's Android/iOS/desktop APIs)")
+    print(f"LiteRT-LM: {path} ({quantize} weights; litert_lm.Engine({path!r}), or LiteRT-LM's Android/iOS/desktop "
+          "APIs)")
     return 0
 
 
@@ -500,8 +504,8 @@ COMMANDS = {
                   "greedy for a language model)"),
         _argument("--quantize", choices=["dynamic", "float16", "gguf", "none", "int8", "int4"], help="TFLite "
                   "quantization: dynamic, float16 or gguf (a model converted from a GGUF, e.g. "
-                  "smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks exactly as int8); litertlm: none (default), "
-                  "int8 or int4"),
+                  "smollm2-135m-instruct, keeps its Q8_0/Q4_1 blocks exactly as int8); litertlm: int4 (default; int8 "
+                  "when a dense layer's input width is not a multiple of 32), int8 or none (float32)"),
         _argument("--sequence-length", type=int, help="fix model.tflite's sequence length"),
         _argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
                   "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "

@@ -30,11 +30,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tfformer import edge, export, training
+from tfformer.tokens import START_ID
 from tfformer.data import placeholders
 from tfformer.recipes import rundir, translation
 
@@ -149,15 +149,9 @@ def explain(text, edge_text, serve, generate_ids, gen, tokenizer, max_new_tokens
     result = {"where": "decoding", "position": position, "saved_model_ids": served, "edge_ids": new}
     if not beam_size and position < len(served) and position < len(new):
         # The edge's logits at the parting step, fed the tokens both chose before it.
-        logits = gen.next_logits([2] + served[:position], source_ids=host)
+        logits = gen.next_logits([START_ID] + served[:position], source_ids=host)
         result["edge_logit_margin"] = float(logits[new[position]] - logits[served[position]])
     return result
-
-
-def _padded(ids, length):
-    row = np.zeros((1, length), np.int32)
-    row[0, : len(ids)] = ids
-    return row
 
 
 def compare(run, texts, references=None, work=None, beam_size=None, length_penalty=None, explain_differences=True,

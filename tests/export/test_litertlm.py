@@ -203,6 +203,7 @@ def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):
     model = models.build_causal_lm(models.TransformerConfig(vocabulary_size=tokenizer.vocabulary_size, **config))
     rng = np.random.default_rng(1)
     kernels = litertlm_module.dense_kernels(model)
+    assert litertlm_module.default_quantize(model) == "int4"  # widths of 32s: what `tfformer export` writes
     for kernel in kernels.values():
         kernel.assign(q4_1_values(rng, (kernel.shape[1], kernel.shape[0])).T)  # (in, units)
     logits = {}
@@ -345,7 +346,8 @@ def test_export_command_writes_a_bundle(tmp_path, lm, monkeypatch, capsys):
     monkeypatch.setattr(models, "from_preset", lambda name: lm)
     out = tmp_path / "bundle"
     assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(out), "--max-length", "32"]) == 0
-    assert f"LiteRT-LM: {out / 'model.litertlm'}" in capsys.readouterr().out
+    # The default: int4, but this model's dense layers read 24 inputs (int4 blocks are 32 wide), hence int8.
+    assert f"LiteRT-LM: {out / 'model.litertlm'} (int8 weights;" in capsys.readouterr().out
     listing = io.StringIO()
     litertlm_peek.peek_litertlm_file(str(out / "model.litertlm"), None, output_stream=listing)
     listing = listing.getvalue()

@@ -388,8 +388,8 @@ def test_transcriber_bad_input(transcribers, tflite_files, waveforms, tmp_path):
 def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
     """A Whisper file whose `decode_step` takes one stacked `cross_cache` and returns the whole cache (the layout
     before `new_cache`), or takes one stacked cache and returns the slot it wrote as `new_cache` (36b9357 to the
-    per-layer caches), gets a clear error, not a KeyError or a wrong transcript: tiny stand-ins with those
-    signatures."""
+    per-layer caches), or has the `options` signature and encode's per-layer cross outputs but one stacked cache,
+    gets a clear error, not a KeyError or a wrong transcript: tiny stand-ins with those signatures."""
     import tensorflow as tf
 
     from tfformer import edge
@@ -418,10 +418,29 @@ def test_transcriber_refuses_files_of_the_older_layout(tmp_path):
             step = tf.reduce_sum(cross_keys_0 + cross_values_0) + tf.cast(token_ids[0, 0], tf.float32)
             return {"logits": tf.fill([1, 1, 4], step), "new_cache": cache[..., :1, :] * 2.0}
 
-    for i, module in enumerate((OldLayout(), NewCache())):
+    class StackedCache(tf.Module):  # an `options` signature and encode's cross outputs, but one stacked cache
+        @tf.function(input_signature=[])
+        def options(self):
+            return {"end_id": tf.constant(3)}
+
+        @tf.function(input_signature=[tf.TensorSpec([1, 4, 2], tf.float32, name="input_features")])
+        def encode(self, input_features):
+            return {"cross_keys_0": input_features * 2.0, "cross_values_0": input_features * 3.0}
+
+        @tf.function(input_signature=[tf.TensorSpec([1, 1], tf.int32, name="token_ids"),
+                                      tf.TensorSpec([1, 1, 2, 2, 3, 8], tf.float32, name="cache"),
+                                      tf.TensorSpec([1, 4, 2], tf.float32, name="cross_keys_0"),
+                                      tf.TensorSpec([1, 4, 2], tf.float32, name="cross_values_0")])
+        def decode_step(self, token_ids, cache, cross_keys_0, cross_values_0):
+            step = tf.reduce_sum(cross_keys_0 + cross_values_0) + tf.cast(token_ids[0, 0], tf.float32)
+            return {"logits": tf.fill([1, 1, 4], step), "cache": cache * 2.0}
+
+    for i, module in enumerate((OldLayout(), NewCache(), StackedCache())):
         saved = str(tmp_path / f"old{i}")
-        tf.saved_model.save(module, saved, signatures={"encode": module.encode, "decode_step": module.decode_step})
-        content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["encode", "decode_step"]).convert()
+        signatures = {name: getattr(module, name) for name in ("options", "encode", "decode_step")
+                      if hasattr(module, name)}
+        tf.saved_model.save(module, saved, signatures=signatures)
+        content = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=list(signatures)).convert()
         path = tmp_path / f"old{i}.tflite"
         path.write_bytes(content)
         with pytest.raises(ValueError, match="older layout .*write it again with tfformer.export.tflite_decoder"):

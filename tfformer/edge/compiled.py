@@ -71,12 +71,12 @@ class Signature:
     """One signature of a `CompiledModel` with its buffers. `inputs`: buffers of other signatures to read as they
     are (`{name: TensorBuffer}`, e.g. an encoder's outputs as a decoder's inputs); the others are made here. An
     output named like an input is that input's buffer: the runtime reads and writes it there (a decoder's cache,
-    which its step cuts and stacks back inside the runtime), and the host never copies it.
+    which its step writes in place), and the host never copies it.
 
     Example:
     ```python
     step = Signature(model, "decode_step")
-    step(token_ids=np.array([[5]], np.int32), index=np.array(0, np.int32))  # the cache stays in its buffer
+    step(token_ids=np.array([[5]], np.int32), index=np.array(0, np.int32))  # the caches stay in their buffers
     logits = step.read("logits")
     ```
     """

@@ -102,12 +102,12 @@ class Generator:
         if max_new_tokens is not None:
             check_int("max_new_tokens", max_new_tokens, numpy=True)
         if not len(ids):
-            raise ValueError(f"The {what} is empty.")
+            raise ValueError(f"{what} is empty.")
         if len(ids) > limit:
-            raise ValueError(f"The {what} has {len(ids)} tokens; this file holds at most {limit}.")
+            raise ValueError(f"{what} has {len(ids)} tokens; this file holds at most {limit}.")
         bad = [int(t) for t in ids if not 0 <= int(t) < self.vocabulary_size]
         if bad:
-            raise ValueError(f"The {what} holds ids outside [0, {self.vocabulary_size}): {bad[:5]}")
+            raise ValueError(f"{what} holds ids outside [0, {self.vocabulary_size}): {bad[:5]}")
 
     def generate(self, prompt_ids, max_new_tokens=32, end_ids=None):
         """Causal LM: greedy continuation ids of `prompt_ids`, ending with the first of `end_ids` if one is chosen.
@@ -118,7 +118,7 @@ class Generator:
         if self.is_seq2seq:
             raise ValueError(f"`generate` continues a causal LM's prompt; {self.path} is a seq2seq (translator) file: "
                              "use `translate`.")
-        self._check(prompt_ids, self.max_length - 1, "prompt", max_new_tokens)
+        self._check(prompt_ids, self.max_length - 1, "`prompt_ids`", max_new_tokens)
         if len(prompt_ids) + max_new_tokens > self.max_length:
             raise ValueError(f"`max_new_tokens`={max_new_tokens} after a prompt of {len(prompt_ids)} tokens overflows "
                              f"this file's cache of {self.max_length} positions; ask for at most "
@@ -155,14 +155,15 @@ class Generator:
 
     def next_logits(self, ids, source_ids=None):
         """The logits `(V,)` of the token after `ids`, fed one per step from empty caches: for a seq2seq file after
-        encoding `source_ids` (`ids` then start with the start id), for a causal LM `ids` are the prompt and more.
+        encoding `source_ids` (`ids` are the decoder's inputs: `START_ID` and the target so far), for a causal LM
+        `ids` are the prompt and more.
         What a greedy or beam step chose among (e.g. to see by how much two decoders' choices differ)."""
         if self.is_seq2seq != (source_ids is not None):
             raise ValueError(f"`source_ids` is required for a seq2seq file and refused for a causal LM's. Received: "
                              f"source_ids={source_ids!r} for a {'seq2seq' if self.is_seq2seq else 'causal LM'} file")
         self._check(ids, self.max_length, "`ids`")
         if self.is_seq2seq:
-            self._check(source_ids, self.source_length, "source")
+            self._check(source_ids, self.source_length, "`source_ids`")
             src = np.zeros((1, self.source_length), np.int32)
             src[0, : len(source_ids)] = source_ids
             self._encode(encoder_token_ids=src)
@@ -193,7 +194,7 @@ class Generator:
         if not self.is_seq2seq:
             raise ValueError(f"`translate` needs a seq2seq (translator) file; {self.path} is a causal LM's: use "
                              "`generate`.")
-        self._check(source_ids, self.source_length, "source", max_new_tokens)
+        self._check(source_ids, self.source_length, "`source_ids`", max_new_tokens)
         check_int("beam_size", beam_size, allow_none=True, numpy=True)
         check_number("length_penalty", length_penalty)
         src = np.zeros((1, self.source_length), np.int32)

@@ -115,7 +115,7 @@ class Transcriber:
             raise ValueError(f"`path` is a Whisper decoder file of an older layout (decode_step inputs "
                              f"{sorted(step_inputs)}; now per-layer `cache_keys_i` / `cache_values_i`, the "
                              "cross-attention keys/values from `encode`, an `options` signature): write it again "
-                             "with tfformer.export.tflite_decoder.")
+                             f"with tfformer.export.tflite_decoder. Received: path={path!r}")
         self._encode = Signature(self.model, "encode")
         # encode's cross-attention keys (1, K, S_src, H) and values (1, K, H, S_src) are decode_step's inputs.
         self._step = Signature(self.model, "decode_step", inputs={name: self._encode.outputs[name] for name in cross})

@@ -109,6 +109,15 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
     return path
 
 
+def default_quantize(task):
+    """What `tfformer export --format litertlm` writes without `--quantize`: `"int4"` (what an app ships), or
+    `"int8"` when a dense layer's input width is not a multiple of `INT4_BLOCK`."""
+    if not isinstance(task, CausalLM):
+        return "int4"  # `litertlm` refuses the task, naming it
+    widths = {int(kernel.shape[0]) for kernel in dense_kernels(task).values()}
+    return "int8" if any(width % INT4_BLOCK for width in widths) else "int4"
+
+
 def _check_arguments(task, quantize, context_length, prefill_lengths):
     """`litertlm`'s argument checks; returns the context length and the sorted prefill lengths."""
     config = getattr(task, "config", None)

@@ -6,13 +6,15 @@ is deprecated). Only builtin ops are used for the id models: Flex
 holds fixed-shape signatures (batch 1, cache of `max_length` slots) so the host
 app owns the loop, as the TFLite GPU delegate has no WHILE op:
 
-- causal LM: `decode_step(token_ids (1,1), cache (L,1,2,K,S,H), index ()) -> {logits, cache}` (`K` key/value heads;
-  the step cuts the cache into per-layer halves with RESHAPE + UNPACK, writes its slot with DYNAMIC_UPDATE_SLICE and
-  stacks it back: no op that TFLite runs element by element touches the cache, and `tfformer.edge.Generator` binds
-  one buffer as the cache input and output, so the host never copies it)
-- seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_cache, encoder_padding_mask}` and
-  `decode_step(token_ids, cache, index, cross_cache, encoder_padding_mask) -> {logits, cache}` (both caches cut
-  as the causal LM's)
+- causal LM: `decode_step(token_ids (1,1), index (), cache_keys_i (K,S,H), cache_values_i (K,S,H) for each layer
+  i) -> {logits, cache_keys_i, cache_values_i}` (`K` key/value heads): every cache is an input of its own, and the
+  step returns each under its input's name as the DYNAMIC_UPDATE_SLICE that wrote its slot, so
+  `tfformer.edge.Generator` binds one buffer as both and a step writes only its slot (TFLite copies a slice of a
+  stacked tensor element by element, and UNPACK, PACK or TILE copy a whole cache: none touches one)
+- seq2seq: `encode(encoder_token_ids (1,S_src)) -> {cross_keys_i (1,K,S_src,H), cross_values_i (1,K,H,S_src),
+  encoder_padding_mask}` and `decode_step(token_ids, index, cache_keys_i, cache_values_i, cross_keys_i,
+  cross_values_i, encoder_padding_mask) -> {logits, cache_keys_i, cache_values_i}` (the cross-attention values
+  transposed, as Whisper's; encode's outputs are bound as the step's inputs)
 - Whisper (speech_seq2seq): `options() -> {prompt_ids (1,P), end_id (), suppress_ids, suppress_ids_begin}`
   (the decoding options as constants; the id lists end with a -1 that is never an id), `encode(input_features
   (1,3000,80)) -> {cross_keys_i (1,K,1500,H), cross_values_i (1,K,H,1500)}` and `decode_step(token_ids, index,
@@ -48,7 +50,6 @@ from tfformer.export import exact_int8
 from tfformer.export import signatures as sig
 from tfformer.files import write_atomic
 from tfformer.layers.decode_forms import DecodeForms
-from tfformer.layers.layer_utils import PlainForms
 from tfformer.models.sentence_encoder import SentenceEncoder
 from tfformer.models.whisper import WhisperModel
 
@@ -190,14 +191,15 @@ def tflite_decoder(model, path, max_length=None, source_length=None, quantize=No
     """Write the single-step decoder (see the module docstring) for `model` to `path`.
 
     Llama-style causal LMs (SmolLM2: RMSNorm, rotary positions at the cache index, grouped-query caches
-    `(L, 1, 2, K, max_length, H)` with `K` key/value heads, SwiGLU) convert with builtin ops like the others.
+    `(K, max_length, H)` per layer and half with `K` key/value heads, SwiGLU) convert with builtin ops like the
+    others.
 
     Args:
         model: a tfformer `CausalLM`, `Seq2SeqTransformer` or `WhisperModel` (run it with
             `tfformer.edge.Transcriber`).
         path: output file.
         max_length: int. Cache positions (prompt + new tokens), at most `max_sequence_length` (the default).
-            Every step reads and writes the whole cache, so keep it to what the app needs.
+            Every step reads the whole cache (and writes one slot), so keep it to what the app needs.
         source_length: int. Seq2seq: source positions of `encode` (default `max_sequence_length`). Not for
             Whisper, whose encoder always takes one 30-second window.
         quantize: `None` (float32), `"dynamic"` (int8 weights, `Optimize.DEFAULT`), `"float16"`, or
@@ -272,39 +274,42 @@ def _check_decoder_arguments(model, max_length, source_length, quantize, tokeniz
 
 class _FileForms(DecodeForms):
     """The forms of a decoder file's step (batch 1): per-layer split self-attention caches `(K, S, H)` read in place,
-    each group of `N / K` query heads one batched matmul against its key/value head (no repeated copy of the cache,
-    which TFLite's TILE made at every step), each step's slot written with DYNAMIC_UPDATE_SLICE
-    (`in_place_cache_writes`) instead of a select over the whole cache; the cross-attention keys `(1, K, S, H)` and
-    transposed values `(1, K, H, S)` read with plain products (TFLite BATCH_MATMULs, not XLA's fused forms)."""
+    each step's slot written with DYNAMIC_UPDATE_SLICE (`in_place_cache_writes`) instead of a select over the whole
+    cache; cross-attention keys `(1, K, S, H)` and transposed values `(1, K, H, S)`. Each group of `N / K` query
+    heads is one batched matmul against its key/value head: no repeated copy of a cache (TFLite's TILE, at every
+    step)."""
 
     def __init__(self):
         super().__init__(in_place_cache_writes=True)
 
     def shared_heads(self, x, q, groups):
-        if len(x.shape) != 3:
-            return super().shared_heads(x, q, groups)
-        return x  # a split cache: `dot` and `mix` read each key/value head for its group of query heads
+        return x  # `dot` and `mix` read each key/value head for its group of query heads
 
     def key_heads(self, k, q):
-        if len(k.shape) != 3:
-            return k
-        # A split cache's keys repeated for each group of query heads (additive scores are not a product).
-        return tf.repeat(tf.cast(k, q.dtype)[None], q.shape[1] // k.shape[0], axis=1)  # (K, S, H) -> (1, N, S, H)
+        # The keys repeated for each group of query heads (additive scores are not a product).
+        k = k if len(k.shape) == 4 else k[None]  # (K, S, H) -> (1, K, S, H)
+        return tf.repeat(tf.cast(k, q.dtype), q.shape[1] // k.shape[1], axis=1)  # (1, N, S, H)
 
     def dot(self, q, k):
-        if len(k.shape) != 3:
-            return PlainForms.dot(self, q, k)
-        b, heads, t, head_dim = q.shape  # (1, N, T, H)
-        q = tf.reshape(tf.cast(q, k.dtype), [k.shape[0], heads // k.shape[0] * t, head_dim])  # (K, G*T, H)
-        return tf.reshape(tf.matmul(q, k, transpose_b=True), [b, heads, t, k.shape[1]])  # (K, G*T, S) -> (1, N, T, S)
+        b, heads, t, head_dim = _one_row(q)  # (1, N, T, H)
+        kv = k.shape[-3]
+        q = tf.reshape(tf.cast(q, k.dtype), list(k.shape[:-3]) + [kv, heads // kv * t, head_dim])  # ([1,] K, G*T, H)
+        scores = tf.matmul(q, k, transpose_b=True)  # ([1,] K, G*T, S)
+        return tf.reshape(scores, [b, heads, t, k.shape[-2]])  # (1, N, T, S)
 
     def mix(self, weights, v, dtype):
-        if len(v.shape) == 4:  # cross-attention values (1, K, H, S)
-            return tf.cast(tf.matmul(weights, v, transpose_b=True), dtype)  # (1, N, T, S) x (1, K, H, S)^T
-        b, heads, t, slots = weights.shape  # (1, N, T, S)
-        weights = tf.reshape(tf.cast(weights, v.dtype), [v.shape[0], heads // v.shape[0] * t, slots])  # (K, G*T, S)
-        x = tf.reshape(tf.matmul(weights, v), [b, heads, t, v.shape[2]])  # (K, G*T, H) -> (1, N, T, H)
-        return tf.cast(x, dtype)
+        b, heads, t, slots = _one_row(weights)  # (1, N, T, S)
+        kv = v.shape[-3]
+        weights = tf.reshape(tf.cast(weights, v.dtype), list(v.shape[:-3]) + [kv, heads // kv * t, slots])
+        # Self-attention values (K, S, H); cross-attention values transposed, (1, K, H, S).
+        x = tf.matmul(weights, v, transpose_b=len(v.shape) == 4)  # ([1,] K, G*T, H)
+        return tf.cast(tf.reshape(x, [b, heads, t, x.shape[-1]]), dtype)  # (1, N, T, H)
+
+
+def _one_row(x):
+    if x.shape[0] != 1:
+        raise ValueError(f"A decoder file's step decodes one row. Received a batch of {x.shape[0]}")
+    return x.shape
 
 
 HALVES = ("keys", "values")

@@ -124,7 +124,7 @@ class DecodeForms(PlainForms):
 
     def shared_heads(self, x, q, groups):
         # A repeat keeps every form of the scores and mixing as it is; a grouped product reading each key/value head
-        # once would save the copy.
+        # once saves the copy (a TFLite decoder file's `_FileForms` does that).
         if len(x.shape) != 3 or groups == 1:
             return super().shared_heads(x, q, groups)
         batch, heads, s = ops.shape(q)[0], q.shape[1], ops.shape(x)[1]
