@@ -34,9 +34,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tfformer import edge, export, training
-from tfformer.tokens import START_ID
 from tfformer.data import placeholders
 from tfformer.recipes import rundir, translation
+from tfformer.tokens import START_ID
 
 QUANTIZATIONS = {"float32": None, "int8": "dynamic"}
 

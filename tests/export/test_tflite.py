@@ -141,8 +141,10 @@ def test_edge_generator_equals_cached_keras_decoding(tmp_path, causal_lm, seq2se
         gen.generate([5, 6, 7])
 
 
+@pytest.mark.parametrize("quantize", [None, "dynamic"])
 @pytest.mark.parametrize("architecture", ["seq2seq", "causal_lm"])
-def test_decoder_step_writes_its_caches_in_place_without_copying_them(tmp_path, causal_lm, seq2seq, architecture):
+def test_decoder_step_writes_its_caches_in_place_without_copying_them(tmp_path, causal_lm, seq2seq, architecture,
+                                                                       quantize):
     """TFLite runs STRIDED_SLICE, GATHER and SELECT with reference kernels, element by element. A step that cut one
     stacked cache with them (`cache[i]`, `[:, 0]`) and wrote its slot with a select over the cache spent most of
     its time there (2.0 of 2.2 ms a step for `transformer-tiny` at 36b9357); cut by UNPACK, stacked back by PACK,
@@ -162,7 +164,9 @@ def test_decoder_step_writes_its_caches_in_place_without_copying_them(tmp_path, 
         config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=causal_lm.config.vocabulary_size,
                                           **grouped)
         model = spread(models.build_causal_lm(config), seed=3)
-    path = export.tflite_decoder(model, str(tmp_path / "m.tflite"), max_length=16)
+    # A source of 8 keeps every tensor but the caches below a cache half's size (`half`).
+    path = export.tflite_decoder(model, str(tmp_path / "m.tflite"), max_length=16, quantize=quantize,
+                                 source_length=8 if architecture == "seq2seq" else None)
     flat, names = _read_tflite(path)
     (signature,) = [s for s in flat.signatureDefs if s.signatureKey == b"decode_step"]
     graph = flat.subgraphs[signature.subgraphIndex]
@@ -180,14 +184,15 @@ def test_decoder_step_writes_its_caches_in_place_without_copying_them(tmp_path, 
             readers.setdefault(tensor, []).append(name)
     # Each cache input is read by its write alone; the written cache, and each cross-attention input, by the
     # attention's products alone (no TILE, PACK, UNPACK or slice of them).
-    assert all(readers[index] == ["DYNAMIC_UPDATE_SLICE"] for index in inputs.values()), readers
+    assert all(readers.get(index) == ["DYNAMIC_UPDATE_SLICE"] for index in inputs.values()), readers
     cross = [item.tensorIndex for item in signature.inputs if item.name.startswith(b"cross_")]
     assert len(cross) == (2 * config.num_decoder_layers if architecture == "seq2seq" else 0)
-    assert all(set(readers[index]) == {"BATCH_MATMUL"} for index in list(outputs.values()) + cross), readers
-    copies = ("TILE", "PACK", "UNPACK", "STRIDED_SLICE", "SLICE", "GATHER", "SELECT", "SELECT_V2", "CONCATENATION")
+    assert all(set(readers.get(index, ())) == {"BATCH_MATMUL"} for index in list(outputs.values()) + cross), readers
     large = [(name, int(np.prod(graph.tensors[op.outputs[0]].shape))) for name, op in ops
-             if name in copies and np.prod(graph.tensors[op.outputs[0]].shape) >= half]
-    assert not large, large
+             if name != "DYNAMIC_UPDATE_SLICE" and np.prod(graph.tensors[op.outputs[0]].shape) >= half]
+    assert not large, large  # no op makes a tensor of a cache's size but the writes
+    if quantize:
+        return  # int8 weights: the float32 file's numbers are checked below
     gen = edge.Generator(path)
     if architecture == "causal_lm":  # the grouped products give the Keras model's logits (uncached, at once)
         ids = [5, 6, 7, 9, 2, 11, 30]

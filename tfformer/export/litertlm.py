@@ -69,7 +69,8 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
             lookup and the logits (the final norm's scale, which the converter folds into the logits' filter, goes
             back to a `MUL` of the hidden state). A matrix that holds GGUF Q4_1 values (SmolLM2's) keeps them
             exactly (`gguf_int4_blocks`): its int4 blocks plus a float32 offset a block, which a second, small
-            `FULLY_CONNECTED` applies to each block's sum of inputs.
+            `FULLY_CONNECTED` applies to each block's sum of inputs. `tfformer export --format litertlm` passes
+            `default_quantize(task)` (int4) unless told otherwise; this function's default stays float32.
         context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
             `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
             step attends over all of them.

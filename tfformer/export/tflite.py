@@ -300,6 +300,9 @@ class _FileForms(DecodeForms):
     def mix(self, weights, v, dtype):
         b, heads, t, slots = _one_row(weights)  # (1, N, T, S)
         kv = v.shape[-3]
+        if v.shape[-1 if len(v.shape) == 4 else -2] != slots or heads % kv:
+            raise ValueError(f"A decoder file's values are (K, S, H) per layer, or cross-attention's transposed "
+                             f"(1, K, H, S), with K dividing {heads} heads. Received: {v.shape} for {slots} slots")
         weights = tf.reshape(tf.cast(weights, v.dtype), list(v.shape[:-3]) + [kv, heads // kv * t, slots])
         # Self-attention values (K, S, H); cross-attention values transposed, (1, K, H, S).
         x = tf.matmul(weights, v, transpose_b=len(v.shape) == 4)  # ([1,] K, G*T, H)
