@@ -138,6 +138,24 @@ class Signature:
         self.model.run_by_name(self.name, self.inputs, self.outputs)
 
 
+def zero_caches(step, caches):
+    """Writes zeros into `caches` (`{name: buffer}`: buffers of `step`'s cache inputs, each of one shape), the
+    empty caches a decoder file's `decode_step` starts from."""
+    zeros = {}  # shape -> one array of zeros, written into every buffer of that shape
+    for name, buffer in caches.items():
+        shape = step.specs[name][0]
+        if shape not in zeros:
+            zeros[shape] = np.zeros(shape, np.float32)
+        step.write(name, zeros[shape], buffer)
+
+
+def next_logits(step, token, index):
+    """Runs a decoder file's `decode_step` (a `Signature`, its caches bound) on `token` at cache position `index`;
+    the logits `(V,)` of the token after it."""
+    step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
+    return step.read("logits")[0, -1]
+
+
 def constants(model, name):
     """The outputs `{name: array}` of signature `name`, which takes no inputs (constants, such as a file's decoding
     options), run once. The runtime logs an INFO line for each constant output it binds; they are dropped."""

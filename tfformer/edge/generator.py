@@ -4,7 +4,7 @@ tfformer .tflite file, run by LiteRT's `CompiledModel` with the caches kept in t
 import numpy as np
 
 from tfformer.checks import check_int, check_number
-from tfformer.edge.compiled import Signature, compiled_model
+from tfformer.edge.compiled import Signature, compiled_model, next_logits, zero_caches
 from tfformer.tokens import END_ID, PAD_ID, START_ID, UNK_ID, cut_at_end
 
 BEAM_NEG = -1e9  # the score of an impossible beam, as tfformer.generation.beam
@@ -140,9 +140,7 @@ class Generator:
     def _start(self, caches):
         """Steps read and update `caches` (`{name: buffer}` of `decode_step`'s caches), from zeros."""
         self._bind(caches)
-        zeros = np.zeros(self._step.specs["cache_keys_0"][0], np.float32)  # (K, S, H), every cache's shape
-        for name, buffer in caches.items():
-            self._step.write(name, zeros, buffer)
+        zero_caches(self._step, caches)
 
     def _bind(self, caches):
         for name, buffer in caches.items():
@@ -150,8 +148,7 @@ class Generator:
 
     def _decode(self, token, index):
         """One decoder step on the bound caches (written in the runtime's buffers): the next token's logits `(V,)`."""
-        self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
-        return self._step.read("logits")[0, -1]
+        return next_logits(self._step, token, index)
 
     def next_logits(self, ids, source_ids=None):
         """The logits `(V,)` of the token after `ids`, fed one per step from empty caches: for a seq2seq file after

@@ -10,7 +10,7 @@ TensorFlow-free `tfformer.timestamps` (`long_form_segments`).
 import numpy as np
 
 from tfformer.checks import check_int
-from tfformer.edge.compiled import Signature, compiled_model, constants
+from tfformer.edge.compiled import Signature, compiled_model, constants, next_logits, zero_caches
 from tfformer.timestamps import (
     MAX_INITIAL_TIMESTAMP,
     NONE,
@@ -119,7 +119,7 @@ class Transcriber:
         self._encode = Signature(self.model, "encode")
         # encode's cross-attention keys (1, K, S_src, H) and values (1, K, H, S_src) are decode_step's inputs.
         self._step = Signature(self.model, "decode_step", inputs={name: self._encode.outputs[name] for name in cross})
-        self._caches = sorted(caches)
+        self._caches = {name: self._step.inputs[name] for name in sorted(caches)}  # bound in and out
         self.input_shape = self._encode.specs["input_features"][0]  # (1, F, M)
         self.max_length = self._step.specs["cache_keys_0"][0][1]  # each cache (K, S, H)
         vocabulary_size = self._step.specs["logits"][0][-1]
@@ -149,7 +149,7 @@ class Transcriber:
                            "prompt)")
         self._start_window(features)
         for index, token in enumerate(self.prompt):  # prefill, one id per call
-            logits = self._step_logits(token, index)
+            logits = next_logits(self._step, token, index)
         new = []
         bias = self._first_step
         while True:
@@ -157,7 +157,7 @@ class Transcriber:
             new.append(token)
             if token == self.end_id or len(new) == max_new_tokens:
                 return new
-            logits = self._step_logits(token, len(self.prompt) + len(new) - 1)
+            logits = next_logits(self._step, token, len(self.prompt) + len(new) - 1)
             bias = self._every_step
 
     def _check_features(self, input_features):
@@ -173,14 +173,7 @@ class Transcriber:
         """Encodes one window `(1, F, M)` (its cross-attention keys/values into `decode_step`'s input buffers) and
         zeroes the self-attention caches."""
         self._encode(input_features=features)
-        zeros = np.zeros(self._step.specs["cache_keys_0"][0], np.float32)  # (K, S, H)
-        for name in self._caches:
-            self._step.write(name, zeros)
-
-    def _step_logits(self, token, index):
-        """Feeds `token` at cache position `index` (each cache written in its buffer); the logits `(V,)` after it."""
-        self._step(token_ids=np.array([[token]], np.int32), index=np.array(index, np.int32))
-        return self._step.read("logits")[0, -1]
+        zero_caches(self._step, self._caches)
 
     def transcribe_timestamp_ids(self, input_features, prompt_ids, ids, max_new_tokens,
                                  max_initial_timestamp=MAX_INITIAL_TIMESTAMP):
@@ -206,7 +199,7 @@ class Transcriber:
         first = self._first_step + first_step_bias(vocabulary_size, ids, max_initial_timestamp)
         self._start_window(features)
         for index, token in enumerate(prompt):
-            logits = self._step_logits(token, index)  # (V,) float32
+            logits = next_logits(self._step, token, index)  # (V,) float32
         no_speech_prob = float(np.exp(log_softmax(logits)[ids.no_speech]))
         log_probs = log_softmax(logits + first)
         tokens, total, last, penultimate, last_timestamp = [], np.float32(0.0), NONE, NONE, NONE
@@ -221,7 +214,7 @@ class Transcriber:
             penultimate = token if last == NONE else last
             last = token
             last_timestamp = token if token >= ids.timestamp_begin else last_timestamp
-            logits = self._step_logits(token, len(prompt) + len(tokens) - 1) + self._every_step
+            logits = next_logits(self._step, token, len(prompt) + len(tokens) - 1) + self._every_step
             logits = timestamp_rules(logits[None], [last], [penultimate], [last_timestamp], self.end_id, ids)[0]
             log_probs = log_softmax(logits)
         return cut_at_end(tokens, self.end_id), float(total), no_speech_prob

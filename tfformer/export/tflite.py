@@ -332,7 +332,7 @@ def _caches(inputs):
 
 def _cache_outputs(caches):
     """The split caches a step wrote, under their inputs' names: each the DYNAMIC_UPDATE_SLICE that wrote its slot."""
-    return {f"cache_{half}_{i}": value for i, pair in enumerate(caches) for half, value in zip(HALVES, pair)}
+    return dict(zip(cache_names(len(caches)), (half for pair in caches for half in pair)))
 
 
 def _cross_specs(config, source_length):
