@@ -118,12 +118,24 @@ def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):
 
 
 @needs_wheel
-def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys):
+def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys, monkeypatch):
     """--format srt/vtt/json/txt: files `srt` and `webvtt-py` parse, whose cues are faster-whisper's segments
-    (tests/fixtures/speech/segments.json: times within 0.5 s, the same texts) for two fixture clips."""
+    (tests/fixtures/speech/segments.json: times within 0.5 s, the same texts) for two fixture clips. The five
+    commands share one loaded preset (each would load it and compile its decoding loop again); what each command
+    does with it is unchanged."""
     import srt
     import webvtt
 
+    from tfformer import models
+
+    loaded, load = {}, models.from_preset
+
+    def from_preset_once(name):
+        if name not in loaded:
+            loaded[name] = load(name)
+        return loaded[name]
+
+    monkeypatch.setattr(models, "from_preset", from_preset_once)
     reference = json.loads((SPEECH / "segments.json").read_text())["clips"]
     names = ["clip_00", "clip_07"]
     paths = [str(SPEECH / f"{name}.wav") for name in names]
