@@ -1,6 +1,7 @@
 import contextlib
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +22,22 @@ PROTECTED = ["\n  _Open %s file (%.2f%%)\t", "%u cached (%.2f%%)\n", "%1$s <b>th
 
 
 
+@pytest.fixture(scope="module")
+def translator_export(tmp_path_factory, seq2seq, tokenizer):
+    """`(base path, version path)`: `seq2seq` exported once (max_new_tokens=12) into a new base path, for the tests
+    that load it and do not write to it."""
+    base = tmp_path_factory.mktemp("translator") / "models" / "translator"
+    return base, export.saved_model(seq2seq, str(base), tokenizer=tokenizer, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def short_export(tmp_path_factory, seq2seq, tokenizer):
+    """`seq2seq` exported once (max_new_tokens=4) into a new base path: that base path (its version 1)."""
+    base = tmp_path_factory.mktemp("short") / "m"
+    assert export.saved_model(seq2seq, str(base), tokenizer=tokenizer, max_new_tokens=4) == str(base / "1")
+    return base
+
+
 @contextlib.contextmanager
 def _preprocessor(task, tokenizer):
     """`task` with `tokenizer` as its preprocessor for a while (the fixtures are shared by the session)."""
@@ -31,9 +48,8 @@ def _preprocessor(task, tokenizer):
         task.preprocessor = None
 
 
-def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2seq, tokenizer):
-    base = tmp_path / "models" / "translator"
-    path = export.saved_model(seq2seq, str(base), tokenizer=tokenizer, max_new_tokens=12)
+def test_translation_saved_model_matches_keras_in_a_fresh_process(tmp_path, seq2seq, tokenizer, translator_export):
+    base, path = translator_export
     assert path == str(base / "1") and sorted(os.listdir(base)) == ["1"]
     ids = tokenizer.tokenize(TEXTS[:3]).to_tensor().numpy()
     dec = np.array([[2, 5, 6], [2, 7, 0], [2, 0, 0]], "int32")
@@ -72,8 +88,8 @@ def test_causal_lm_saved_model_and_generate_ids(tmp_path, causal_lm, tokenizer):
                                   generation.generate_ids(causal_lm, np.array([[5, 6, 7]], "int32"), 6).numpy())
 
 
-def test_saved_model_cli_lists_the_signatures(tmp_path, seq2seq, tokenizer):
-    path = export.saved_model(seq2seq, str(tmp_path / "m"), tokenizer=tokenizer, max_new_tokens=4)
+def test_saved_model_cli_lists_the_signatures(short_export):
+    path = str(short_export / "1")
     cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
     out = subprocess.run([cli, "show", "--all", "--dir", path], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -81,9 +97,9 @@ def test_saved_model_cli_lists_the_signatures(tmp_path, seq2seq, tokenizer):
         assert name in out.stdout
 
 
-def test_versions_are_numbered_and_never_overwritten(tmp_path, seq2seq, tokenizer):
+def test_versions_are_numbered_and_never_overwritten(tmp_path, seq2seq, tokenizer, short_export):
     base = str(tmp_path / "m")
-    export.saved_model(seq2seq, base, tokenizer=tokenizer, max_new_tokens=4)
+    shutil.copytree(short_export, base)  # version 1, numbered 1 in its empty base path (the fixture checks)
     export.saved_model(seq2seq, base, version=7, tokenizer=tokenizer, max_new_tokens=4)
     assert export.saved_model(seq2seq, base, tokenizer=tokenizer, max_new_tokens=4).endswith("/8")
     with pytest.raises(ValueError, match="already exists"):
@@ -189,7 +205,7 @@ WHITESPACE = ["open\nthe file", "close  the\tfile\n", "\n\nsave   the folder\r\n
               "open the file", "\topen  the\n\nfile %d lines\t"]
 
 
-def test_edge_translates_like_the_saved_model_on_whitespace(tmp_path, seq2seq, tokenizer):
+def test_edge_translates_like_the_saved_model_on_whitespace(tmp_path, seq2seq, tokenizer, translator_export):
     """The same strings from the SavedModel's serving_default and the edge Generator (tokenizer round trip,
     placeholder protection) on text with newlines, tabs and runs of spaces."""
     import tensorflow as tf
@@ -198,7 +214,7 @@ def test_edge_translates_like_the_saved_model_on_whitespace(tmp_path, seq2seq, t
     from tfformer.data import tokenizers
 
     assert edge.generator.WHITESPACE_SYMBOLS == tokenizers.ESCAPES  # one mapping on both sides
-    path = export.saved_model(seq2seq, str(tmp_path / "sm"), tokenizer=tokenizer, max_new_tokens=12)
+    _, path = translator_export
     serve = tf.saved_model.load(path).signatures["serving_default"]
     served = [s.decode("utf-8") for s in serve(text=tf.constant(WHITESPACE))["translation"].numpy()]
     decoder = export.tflite_decoder(seq2seq, str(tmp_path / "s2s.tflite"), max_length=16, tokenizer=tokenizer)

@@ -1,8 +1,11 @@
-"""Run in a subprocess: 3 steps of a tiny seq2seq under get_strategy(replicas=N); saves final weights and
-the `evaluate` results on one batch after them (WEIGHTS_OUT.evaluate.json).
+"""Run in a subprocess: jobs of 3 steps of a tiny seq2seq each, one after another, under get_strategy(replicas=N);
+each saves its final weights and the `evaluate` results on one batch after them (WEIGHTS_OUT.evaluate.json).
+One process per replica count: TensorFlow's start costs more than a job.
 
-    replica_worker.py REPLICAS WEIGHTS_IN|- WEIGHTS_OUT [sgd|adam|fused_adam] [fused|unfused] [MICRO_BATCHES]
-    (SGD by default; the loss's `fuse_projection` on by default; compile's `micro_batches` 1 by default)
+    replica_worker.py REPLICAS JOB [JOB...]
+    JOB: WEIGHTS_IN|-,WEIGHTS_OUT[,sgd|adam|fused_adam[,fused|unfused[,MICRO_BATCHES]]]
+    (WEIGHTS_IN "-": only save the new model's initial weights; SGD by default; the loss's `fuse_projection` on by
+    default; compile's `micro_batches` 1 by default)
 """
 
 import json
@@ -10,10 +13,7 @@ import sys
 
 import numpy as np
 
-replicas, weights_in, weights_out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
-fuse_projection = (sys.argv[5] if len(sys.argv) > 5 else "fused") == "fused"
-micro_batches = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+replicas, jobs = int(sys.argv[1]), [job.split(",") for job in sys.argv[2:]]
 
 from tfformer.training import get_strategy  # noqa: E402
 
@@ -38,20 +38,28 @@ dec_in = np.concatenate([np.full((8, 1), 2, "int32"), tgt[:, :-1]], axis=1)
 dataset = tf.data.Dataset.from_tensor_slices(({"encoder_token_ids": src, "decoder_token_ids": dec_in}, tgt))
 dataset = dataset.repeat().batch(8)  # the global batch
 
-with strategy.scope():
-    model = models.build_seq2seq(config)
-    model.load_weights(weights_in) if weights_in != "-" else None
-    make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.01),
-            "fused_adam": lambda: FusedAdam(0.01)}[optimizer]
-    # Metrics: the fused step then also hands logits to them, from each replica's own trace.
-    model.compile(optimizer=make(), loss=MaskedSparseCrossEntropy(0.1, fuse_projection=fuse_projection),
-                  metrics=[MaskedAccuracy(), Perplexity()], jit_compile=False, micro_batches=micro_batches)
-if weights_in == "-":
+
+def run(weights_in, weights_out, optimizer="sgd", fuse_projection="fused", micro_batches="1"):
+    keras.utils.clear_session()  # each job's model as in a process of its own
+    with strategy.scope():
+        model = models.build_seq2seq(config)
+        if weights_in == "-":
+            model.save_weights(weights_out)
+            return
+        model.load_weights(weights_in)
+        make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.01),
+                "fused_adam": lambda: FusedAdam(0.01)}[optimizer]
+        # Metrics: the fused step then also hands logits to them, from each replica's own trace.
+        loss = MaskedSparseCrossEntropy(0.1, fuse_projection={"fused": True, "unfused": False}[fuse_projection])
+        model.compile(optimizer=make(), loss=loss, metrics=[MaskedAccuracy(), Perplexity()], jit_compile=False,
+                      micro_batches=int(micro_batches))
+    model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)
     model.save_weights(weights_out)
-    sys.exit(0)
-model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)
-model.save_weights(weights_out)
-# Evaluation after the steps (in `micro_batches` parts per replica), for the caller to compare.
-results = model.evaluate(dataset, steps=1, verbose=0, return_dict=True)
-with open(weights_out + ".evaluate.json", "w") as handle:
-    json.dump({key: float(value) for key, value in results.items()}, handle)
+    # Evaluation after the steps (in `micro_batches` parts per replica), for the caller to compare.
+    results = model.evaluate(dataset, steps=1, verbose=0, return_dict=True)
+    with open(weights_out + ".evaluate.json", "w") as handle:
+        json.dump({key: float(value) for key, value in results.items()}, handle)
+
+
+for job in jobs:
+    run(*job)

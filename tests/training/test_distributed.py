@@ -4,18 +4,37 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.training.adam import assert_adam_weights_close
 from tfformer import models
 
 WORKER = os.path.join(os.path.dirname(__file__), "replica_worker.py")
+# The jobs of this module's tests (replica_worker.py's): {name: (replicas, optimizer, loss projection,
+# micro_batches)}, each 3 steps from the same initial weights; one worker process per replica count.
+JOBS = {"sgd on 1": (1, "sgd", "fused", 1), "sgd on 2": (2, "sgd", "fused", 1),
+        "sgd unfused on 1": (1, "sgd", "unfused", 1), "sgd on 2 in 3 micro-batches": (2, "sgd", "fused", 3),
+        "adam on 1": (1, "adam", "fused", 1), "fused_adam on 2": (2, "fused_adam", "fused", 1)}
 
 
-def _run(*args):
+def _run(replicas, *jobs):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, timeout=600,
-                         env=env)
+    out = subprocess.run([sys.executable, WORKER, str(replicas), *[",".join(map(str, job)) for job in jobs]],
+                         capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`{"init": path, name: path}`: the initial weights and each of JOBS' weights after its steps (its `evaluate`
+    results at `<path>.evaluate.json`)."""
+    directory = tmp_path_factory.mktemp("replicas")
+    paths = {name: directory / f"{name.replace(' ', '_')}.weights.h5" for name in ["init", *JOBS]}
+    for replicas in (1, 2):
+        first = [("-", paths["init"])] if replicas == 1 else []
+        _run(replicas, *first, *[(paths["init"], paths[name], *job[1:]) for name, job in JOBS.items()
+                                 if job[0] == replicas])
+    return paths
 
 
 def _weights(path):
@@ -26,30 +45,21 @@ def _weights(path):
     return model.get_weights()
 
 
-def test_two_replicas_equal_one_replica(tmp_path):
+def test_two_replicas_equal_one_replica(trained):
     """Same initial weights, same global batch with padding, plain SGD: 3 steps on 2 replicas == on 1."""
-    init = tmp_path / "init.weights.h5"
-    _run(1, "-", init)
-    one, two = tmp_path / "one.weights.h5", tmp_path / "two.weights.h5"
-    _run(1, init, one)
-    _run(2, init, two)
+    init, one, two = trained["init"], trained["sgd on 1"], trained["sgd on 2"]
     start, w1, w2 = _weights(init), _weights(one), _weights(two)
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
     for a, b in zip(w1, w2):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_fused_projection_on_two_replicas_equals_unfused_on_one(tmp_path):
+def test_fused_projection_on_two_replicas_equals_unfused_on_one(trained):
     """The model's fused projection + loss step (its own loss reduction, scaled by 1/replicas as Keras scales a
     loss) on 2 replicas == Keras' unfused step on 1: 3 SGD steps, padding spread unevenly over the replicas.
     Also with `micro_batches=3`: each replica's 4 examples in parts of 1, 1 and 2."""
-    init = tmp_path / "init.weights.h5"
-    _run(1, "-", init)
-    fused, unfused = tmp_path / "fused.weights.h5", tmp_path / "unfused.weights.h5"
-    split = tmp_path / "micro_batches.weights.h5"
-    _run(2, init, fused, "sgd", "fused")
-    _run(2, init, split, "sgd", "fused", 3)
-    _run(1, init, unfused, "sgd", "unfused")
+    init, fused, unfused = trained["init"], trained["sgd on 2"], trained["sgd unfused on 1"]
+    split = trained["sgd on 2 in 3 micro-batches"]
     start, w1, w2 = _weights(init), _weights(fused), _weights(unfused)
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
     for fused_weights in (w1, _weights(split)):
@@ -63,13 +73,9 @@ def test_fused_projection_on_two_replicas_equals_unfused_on_one(tmp_path):
         np.testing.assert_allclose(results[fused][key], value, rtol=1e-4)
 
 
-def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(tmp_path):
+def test_fused_adam_on_two_replicas_equals_keras_adam_on_one(trained):
     """FusedAdam's ResourceApplyAdam on mirrored variables and slots: 3 steps on 2 replicas == Keras' Adam on 1."""
-    init = tmp_path / "init.weights.h5"
-    _run(1, "-", init)
-    ours, theirs = tmp_path / "fused.weights.h5", tmp_path / "keras.weights.h5"
-    _run(2, init, ours, "fused_adam")
-    _run(1, init, theirs, "adam")
+    init, ours, theirs = trained["init"], trained["fused_adam on 2"], trained["adam on 1"]
     start, w1, w2 = _weights(init), _weights(ours), _weights(theirs)
     assert any(not np.allclose(a, b) for a, b in zip(start, w1)), "training did not move the weights"
     config = models.TransformerConfig(vocabulary_size=30, hidden_dim=16, num_heads=2, intermediate_dim=32,
