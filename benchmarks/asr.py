@@ -13,7 +13,9 @@ clip, one after another, per round; "seconds per audio second" is a round's time
   reference was recorded; "ctranslate2 ... model only" rows time CTranslate2's `encode` + `generate` alone on
   features made beforehand (no feature extraction, no faster-whisper pipeline): the engine's own floor.
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Transcriber`
-  (log-mel features in numpy, the tokenizer on the host), with the same thread count.
+  (log-mel features in numpy, the tokenizer on the host), with the same thread count, in a worker process of this
+  interpreter (`benchmarks.edge_worker`, which exports the file from the preset, untimed): LiteRT never runs in
+  this process (the row's `litert_in_benchmark_process` says so), whose other rows it could otherwise slow.
 - Long-form (issue 53), once per round as well: the 186-s recording of tests/fixtures/speech/segments.json (the
   clips with pauses of 0.3-3 s between them), transcribed with timestamps as faster-whisper does by default:
   `tfformer ... .segments(waveform, sample_rate=16000)` (windows moved by the last timestamp, each conditioned on
@@ -22,21 +24,25 @@ clip, one after another, per round; "seconds per audio second" is a round's time
   sentences spoken and the share of faster-whisper's segments whose start and end ours match within 0.5 s.
 The transcripts are checked too: each system's word error rate against the manifest's texts (`word_error_rate`,
 corpus-level as jiwer computes it, on the manifest's normalization) and how many transcripts equal the manifest's
-CTranslate2 float32 reference. Peak memory: this process's (tfformer; VmHWM) and the worker's, after loading and
-at the end. Ratios: of the medians and per round (`common.paired_ratio`). `--smoke`: two clips, one round; its
-numbers mean nothing.
+CTranslate2 float32 reference. Peak memory: this process's (tfformer; VmHWM) and each worker's, after loading and
+at the end (the TFLite worker's includes the Keras model and the export it made). Ratios: of the medians and per
+round (`common.paired_ratio`). `--smoke`: two clips, one round; its numbers mean nothing. With `--systems peers`
+(smoke runs only) a run leaves out "tfformer float32 xla", the costliest tfformer row to build and the one no goal
+needs besides the graph row (the float32 goal reads the faster of the two; one is enough to check the reading): the
+smoke test runs its stand-in faster-whisper so, and the XLA row in its run without one.
 
-    python -m benchmarks.asr [--smoke] [--ct2-python PYTHON]
+    python -m benchmarks.asr [--smoke] [--ct2-python PYTHON] [--systems all|peers]
 """
 
 import argparse
+import contextlib
 import json
 import os
-import tempfile
+import sys
 
 import numpy as np
 
-from benchmarks import common, ct2_worker, peers
+from benchmarks import common, ct2_worker, edge_worker, peers
 from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +53,7 @@ SAMPLE_RATE = 16000
 SPEEDUP_TARGET = 1.0  # tfformer float32 at least as fast as faster-whisper float32
 TFLITE_INT8_TARGET = 1.5  # TFLite int8 time within 1.5x of CTranslate2 int8's
 TFLITE = "tflite int8 (tfformer.edge)"
-TFFORMER = ("tfformer float32", "tfformer float32 xla")  # this process's rows, with TFLITE; the rest: the worker's
+TFFORMER = ("tfformer float32", "tfformer float32 xla")  # this process's rows; TFLITE: the edge worker's
 LONG = ("tfformer float32 long-form", "faster-whisper float32 long-form")  # timestamped, previous text as prompt
 LONG_TARGET = 1.0  # tfformer's long-form at least as fast as faster-whisper float32's
 
@@ -123,20 +129,15 @@ def model_dir():
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
-def tflite_transcriber(model, directory, threads):
-    """`tfformer.edge.Transcriber` on the dynamic-range int8 TFLite decoder of `model`, written into `directory`."""
-    from tfformer import edge, export
-
-    path = export.tflite_decoder(model, os.path.join(directory, "whisper_int8.tflite"), quantize="dynamic")
-    return edge.Transcriber(path, tokenizer=model.preprocessor, num_threads=threads)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--ct2-python", help="interpreter with ctranslate2 + faster_whisper (default: this one if "
                                              f"it has them, else {peers.describe('python')})")
+    common.add_systems_option(parser, help="peers: leave out the XLA row; every goal is still read (smoke runs "
+                                           "only: the smoke test with a stand-in faster-whisper); default: all")
     args = parser.parse_args(argv)
+    common.check_systems(parser, args)
     threads = min(THREADS, common.cores())
     if not common.set_tf_threads(threads):
         print(f"note: TensorFlow's runtime was already up with another intra-op thread count than {threads}")
@@ -153,8 +154,10 @@ def main(argv=None):
     from tfformer import models
 
     spec = {"model_dir": directory, "threads": threads, "compute_types": ["float32", "int8"]}
-    arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)} | {"long": long_audio}
-    with ct2_worker.start(spec, arrays, args.ct2_python) as pending:
+    clip_arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)}
+    # Both workers load while this process loads and traces: the TFLite one exports its file meanwhile.
+    with contextlib.closing(edge_worker.start({"preset": PRESET, "threads": threads}, clip_arrays)) as tflite, \
+            ct2_worker.start(spec, clip_arrays | {"long": long_audio}, args.ct2_python) as pending:
         asr = models.from_preset(PRESET)
         load_peak = common.peak_rss_mb()
         worker = pending.ready()
@@ -166,26 +169,27 @@ def main(argv=None):
                     asr.transcribe(w, sample_rate=SAMPLE_RATE, jit_compile=jit) for w in waveforms]
             return common.timed(call)
 
-        def theirs(command, name):
+        def in_worker(process, command, name):  # a row timed in a worker process; its texts come with the reply
             def call():
-                seconds = worker.run(command)
-                texts[name] = worker.last_reply["texts"]
+                if process.info is None:  # the TFLite worker, at its warm-up call: it exported its file meanwhile
+                    process.wait_ready()  # raises if it failed: tfformer's own row, an error, not a skip
+                seconds = process.run(command)
+                texts[name] = process.last_reply["texts"]
                 return seconds
             return call
 
-        calls = {TFFORMER[0]: ours(False), TFFORMER[1]: ours(True)}
-        tflite_dir = tempfile.TemporaryDirectory()
-        transcriber = tflite_transcriber(asr, tflite_dir.name, threads)
-
-        def tflite_call():
-            texts[TFLITE] = [transcriber.transcribe(w, sample_rate=SAMPLE_RATE) for w in waveforms]
-        calls[TFLITE] = common.timed(tflite_call)
+        calls = {TFFORMER[0]: ours(False)}
+        if args.systems == "all":
+            calls[TFFORMER[1]] = ours(True)
 
         def long_call():
             found = list(asr.segments(long_audio, sample_rate=SAMPLE_RATE))  # the generator decodes here
             segments[LONG[0]] = [[s.start, s.end, s.text] for s in found]
             texts[LONG[0]] = [" ".join(s.text for s in found)]
         calls[LONG[0]] = common.timed(long_call)
+        # After this process's rows: the warm-up round (in this order, untimed) traces them while the TFLite worker
+        # still exports, and waits for the worker at its first call, before any timed round.
+        calls[TFLITE] = in_worker(tflite, edge_worker.COMMAND, TFLITE)
 
         def long_theirs():
             seconds = worker.run("float32 long")
@@ -194,11 +198,12 @@ def main(argv=None):
         if worker is not None:
             calls[LONG[1]] = long_theirs
             for compute_type in spec["compute_types"]:
-                calls[f"faster-whisper {compute_type}"] = theirs(compute_type, f"faster-whisper {compute_type}")
-                calls[f"ctranslate2 {compute_type} model only"] = theirs(f"{compute_type} model",
-                                                                          f"ctranslate2 {compute_type} model only")
+                calls[f"faster-whisper {compute_type}"] = in_worker(worker, compute_type,
+                                                                    f"faster-whisper {compute_type}")
+                calls[f"ctranslate2 {compute_type} model only"] = in_worker(worker, f"{compute_type} model",
+                                                                             f"ctranslate2 {compute_type} model only")
         times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
-        tflite_dir.cleanup()
+    litert_here = "ai_edge_litert" in sys.modules  # the LiteRT runtime in this process: it must not be
 
     references = [normalize(c["text"]) for c in clips]
     reference_transcripts = [c["transcript"] for c in clips]
@@ -208,7 +213,10 @@ def main(argv=None):
             continue
         seconds = common.median(values)
         extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
-        if name not in (*TFFORMER, TFLITE):  # a faster-whisper row: the worker's process
+        if name == TFLITE:  # the edge worker's process
+            extra = {"peak_rss_mb": tflite.peak_rss_mb, "load_peak_rss_mb": tflite.info["load_peak_rss_mb"],
+                     "litert_in_benchmark_process": litert_here}
+        elif name not in TFFORMER:  # a faster-whisper row: the worker's process
             extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"],
                      "ctranslate2": worker.info["ctranslate2"], "faster_whisper": worker.info["faster_whisper"]}
         rows.append(common.emit({
