@@ -21,10 +21,9 @@ peers` + this runner on the workloads of RESULTS.md.
 Every run but a smoke run also writes its JSON lines to benchmarks/results/<YYYY-MM-DD>-<short commit>.jsonl (UTC
 date; "-2", "-3", ... for another run that day), after a first line that says what ran where (`run_record`);
 `--no-results` turns that off, `--results-dir DIR` writes there instead (smoke runs too).
-`--systems peers` (smoke runs of training, generation and asr only) times just the PyTorch rows and the rows they
-are read against, and reads no goals: the runner's smoke test runs its stand-in peers so, and covers everything else
-in its run without peers (asr, whose goals are all read against faster-whisper, keeps them and leaves out only its
-XLA row; its own smoke test runs the stand-in so).
+`--systems peers` (smoke runs of training and generation only) times just the PyTorch rows and the rows they are
+read against, and reads no goals: the runner's smoke test runs its stand-in peers so, and covers everything else in
+its run without peers.
 """
 
 import argparse
@@ -52,7 +51,7 @@ WORKLOADS = {
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
 WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
-WITH_SYSTEMS = ("training", "generation", "asr")  # the workloads that take `--systems`
+WITH_SYSTEMS = ("training", "generation")  # the workloads that take `--systems`
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 # The ISA extensions that decide which kernels oneDNN and XLA use, and so what a ratio means on another host.
@@ -125,11 +124,6 @@ def _run_workload(command, results):
     return process.wait()
 
 
-def _listed(names):
-    """`names` as prose: "a", "a and b", "a, b and c"."""
-    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-
-
 def _is_record(line):
     """Whether `line` is one of the JSON lines a workload prints (`common.emit`): a JSON object."""
     if not line.startswith("{"):
@@ -154,9 +148,8 @@ def main(argv=None):
                                            "nowhere unless given)")
     run.add_argument("--no-results", action="store_true", help="write no results file")
     run.add_argument("--systems", choices=SYSTEMS, default="all",
-                     help="peers: time only the PyTorch rows and the rows they are read against, no goals (asr: "
-                          f"every row but its XLA one, and its goals; smoke runs of {_listed(WITH_SYSTEMS)} only); "
-                          "default: all")
+                     help="peers: time only the PyTorch rows and the rows they are read against, no goals (smoke "
+                          f"runs of {' and '.join(WITH_SYSTEMS)} only); default: all")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     names = list(dict.fromkeys(args.workloads or DEFAULT))  # each once, in the order given
@@ -165,7 +158,7 @@ def main(argv=None):
             run.error(f"argument --systems: {args.systems!r} needs --smoke (its rows alone are no benchmark)")
         others = [name for name in names if name not in WITH_SYSTEMS]
         if others:
-            run.error(f"argument --systems: {args.systems!r} applies to {_listed(WITH_SYSTEMS)} only, not "
+            run.error(f"argument --systems: {args.systems!r} applies to {' and '.join(WITH_SYSTEMS)} only, not "
                       f"{', '.join(others)}")
     directory = args.results_dir or (None if args.smoke else RESULTS_DIR)
     results = None

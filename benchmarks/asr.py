@@ -26,12 +26,9 @@ The transcripts are checked too: each system's word error rate against the manif
 corpus-level as jiwer computes it, on the manifest's normalization) and how many transcripts equal the manifest's
 CTranslate2 float32 reference. Peak memory: this process's (tfformer; VmHWM) and each worker's, after loading and
 at the end (the TFLite worker's includes the Keras model and the export it made). Ratios: of the medians and per
-round (`common.paired_ratio`). `--smoke`: two clips, one round; its numbers mean nothing. With `--systems peers`
-(smoke runs only) a run leaves out "tfformer float32 xla", the costliest tfformer row to build and the one no goal
-needs besides the graph row (the float32 goal reads the faster of the two; one is enough to check the reading): the
-smoke test runs its stand-in faster-whisper so, and the XLA row in its run without one.
+round (`common.paired_ratio`). `--smoke`: two clips, one round; its numbers mean nothing.
 
-    python -m benchmarks.asr [--smoke] [--ct2-python PYTHON] [--systems all|peers]
+    python -m benchmarks.asr [--smoke] [--ct2-python PYTHON]
 """
 
 import argparse
@@ -39,6 +36,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -134,10 +132,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--ct2-python", help="interpreter with ctranslate2 + faster_whisper (default: this one if "
                                              f"it has them, else {peers.describe('python')})")
-    common.add_systems_option(parser, help="peers: leave out the XLA row; every goal is still read (smoke runs "
-                                           "only: the smoke test with a stand-in faster-whisper); default: all")
     args = parser.parse_args(argv)
-    common.check_systems(parser, args)
     threads = min(THREADS, common.cores())
     if not common.set_tf_threads(threads):
         print(f"note: TensorFlow's runtime was already up with another intra-op thread count than {threads}")
@@ -156,7 +151,9 @@ def main(argv=None):
     spec = {"model_dir": directory, "threads": threads, "compute_types": ["float32", "int8"]}
     clip_arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)}
     # Both workers load while this process loads and traces: the TFLite one exports its file meanwhile.
-    with contextlib.closing(edge_worker.start({"preset": PRESET, "threads": threads}, clip_arrays)) as tflite, \
+    with tempfile.TemporaryDirectory() as edge_directory, \
+            contextlib.closing(edge_worker.start({"preset": PRESET, "threads": threads, "directory": edge_directory},
+                                                 clip_arrays)) as tflite, \
             ct2_worker.start(spec, clip_arrays | {"long": long_audio}, args.ct2_python) as pending:
         asr = models.from_preset(PRESET)
         load_peak = common.peak_rss_mb()
@@ -178,9 +175,7 @@ def main(argv=None):
                 return seconds
             return call
 
-        calls = {TFFORMER[0]: ours(False)}
-        if args.systems == "all":
-            calls[TFFORMER[1]] = ours(True)
+        calls = {TFFORMER[0]: ours(False), TFFORMER[1]: ours(True)}
 
         def long_call():
             found = list(asr.segments(long_audio, sample_rate=SAMPLE_RATE))  # the generator decodes here

@@ -220,12 +220,12 @@ def with_matmul_limits(run, size=2048):
                                           for dtype in LIMIT_DTYPES})
 
 
-def add_systems_option(parser, help=None):
-    """`--systems` (`benchmarks.SYSTEMS`) on the parser of a workload with peer rows; `check_systems` after parsing.
-    `help`: what "peers" leaves out of this workload (default: the training and generation workloads' meaning)."""
+def add_systems_option(parser):
+    """`--systems` (`benchmarks.SYSTEMS`) on the parser of a workload with PyTorch rows; `check_systems` after
+    parsing."""
     parser.add_argument("--systems", choices=SYSTEMS, default="all",
-                        help=help or "peers: time only the PyTorch rows and the rows they are read against, no goals "
-                                     "(smoke runs only: the runner's smoke test with stand-in peers); default: all")
+                        help="peers: time only the PyTorch rows and the rows they are read against, no goals "
+                             "(smoke runs only: the runner's smoke test with stand-in peers); default: all")
 
 
 def check_systems(parser, args):

@@ -48,7 +48,7 @@ def worker_main(system, spec):
     from faster_whisper.audio import pad_or_trim
     from faster_whisper.tokenizer import Tokenizer
 
-    arrays = torch_worker._load(spec["arrays"])
+    arrays = torch_worker.load_arrays(spec["arrays"])
     waveforms = [audio for name, audio in sorted(arrays.items()) if name.startswith("clip_")]
     def load(compute_type):
         return faster_whisper.WhisperModel(spec["model_dir"], device="cpu", compute_type=compute_type,
@@ -77,10 +77,11 @@ def worker_main(system, spec):
         model.model.generate(model.model.encode(features[0]), [prompt], **GENERATE_OPTIONS)
         return model
 
+    load_peak = torch_worker.peak_rss_mb()  # the model and the features: loading alone, before the warm-up
     models[spec["compute_types"][0]] = warm(models[spec["compute_types"][0]])
     print(json.dumps({"ready": True, "ctranslate2": ctranslate2.__version__,
                       "faster_whisper": faster_whisper.__version__, "threads": spec["threads"],
-                      "load_peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
+                      "load_peak_rss_mb": round(load_peak)}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":

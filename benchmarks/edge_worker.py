@@ -2,25 +2,26 @@
 
 `torch_worker`'s protocol, in this interpreter (`sys.executable`: tfformer, TensorFlow and ai_edge_litert): the
 worker builds `tfformer.models.from_preset(spec["preset"])`, writes its dynamic-range int8 decoder file
-(`tfformer.export.tflite_decoder(model, path, quantize="dynamic")`, into a temporary directory that lives as long as
-the worker) and loads it in `tfformer.edge.Transcriber` on `spec["threads"]` threads (TensorFlow, which the host's
-tokenizer runs on, gets the same intra-op count), all untimed; then it prints `{"ready": ...}` with its peak memory
+(`tfformer.export.tflite_decoder(model, path, quantize="dynamic")`, into `spec["directory"]`, which the caller
+makes and deletes, so a worker killed mid-export leaves nothing behind) and loads it in `tfformer.edge.Transcriber`
+on `spec["threads"]` threads (TensorFlow, which the host's tokenizer runs on, gets the same intra-op count), all
+untimed; then it prints `{"ready": ...}` with its peak memory
 after that (`load_peak_rss_mb`: the Keras model and the export included). Each line `int8` transcribes every
 waveform of the spec's arrays (`clip_00`, ... 16 kHz float32), one after another, and it prints the seconds, its
 peak memory and the texts; `quit` ends it.
 
 On the asr benchmark's 2-core host, a used `edge.Transcriber` in the benchmark's own process went with a slower
-faster-whisper worker (its long form 4.8-5.0 s alone, 6.3-8.8 s beside it; by hand, not profiled): so the TFLite row
-runs here, as the faster-whisper rows run in theirs, and the benchmark's process never imports ai_edge_litert.
+faster-whisper worker (its long form 4.8-5.0 s alone, 6.3-8.8 s beside it; by hand): so the TFLite row runs here,
+as the faster-whisper rows run in theirs, and the benchmark's process never imports ai_edge_litert. (An idle
+Transcriber was later measured at 0.1 ms of CPU in 3 s: it was not what slowed faster-whisper.)
 
-    python benchmarks/edge_worker.py whisper '{"preset": "whisper-tiny-en", "threads": 2, "arrays": ...}'
+    python benchmarks/edge_worker.py whisper '{"preset": "whisper-tiny-en", "threads": 2, "directory": ..., ...}'
 """
 
 import gc
 import json
 import os
 import sys
-import tempfile
 import time
 
 if __name__ == "__main__":  # started as a script (`TorchWorker`): the repository, for `benchmarks` and its tfformer
@@ -45,32 +46,31 @@ def worker_main(system, spec):
     from tfformer import edge, export, models
 
     common.set_tf_threads(spec["threads"])
-    arrays = torch_worker._load(spec["arrays"])
+    arrays = torch_worker.load_arrays(spec["arrays"])
     waveforms = [audio for name, audio in sorted(arrays.items()) if name.startswith("clip_")]
     model = models.from_preset(spec["preset"])
-    with tempfile.TemporaryDirectory() as directory:
-        path = export.tflite_decoder(model, os.path.join(directory, "whisper_int8.tflite"), quantize="dynamic")
-        transcriber = edge.Transcriber(path, tokenizer=model.preprocessor, num_threads=spec["threads"])
-        del model  # the tokenizer and the file's runtime stay; the Keras model goes before any timed run
-        gc.collect()
-        print(json.dumps({"ready": True, "threads": spec["threads"],
-                          "load_peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
-        for line in sys.stdin:
-            command = line.strip()
-            if command == "quit":
-                break
-            if command != COMMAND:
-                raise SystemExit(f"unknown command {command!r} (the worker runs {COMMAND!r})")
-            start = time.perf_counter()
-            texts = [transcriber.transcribe(audio, sample_rate=SAMPLE_RATE) for audio in waveforms]
-            torch_worker.reply(time.perf_counter() - start, texts=texts)
+    path = export.tflite_decoder(model, os.path.join(spec["directory"], "whisper_int8.tflite"), quantize="dynamic")
+    transcriber = edge.Transcriber(path, tokenizer=model.preprocessor, num_threads=spec["threads"])
+    del model  # the tokenizer and the file's runtime stay; the Keras model goes before any timed run
+    gc.collect()
+    print(json.dumps({"ready": True, "threads": spec["threads"],
+                      "load_peak_rss_mb": round(torch_worker.peak_rss_mb())}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        if command != COMMAND:
+            raise SystemExit(f"unknown command {command!r} (the worker runs {COMMAND!r})")
+        start = time.perf_counter()
+        texts = [transcriber.transcribe(audio, sample_rate=SAMPLE_RATE) for audio in waveforms]
+        torch_worker.reply(time.perf_counter() - start, texts=texts)
 
 
 def start(spec, arrays):
     """A `torch_worker.TorchWorker` of this file in this interpreter, started (its `wait_ready()` still to come):
-    `spec` holds the `preset` and `threads`, `arrays` the clips (`clip_00`, ...). It raises when the worker cannot
-    start, and `wait_ready` / `run` when it fails: these rows are tfformer's own, a failure is an error, not a skip.
-    Close it when done (`TorchWorker.close`)."""
+    `spec` holds the `preset`, `threads` and an existing `directory` for the file, `arrays` the clips (`clip_00`,
+    ...). It raises when the worker cannot start, and `wait_ready` / `run` when it fails: these rows are tfformer's
+    own, a failure is an error, not a skip. Close it when done (`TorchWorker.close`)."""
     return torch_worker.TorchWorker(sys.executable, "whisper", spec, arrays, script=os.path.abspath(__file__))
 
 

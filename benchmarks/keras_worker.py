@@ -31,7 +31,7 @@ def worker_main(system, spec):
 
     from benchmarks import training
 
-    ids = torch_worker._load(spec["arrays"])["ids"]
+    ids = torch_worker.load_arrays(spec["arrays"])["ids"]
     if system == "train_seq2seq":
         build, x, y = training.tfformer_seq2seq, {"encoder_token_ids": ids, "decoder_token_ids": ids}, ids
     else:

