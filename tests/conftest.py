@@ -1,4 +1,3 @@
-import fcntl
 import gc
 import os
 
@@ -7,6 +6,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import pytest
+
+from tests.harness import session_lock
 
 # The Whisper fixtures (manifest, asr, waveforms); pytest takes `pytest_plugins` only in the root conftest.
 pytest_plugins = ["tests.speech"]
@@ -36,13 +37,8 @@ def one_at_a_time(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         yield
         return
-    path = tmp_path_factory.getbasetemp().parent / "one-at-a-time.lock"  # .../pytest-N/, above popen-gwK/
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with session_lock(tmp_path_factory, "one-at-a-time.lock"):
+        yield
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """check_layer(): the same battery for every layer (keras-hub's run_layer_test, smaller)."""
 
+import contextlib
+import fcntl
 import inspect
 import json
 import os
@@ -109,6 +111,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # would run twice, at once. (`--dist loadgroup` does not group with pytest 9: xdist 3.8 renames `item._nodeid`,
 # which pytest 9 no longer reads.)
 ONE_AT_A_TIME = pytest.mark.usefixtures("one_at_a_time")
+
+
+def session_directory(tmp_path_factory):
+    """The session's temporary directory that all its xdist workers share (.../pytest-N/, above popen-gwK/), or
+    the session's own without xdist."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") is not None else root
+
+
+@contextlib.contextmanager
+def session_lock(tmp_path_factory, name):
+    """An exclusive lock on `name` in `session_directory`, held for the `with` block: the session's workers take
+    turns (a worker that reaches it while the other holds it waits)."""
+    with open(session_directory(tmp_path_factory) / name, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def run_in_fresh_interpreter(code, timeout=300):

@@ -1,4 +1,3 @@
-import fcntl
 import json
 import os
 import subprocess
@@ -7,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.harness import session_directory, session_lock
 from tests.training.adam import assert_adam_weights_close
 from tfformer import models
 
@@ -30,25 +30,18 @@ def trained(tmp_path_factory):
     """`{"init": path, name: path}`: the initial weights and each of JOBS' weights after its steps (its `evaluate`
     results at `<path>.evaluate.json`). Made once per session: `make test`'s first run hands tests out with
     `--dist load`, which can split this module over both xdist workers, and each would otherwise train every job
-    again; the first to arrive trains, under a lock in the directory the session's workers share (as
-    tests/conftest.py's `one_at_a_time`), and the other reads its files."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        root = root.parent  # .../pytest-N/, above popen-gwK/: this session's, shared by its workers
-    directory = root / "distributed-replicas"
+    again; the first to arrive trains, under `session_lock` in the directory the session's workers share
+    (as tests/conftest.py's `one_at_a_time`), and the other reads its files."""
+    directory = session_directory(tmp_path_factory) / "distributed-replicas"
     paths = {name: directory / f"{name.replace(' ', '_')}.weights.h5" for name in ["init", *JOBS]}
-    with open(root / "distributed-replicas.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not (directory / "done").exists():
-                directory.mkdir(exist_ok=True)
-                for replicas in (1, 2):
-                    first = [("-", paths["init"])] if replicas == 1 else []
-                    _run(replicas, *first, *[(paths["init"], paths[name], *job[1:]) for name, job in JOBS.items()
-                                             if job[0] == replicas])
-                (directory / "done").touch()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with session_lock(tmp_path_factory, "distributed-replicas.lock"):
+        if not (directory / "done").exists():
+            directory.mkdir(exist_ok=True)
+            for replicas in (1, 2):
+                first = [("-", paths["init"])] if replicas == 1 else []
+                _run(replicas, *first, *[(paths["init"], paths[name], *job[1:]) for name, job in JOBS.items()
+                                         if job[0] == replicas])
+            (directory / "done").touch()
     return paths
 
 
