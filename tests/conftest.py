@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.harness import session_lock
+from tests.harness import alone
 
 # The Whisper fixtures (manifest, asr, waveforms); pytest takes `pytest_plugins` only in the root conftest.
 pytest_plugins = ["tests.speech"]
@@ -34,10 +34,7 @@ def one_at_a_time(tmp_path_factory):
     """Held for a whole module (tests/harness.py's `ONE_AT_A_TIME`): on xdist workers, an exclusive lock on a file
     in the session's temporary directory, which all its workers share, so two modules that peak at several GB never
     run at once (a worker that reaches one while the other worker holds the lock waits). Without xdist, nothing."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        yield
-        return
-    with session_lock(tmp_path_factory, "one-at-a-time.lock"):
+    with alone(tmp_path_factory):
         yield
 
 

@@ -110,7 +110,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # one worker: with `--dist load` a module could be split over both, and its module fixtures (the 135M conversion)
 # would run twice, at once. (`--dist loadgroup` does not group with pytest 9: xdist 3.8 renames `item._nodeid`,
 # which pytest 9 no longer reads.)
+# A module whose peak is one step (a subprocess that converts the 135M model) holds the same lock for that step
+# only, with `alone(tmp_path_factory)`.
 ONE_AT_A_TIME = pytest.mark.usefixtures("one_at_a_time")
+ONE_AT_A_TIME_LOCK = "one-at-a-time.lock"
 
 
 def session_directory(tmp_path_factory):
@@ -130,6 +133,17 @@ def session_lock(tmp_path_factory, name):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def alone(tmp_path_factory):
+    """`ONE_AT_A_TIME`'s lock for the `with` block: on xdist workers the other worker's several-GB module or step
+    never runs beside it. Without xdist, nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    with session_lock(tmp_path_factory, ONE_AT_A_TIME_LOCK):
+        yield
 
 
 def run_in_fresh_interpreter(code, timeout=300):

@@ -1,6 +1,6 @@
 """`make test`'s pretrained run keeps each module on one worker (`--dist loadfile`), and the modules marked
-`ONE_AT_A_TIME` (tests/harness.py: they peak at several GB) run in it: with `--dist load` such a module could be
-split over both workers, its module fixtures built twice at once."""
+`ONE_AT_A_TIME` (tests/harness.py: they peak at several GB) or taking its lock for a step (`alone`) run in it: with
+`--dist load` such a module could be split over both workers, its module fixtures built twice at once."""
 
 import os
 import pathlib
@@ -25,7 +25,8 @@ def test_one_at_a_time_modules_run_in_the_loadfile_run():
     runs = [line.strip() for line in makefile.splitlines() if line.strip().startswith("$(PYTEST)")]
     assert any("--dist loadfile $(PRETRAINED)" in run for run in runs), runs
     marked = [str(path.relative_to(ROOT)) for path in pathlib.Path(ROOT, "tests").rglob("test_*.py")
-              if re.search(r"^pytestmark = .*ONE_AT_A_TIME", path.read_text(encoding="utf-8"), re.M)]
+              if re.search(r"^pytestmark = .*ONE_AT_A_TIME|\balone\(tmp_path_factory\)",
+                           path.read_text(encoding="utf-8"), re.M)]
     assert len(marked) >= 4, marked
     for path in marked:
         assert any(path == p or path.startswith(p.rstrip("/") + "/") for p in pretrained), (

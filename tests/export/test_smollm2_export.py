@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 
 from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
-from tests.harness import ONE_AT_A_TIME, saved_model_in_fresh_process
+from tests.harness import alone, saved_model_in_fresh_process
 from tests.serving.conftest import http_request
 from tfformer import edge, export, generation, serving
 from tfformer.convert import gguf as gguf_reader
 
-pytestmark = ONE_AT_A_TIME  # the 135M conversion peaks at 6.6 GB, in a process of its own
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
 CAP = 20  # the export's max_new_tokens: decode loops for 16 and 20 new tokens
 SEED = 26  # a tiny model whose second prompt ends (an end id) before the cap, the others do not
@@ -201,8 +200,9 @@ def _directory_bytes(path):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """The fixture prompts and greedy ids, the float32 / dynamic-range int8 / GGUF-exact int8 decoder files,
-    converted once, in a process of their own (`smollm2_files`): the converter's peak leaves with it, and the
-    Keras model (`model()`), loaded in this worker only by a test that calls it."""
+    converted once, in a process of their own (`smollm2_files`): the converter's peak (6.8 GB) leaves with it,
+    and only that process holds the ONE_AT_A_TIME lock (`alone`); and the Keras model (`model()`), loaded in this
+    worker only by a test that calls it."""
     from tfformer import models
 
     data = np.load(FIXTURE)
@@ -211,9 +211,10 @@ def smollm2(tmp_path_factory):
     directory = tmp_path_factory.mktemp("smollm2")
     start = time.monotonic()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-m", "tests.export.smollm2_files", str(directory), str(MAX_LENGTH)],
-                          cwd=root, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    with alone(tmp_path_factory):
+        done = subprocess.run([sys.executable, "-m", "tests.export.smollm2_files", str(directory), str(MAX_LENGTH)],
+                              cwd=root, capture_output=True, text=True, timeout=1800,
+                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 0, done.stderr[-3000:]
     print(f"\nSmolLM2 float32 + two int8 TFLite files: {time.monotonic() - start:.0f} s")
     files = {None: str(directory / "float32.tflite"), "dynamic": str(directory / "dynamic.tflite"),
@@ -268,30 +269,31 @@ def test_135m_int8_tflite_greedy_agrees_with_float32(smollm2):
 @needs_wheel
 @pytest.mark.skipif(not os.environ.get("TFFORMER_SLOW_TESTS"), reason=(
     "exports and serves the real 135M model (several minutes on 2 cores); set TFFORMER_SLOW_TESTS=1"))
-def test_135m_saved_model_completes_like_the_fixture_in_a_fresh_process(smollm2, tmp_path):
+def test_135m_saved_model_completes_like_the_fixture_in_a_fresh_process(smollm2, tmp_path, tmp_path_factory):
     """The real model and its GGUF tokenizer as a SavedModel: the fixture prompts' completions (32 tokens, cut at
     the first end id) equal transformers' greedy ids cut there and detokenized; loads without tfformer."""
-    from tfformer.data.byte_pair import BytePairTokenizer
+    with alone(tmp_path_factory):  # the model, its export and a fresh process loading it: several GB
+        from tfformer.data.byte_pair import BytePairTokenizer
 
-    model = smollm2["model"]()
-    tokenizer = BytePairTokenizer.from_gguf(gguf_reader.smollm2_path())
-    assert tokenizer.end_ids == [2] and tokenizer.vocabulary[0] == "<|endoftext|>"
-    data = np.load(FIXTURE)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) if kind == "chat" else text
-             for kind, text in json.loads(str(data["prompts"]))]
-    assert [tokenizer.tokenize(t).numpy().tolist() for t in texts] == [ids for ids, _ in smollm2["cases"]]
-    counts = [NEW_TOKENS] * (len(texts) - 1) + [8]
-    start = time.monotonic()
-    path = export.saved_model(model, str(tmp_path / "smollm2"), tokenizer=tokenizer, max_new_tokens=NEW_TOKENS)
-    exported = time.monotonic()
-    assert abs(_directory_bytes(os.path.join(path, "variables")) - smollm2["weights"]) < 0.01 * smollm2["weights"]
-    out = saved_model_in_fresh_process(
-        path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
-    print(f"\nSmolLM2 SavedModel export: {exported - start:.0f} s, fresh-process load and run: "
-          f"{time.monotonic() - exported:.0f} s")
-    want = []
-    for (_, greedy), count in zip(smollm2["cases"], counts):
-        kept, _ = _cut(greedy, count)
-        want.append(tokenizer.detokenize(np.array(kept, np.int32)).numpy().decode("utf-8"))
-    assert [s.decode("utf-8") for s in out["generate_text/continuation"]] == want
-    assert any(2 in greedy[:NEW_TOKENS] for _, greedy in smollm2["cases"])  # an end of turn is cut
+        model = smollm2["model"]()
+        tokenizer = BytePairTokenizer.from_gguf(gguf_reader.smollm2_path())
+        assert tokenizer.end_ids == [2] and tokenizer.vocabulary[0] == "<|endoftext|>"
+        data = np.load(FIXTURE)
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) if kind == "chat" else text
+                 for kind, text in json.loads(str(data["prompts"]))]
+        assert [tokenizer.tokenize(t).numpy().tolist() for t in texts] == [ids for ids, _ in smollm2["cases"]]
+        counts = [NEW_TOKENS] * (len(texts) - 1) + [8]
+        start = time.monotonic()
+        path = export.saved_model(model, str(tmp_path / "smollm2"), tokenizer=tokenizer, max_new_tokens=NEW_TOKENS)
+        exported = time.monotonic()
+        assert abs(_directory_bytes(os.path.join(path, "variables")) - smollm2["weights"]) < 0.01 * smollm2["weights"]
+        out = saved_model_in_fresh_process(
+            path, {"generate_text": {"text": [texts, "bytes"], "max_new_tokens": [counts, "int32"]}}, tmp_path)
+        print(f"\nSmolLM2 SavedModel export: {exported - start:.0f} s, fresh-process load and run: "
+              f"{time.monotonic() - exported:.0f} s")
+        want = []
+        for (_, greedy), count in zip(smollm2["cases"], counts):
+            kept, _ = _cut(greedy, count)
+            want.append(tokenizer.detokenize(np.array(kept, np.int32)).numpy().decode("utf-8"))
+        assert [s.decode("utf-8") for s in out["generate_text/continuation"]] == want
+        assert any(2 in greedy[:NEW_TOKENS] for _, greedy in smollm2["cases"])  # an end of turn is cut
