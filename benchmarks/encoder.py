@@ -210,7 +210,7 @@ def main(argv=None):
                   "peak_rss_mb": round(common.peak_rss_mb())}
         if not encode:  # the encode rows' lengths vary by batch: no FLOP count
             gflops = flops["pytorch" if system == "pytorch" else "keras"] / seconds / 1e9
-            record.update(gflops=common.significant(gflops), limit_gflops=round(limits[dtype], 1),
+            record.update(gflops=common.significant(gflops), limit_gflops=common.significant(limits[dtype]),
                           fraction_of_own_limit=round(gflops / limits[dtype], 2))
         if system.startswith("pytorch"):
             record.update(torch=worker.info["torch"], peak_rss_mb=worker.peak_rss_mb)  # the worker's own process

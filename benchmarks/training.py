@@ -354,7 +354,7 @@ def run(workload, smoke=False, repeats=5, steps=3, torch_python=None, systems="a
             "ms_per_step": round(seconds * 1000, 1), "gflops": common.significant(gflops),
             "fraction_of_f32_limit": round(gflops / limit32, 2),
             "fraction_of_own_limit": round(gflops / (limit16 if "bfloat16" in name else limit32), 2),
-            "f32_limit_gflops": round(limit32, 1), "bf16_limit_gflops": round(limit16, 1), **rss,
+            "f32_limit_gflops": common.significant(limit32), "bf16_limit_gflops": common.significant(limit16), **rss,
             "ratio_vs_keras_hub": round(base / seconds, 2), "baseline": baseline,
             "per_round": [common.significant(x) for x in per_round],
             **extra,

@@ -12,6 +12,7 @@ during which the tree was largest: the ones to share models in, free after, or r
 
 import os
 import threading
+import time
 
 INTERVAL = 1.0
 GIB = 2**30
@@ -88,6 +89,8 @@ class MemoryReport:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = None
+        self.start = time.monotonic()
+        self.workers = {}  # xdist worker id ("gw0") or "main" -> [seconds busy in tests, when its last test ended]
 
     def pytest_sessionstart(self, session):
         if not os.path.isdir("/proc/self"):
@@ -118,6 +121,11 @@ class MemoryReport:
             self.running.pop(nodeid, None)
 
     def pytest_runtest_logreport(self, report):
+        gateway = getattr(getattr(report, "node", None), "gateway", None)
+        with self.lock:
+            worker = self.workers.setdefault(getattr(gateway, "id", "main"), [0.0, 0.0])
+            worker[0] += getattr(report, "duration", 0.0) or 0.0
+            worker[1] = time.monotonic() - self.start
         if report.when == "???":  # xdist's report of a test whose worker died: no logfinish follows
             self.pytest_runtest_logfinish(report.nodeid, report.location)
 
@@ -136,3 +144,8 @@ class MemoryReport:
         largest = sorted(self.per_test.items(), key=lambda item: -item[1])[:SHOWN]
         for nodeid, peak in largest:
             write(f"  {peak / GIB:6.2f} GiB  {nodeid}")
+        # Where a run loses time to one worker idling while the other still works (a long test handed out last).
+        terminalreporter.section("workers")
+        write(f"session {time.monotonic() - self.start:.0f} s; " + "; ".join(
+            f"{name}: {busy:.0f} s in tests, its last one ended at {ended:.0f} s"
+            for name, (busy, ended) in sorted(self.workers.items())))

@@ -30,8 +30,10 @@ def test_encoder_benchmark_smoke(peers):
         if r["system"].endswith(" encode"):
             assert "gflops" not in r
         else:
+            # gflops and the limit to 4 significant digits, the fraction to 2 decimals: a smoke run's tiny matmul
+            # limit can read several times below the model's GFLOP/s (ci90: 34.09 against 4.9, fraction 7.0).
             assert r["gflops"] > 0 and r["fraction_of_own_limit"] == pytest.approx(
-                r["gflops"] / r["limit_gflops"], abs=0.011)
+                r["gflops"] / r["limit_gflops"], rel=2e-3, abs=0.011)
     speed = {(r["system"], r["dtype"]): r["sentences_per_s"] for r in records}
     pairs = [("tfformer", "keras-hub", "keras-hub")]
     if torch_rows <= systems:

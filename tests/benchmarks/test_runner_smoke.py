@@ -95,8 +95,11 @@ def test_runner_smoke(peers):
         for name, r in rows.items():
             # GFLOP/s against the limit of the row's own dtype, timed in the same rounds.
             limit = r["bf16_limit_gflops"] if "bfloat16" in name else r["f32_limit_gflops"]
-            assert r["gflops"] > 0 and r["fraction_of_own_limit"] == pytest.approx(r["gflops"] / limit, abs=0.011)
-            assert r["fraction_of_f32_limit"] == pytest.approx(r["gflops"] / r["f32_limit_gflops"], abs=0.011)
+            # 4 significant digits each, the fractions 2 decimals (a smoke limit can read below the model's speed)
+            assert r["gflops"] > 0 and r["fraction_of_own_limit"] == pytest.approx(r["gflops"] / limit, rel=2e-3,
+                                                                                   abs=0.011)
+            assert r["fraction_of_f32_limit"] == pytest.approx(r["gflops"] / r["f32_limit_gflops"], rel=2e-3,
+                                                               abs=0.011)
             assert r["baseline"] == ("keras-hub float32 +metrics" if name.endswith("+metrics") else "keras-hub float32")
             base = rows[r["baseline"]]["tokens_per_s"]
             assert r["ratio_vs_keras_hub"] == pytest.approx(r["tokens_per_s"] / base, abs=0.011)
