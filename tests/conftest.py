@@ -33,7 +33,8 @@ def _free_after_module():
 def one_at_a_time(tmp_path_factory):
     """Held for a whole module (tests/harness.py's `ONE_AT_A_TIME`): on xdist workers, an exclusive lock on a file
     in the session's temporary directory, which all its workers share, so two modules that peak at several GB never
-    run at once (a worker that reaches one while the other worker holds the lock waits). Without xdist, nothing."""
+    run at once (a worker that reaches one while the other worker holds the lock waits). Without xdist nobody else
+    takes it."""
     with alone(tmp_path_factory):
         yield
 

@@ -135,15 +135,10 @@ def session_lock(tmp_path_factory, name):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@contextlib.contextmanager
 def alone(tmp_path_factory):
-    """`ONE_AT_A_TIME`'s lock for the `with` block: on xdist workers the other worker's several-GB module or step
-    never runs beside it. Without xdist, nothing."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        yield
-        return
-    with session_lock(tmp_path_factory, ONE_AT_A_TIME_LOCK):
-        yield
+    """`ONE_AT_A_TIME`'s lock for a `with` block: on xdist workers the other worker's several-GB module or step never
+    runs beside it. Without xdist the lock is the session's own and nobody else takes it."""
+    return session_lock(tmp_path_factory, ONE_AT_A_TIME_LOCK)
 
 
 def run_in_fresh_interpreter(code, timeout=300):

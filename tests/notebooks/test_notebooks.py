@@ -19,11 +19,11 @@ WITH_FIGURES = {"01_attention_from_scratch", "02_translate_with_model_fit", "03_
                 "05_pretrained_minilm", "06_small_llm", "07_speech_to_text"}
 
 
-# The runs are this file's first tests, in this order: xdist (`--dist load`) gives each worker two tests at first and
-# then one more each time one ends, so a worker runs a test with the next one queued behind it. The longest notebook
-# goes first with a short one queued behind it, the second longest to the other worker with another short one, and
-# the rest follow. In ci80 (alphabetical order, the runs after the quick checks) 06 took 236 s, 07 107 s, 02 54 s,
-# 04 44 s, the others under 30 s, and the run 426 s on 2 workers for about 520 s of tests.
+# The runs are this file's first tests, in this order: xdist (`--dist load`) hands tests out in collection order, a
+# few at a time, so the longest notebook starts first and the second longest on the other worker, each with a short
+# one next, and the rest fill in. In ci80 (alphabetical order, the runs after the quick checks) 06 took 236 s, 07
+# 107 s, 02 54 s, 04 44 s, the others under 30 s, and the run 426 s on 2 workers for about 520 s of tests; in ci91,
+# in this order, one worker ran 06 alone (205 s), the other the six others (224 s), and the run took 237 s.
 RUN_ORDER = ["06_small_llm", "01_attention_from_scratch", "07_speech_to_text", "05_pretrained_minilm"]
 
 
