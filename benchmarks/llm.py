@@ -18,7 +18,8 @@ system). Systems:
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
   fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
 - LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by default (int4)
-  (`tfformer.export.litertlm`, context 2048), timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
+  (`tfformer.export.litertlm`, context 2048, a dynamic KV cache that the runtime grows with the tokens so far),
+  timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
   cores) in a process without TensorFlow: decode tokens/s of 128 new tokens after a 64-token prompt, and the
   512-token prefill's tokens/s, as its runtime reports them; the process's peak memory and the file's size beside
   them; the export's own peak memory (its process's VmHWM) against 4x the float32 weights. Smoke runs skip it
@@ -258,6 +259,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         if "(int4 weights;" not in done.stdout:  # the rows are labelled int4: what the default must write here
             return None, f"tfformer export --format litertlm did not write int4 weights: {done.stdout[-300:]}"
         export_peak = json.loads(done.stdout.splitlines()[-1])["export_peak_rss_mb"]
+        kv_cache = "dynamic" if "dynamic KV cache;" in done.stdout else "static"  # what the command wrote
         done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
                                str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
                               text=True, timeout=1800,
@@ -268,7 +270,8 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         result["perplexity"] = float(np.exp(result.pop("perplexity_nll") / result["perplexity_tokens"]))
         return {**result, "file_bytes": os.path.getsize(path), "export_seconds": round(export_seconds, 1),
                 "export_peak_rss_mb": export_peak,
-                "context_length": min(DEFAULT_CONTEXT_LENGTH, model.config.max_sequence_length)}, None
+                "context_length": min(DEFAULT_CONTEXT_LENGTH, model.config.max_sequence_length),
+                "kv_cache": kv_cache}, None
 
 
 def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):

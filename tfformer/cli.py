@@ -163,9 +163,9 @@ def _export_litertlm(args, model):
 
     quantize = args.quantize or default_quantize(model)
     path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=quantize,
-                           context_length=args.max_length)
-    print(f"LiteRT-LM: {path} ({quantize} weights; litert_lm.Engine({path!r}), or LiteRT-LM's Android/iOS/desktop "
-          "APIs)")
+                           context_length=args.max_length, kv_cache=args.kv_cache or "dynamic")
+    print(f"LiteRT-LM: {path} ({quantize} weights, {args.kv_cache or 'dynamic'} KV cache; litert_lm.Engine({path!r}), "
+          "or LiteRT-LM's Android/iOS/desktop APIs)")
     return 0
 
 
@@ -174,6 +174,8 @@ def _export(args):
 
     litert_lm = args.format == "litertlm"
     tflite_quantize = ("dynamic", "float16", "gguf")
+    if args.kv_cache is not None and not litert_lm:
+        raise ValueError(f"--kv-cache is for --format litertlm. Received: --format {args.format}")
     if args.quantize is not None and (args.quantize in tflite_quantize) == litert_lm:
         allowed = ("none", "int8", "int4") if litert_lm else tflite_quantize
         raise ValueError(f"--quantize {args.quantize} is not for --format {args.format}; use one of {allowed}.")
@@ -510,6 +512,9 @@ COMMANDS = {
         _argument("--max-length", type=int, help="decoder.tflite's (Whisper: model.tflite's) cache "
                   "positions, prompt + new tokens (default: the model's max_sequence_length; e.g. 512 for a "
                   "small LLM on a device); litertlm: the context length (default 2048, at most the model's)"),
+        _argument("--kv-cache", choices=["dynamic", "static"], help="litertlm: dynamic (default: the runtime grows "
+                  "the cache with the conversation; LiteRT-LM's CPU backend) or static (the whole context from the "
+                  "start; what its GPU backend takes)"),
         _argument("--batch-size", type=int, help="fix model.tflite's batch size; with --sequence-length every "
                   "shape is static and LiteRT runs faster (e.g. --batch-size 1 for a device)"),
         _argument("--warmup-batch-sizes", type=_batch_sizes, help="batch sizes of the SavedModel's "

@@ -26,8 +26,8 @@ pytest.importorskip("litert_lm_builder")
 
 ENGINE = os.path.join(os.path.dirname(__file__), "litertlm_engine.py")
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "smollm2_reference.npz")
-# Short prompts (prefill_4), one that takes prefill_16, and one that fills a context of 60 slots (58 prompt tokens
-# + 2 new) in chunks, the last ones from position 48, where a prefill_16 would not fit.
+# Short prompts (a static cache's prefill_4), one that takes prefill_16, and one that fills a context of 60 slots (58
+# prompt tokens + 2 new) in chunks, the last ones from position 48, where a prefill_16 would not fit.
 PROMPTS = ["open the file", "close a folder and open the file", "the file\nthe folder\n" * 3,
            " open" * 53 + " the file the folder and"]
 
@@ -63,8 +63,10 @@ def greedy_text(lm, prompt, max_new_tokens):
     return lm.detokenize(np.array([new[:cut]], np.int32))[0]
 
 
-def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm):
-    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, prefill_lengths=(4, 16))
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
+def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm, kv_cache):
+    lengths = {"prefill_lengths": (4, 16)} if kv_cache == "static" else {}
+    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, kv_cache=kv_cache, **lengths)
     steps = 2
     result = run_engine(bundle, tmp_path, prompts=PROMPTS, max_new_tokens=steps)
     for prompt, ids, text in zip(PROMPTS, result["ids"], result["texts"]):
@@ -79,7 +81,7 @@ def test_sentencepiece_bundle_greedy_equals_tfformer(tmp_path, tokenizer):
     config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=tokenizer.vocabulary_size, **CFG)
     model = spread(models.build_causal_lm(config), seed=1)
     model.preprocessor = tokenizer
-    bundle = export.litertlm(model, str(tmp_path / "model.litertlm"), prefill_lengths=(8,))
+    bundle = export.litertlm(model, str(tmp_path / "model.litertlm"))
     prompts = ["open the file", "Datei", "close a folder and save the file"]
     result = run_engine(bundle, tmp_path, prompts=prompts, max_new_tokens=5)
     for prompt, ids, text in zip(prompts, result["ids"], result["texts"]):
@@ -114,7 +116,7 @@ def trained_lm():
 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
-    q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize, prefill_lengths=(8,))
+    q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize)
     # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
     # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
     # that holds it: the dense layers' (both signatures). The tied table, float32 twice (the lookup's, and the
@@ -187,6 +189,34 @@ def test_gguf_int4_blocks_keep_q4_1_values_exactly():
     nudged[3, 40] = np.nextafter(nudged[3, 40], np.float32(1))
     assert litertlm_module.gguf_int4_blocks(nudged) is None
     assert litertlm_module.gguf_int4_blocks(rng.normal(size=(6, 96)).astype(np.float32)) is None
+
+
+def test_dynamic_cache_grows_while_decoding(tmp_path, trained_lm):
+    """A dynamic bundle (the default): signatures `prefill` and `decode`, a dynamic slot axis on every cache and the
+    runtime's `mask`; the runtime grows the caches 16 slots at a time while decoding, and 40 greedy tokens (three
+    growths) equal tfformer's, as do those after the prompt pass alone."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    path = litertlm_module._write_tflite(trained_lm, str(tmp_path / "model.tflite"), 64, None, "none", "dynamic")
+    signatures = Interpreter(model_path=path).get_signature_list()
+    assert set(signatures) == {"prefill", "decode"}
+    config = trained_lm.config
+    for name in signatures:
+        details = Interpreter(model_path=path).get_signature_runner(name).get_input_details()
+        steps = 1 if name == "decode" else -1
+        assert list(details["mask"]["shape_signature"]) == [1, 1, steps, -1]
+        assert list(details["tokens"]["shape_signature"]) == [1, steps]
+        for i in range(config.num_decoder_layers):
+            k, v = (list(details[f"kv_cache_{half}_{i}"]["shape_signature"]) for half in "kv")
+            assert (k, v) == ([1, config.key_value_heads, -1, config.head_dim],
+                              [1, config.key_value_heads, config.head_dim, -1])
+    bundle = export.litertlm(trained_lm, str(tmp_path / "model.litertlm"))
+    prompts = [" open the file", " close"]
+    texts = run_engine(bundle, tmp_path, prompts=prompts, max_new_tokens=40)["texts"]
+    for prompt, text in zip(prompts, texts):
+        new = np.asarray(trained_lm.generate(trained_lm.tokenize([prompt]), max_new_tokens=40, jit_compile=False))[0]
+        assert not set(new.tolist()) & {PAD_ID, *trained_lm.end_ids}  # 40 tokens: the caches grow past 32 slots
+        assert text == greedy_text(trained_lm, prompt, 40), prompt
 
 
 def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):
@@ -332,7 +362,11 @@ def test_bad_arguments_name_the_argument(tmp_path, lm):
     with pytest.raises(ValueError, match=r"`context_length` must be an integer in \[1, max_sequence_length=64\]"):
         export.litertlm(lm, path, context_length=65)
     with pytest.raises(ValueError, match="prefill_lengths"):
-        export.litertlm(lm, path, prefill_lengths=(0,))
+        export.litertlm(lm, path, prefill_lengths=(0,), kv_cache="static")
+    with pytest.raises(ValueError, match="`prefill_lengths` sets the prefill signatures of kv_cache='static'"):
+        export.litertlm(lm, path, prefill_lengths=(8,))
+    with pytest.raises(ValueError, match=r"`kv_cache` must be one of \('dynamic', 'static'\). Received: kv_cache='p"):
+        export.litertlm(lm, path, kv_cache="paged")
     assert not os.path.exists(path)
 
 
@@ -347,7 +381,7 @@ def test_export_command_writes_a_bundle(tmp_path, lm, monkeypatch, capsys):
     out = tmp_path / "bundle"
     assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(out), "--max-length", "32"]) == 0
     # The default: int4, but this model's dense layers read 24 inputs (int4 blocks are 32 wide), hence int8.
-    assert f"LiteRT-LM: {out / 'model.litertlm'} (int8 weights;" in capsys.readouterr().out
+    assert f"LiteRT-LM: {out / 'model.litertlm'} (int8 weights, dynamic KV cache;" in capsys.readouterr().out
     listing = io.StringIO()
     litertlm_peek.peek_litertlm_file(str(out / "model.litertlm"), None, output_stream=listing)
     listing = listing.getvalue()
@@ -357,6 +391,9 @@ def test_export_command_writes_a_bundle(tmp_path, lm, monkeypatch, capsys):
         assert cli.main(["export", "tiny", "--format", format_, "--out", str(tmp_path / "x"), "--quantize",
                          quantize]) == 2
         assert f"--quantize {quantize} is not for --format {format_}" in capsys.readouterr().err
+    assert cli.main(["export", "tiny", "--format", "tflite", "--out", str(tmp_path / "x"), "--kv-cache",
+                     "static"]) == 2
+    assert "--kv-cache is for --format litertlm. Received: --format tflite" in capsys.readouterr().err
     assert cli.main(["export", "tiny", "--format", "litertlm", "--out", str(tmp_path / "x"), "--max-length",
                      "65"]) == 2
     assert "`context_length` must be an integer in [1, max_sequence_length=64]" in capsys.readouterr().err
@@ -402,7 +439,7 @@ def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):
     greedily, giving `CausalLM.chat`'s reply (the history included), streamed or whole."""
     from tfformer import cli, edge
 
-    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, prefill_lengths=(4, 16))
+    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60)
     turn = {"role": "user", "content": "open the file"}
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": " the"},
                {"role": "user", "content": "and"}]  # 48 tokens with the template: 6 more fit the context of 60

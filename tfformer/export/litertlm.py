@@ -2,23 +2,31 @@
 
 LiteRT-LM (`pip install litert-lm-api`: `litert_lm.Engine`, the C++ runtime its Android, iOS and desktop APIs
 share) loads a bundle of a TFLite model, a tokenizer and an `LlmMetadata` proto, and owns the whole loop: prompt
-template, tokenizer, prefill, decode, sampling, stop tokens. The TFLite model follows the runtime's contract:
+template, tokenizer, prefill, decode, sampling, stop tokens. The TFLite model follows the runtime's contract, in
+one of two forms (`kv_cache`):
 
-- signatures `prefill_<T>` (one per prefill length `T`; the runtime covers a prompt with the longest ones, then the
-  shortest that holds the rest) and `decode` (`T` = 1);
-- inputs `tokens` `(1, T)` int32, `input_pos` `(T,)` int32 (the positions `input_pos[0]...`; the runtime pads a
-  short chunk with token 0 at position 0), and one cache tensor per layer and half: keys `kv_cache_k_<i>`
-  `(1, K, S, H)` and values `kv_cache_v_<i>` transposed, `(1, K, H, S)` (`K` key/value heads, `S` =
-  `context_length` slots; the runtime reads the context length from axis 2 of the keys: a 3-D `(K, S, H)` cache
-  made it take `H`). Both are read by batched matmuls as they are, `q k^T` and `w v_t^T`, one per group of query
-  heads, with no transposed or repeated copy of the cache;
-- outputs: the same cache tensors (the runtime binds each to one buffer, in and out), and from `decode` `logits`
-  `(1, 1, V)`.
+- `"dynamic"` (the default; LiteRT-LM's CPU backend): signatures `prefill` (any `T`) and `decode` (`T` = 1), whose
+  caches have a dynamic slot axis `S`. The runtime sizes them: to the prompt at the first prefill, then 16 slots
+  more whenever decoding fills them, so a step attends over the slots filled so far, never over the whole
+  context. Each signature also takes the runtime's additive `mask` `(1, 1, T, S)` float32 (0 where a query may
+  look, a large negative number elsewhere), which the runtime requires.
+- `"static"` (what LiteRT-LM's GPU backend takes): signatures `prefill_<T>` (one per prefill length `T`; the
+  runtime covers a prompt with the longest ones, then the shortest that holds the rest) and `decode`, with `S` =
+  `context_length` slots that every step attends over. No `mask`.
+
+Both: inputs `tokens` `(1, T)` int32, `input_pos` `(T,)` int32 (the positions `input_pos[0]...`; a static
+runtime pads a short chunk with token 0 at position 0), and one cache tensor per layer and half: keys
+`kv_cache_k_<i>` `(1, K, S, H)` and values `kv_cache_v_<i>` transposed, `(1, K, H, S)` (`K` key/value heads; the
+runtime reads the context length from axis 2 of the keys: a 3-D `(K, S, H)` cache made it take `H`). Both are read
+by batched matmuls as they are, `q k^T` and `w v_t^T`, one per group of query heads, with no transposed or repeated
+copy of the cache. Outputs: the same cache tensors (the runtime binds each to one buffer, in and out), and from
+`decode` `logits` `(1, 1, V)`.
 
 A step writes its `T` keys and values at `input_pos[0]` and attends over the slots up to each query's position
-(the model's own causal mask from `input_pos[0]`, so no `mask` input). `decode` writes its slot with
-DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a prefill writes with a select over the cache, which drops any
-padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots left, but a
+(the model's own causal mask from `input_pos[0]`; a dynamic step adds the runtime's mask to it, clipped to -1e9 so
+that the sum stays finite). `decode`, and a dynamic `prefill` (whose `T` the runtime cuts to the prompt), write with
+DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a static prefill writes with a select over the cache, which
+drops any padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots left, but a
 DYNAMIC_UPDATE_SLICE would move such a window back over cached positions.)
 
 Memory: TensorFlow's converter holds many copies of the constants it folds (6.5 GB for SmolLM2-135M's 0.54 GB of
@@ -49,6 +57,7 @@ from tfformer.models.causal_lm import CausalLM
 from tfformer.tokens import PAD_ID
 
 QUANTIZE = ("none", "int8", "int4")
+KV_CACHES = ("dynamic", "static")
 INT4_BLOCK = 32  # int4 weights in blocks of 32 inputs, each with a float16 scale
 # What a chat app ships (the issue's acceptance measures at least this), cut to the model's max_sequence_length.
 DEFAULT_CONTEXT_LENGTH = 2048
@@ -56,7 +65,7 @@ DEFAULT_CONTEXT_LENGTH = 2048
 DEFAULT_PREFILL_LENGTHS = (32, 128)
 
 
-def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=DEFAULT_PREFILL_LENGTHS):
+def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=None, kv_cache="dynamic"):
     """Write `task` (a tfformer `CausalLM` with its preprocessor) as a `.litertlm` bundle for LiteRT-LM.
 
     Args:
@@ -71,10 +80,14 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
             exactly (`gguf_int4_blocks`): its int4 blocks plus a float32 offset a block, which a second, small
             `FULLY_CONNECTED` applies to each block's sum of inputs. `tfformer export --format litertlm` passes
             `default_quantize(task)` (int4) unless told otherwise; this function's default stays float32.
-        context_length: int. Cache slots (prompt + reply, all turns of a conversation): the default is
-            `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length` when that is shorter. Every decode
-            step attends over all of them.
-        prefill_lengths: ints. The `prefill_<T>` signatures, each at most `context_length`.
+        context_length: int. The tokens of a conversation (prompt + reply, all turns), the runtime's
+            `max_num_tokens`: the default is `DEFAULT_CONTEXT_LENGTH` (2048), or the model's `max_sequence_length`
+            when that is shorter. With `kv_cache="static"` also the cache's slots, which every step attends over.
+        prefill_lengths: ints, only with `kv_cache="static"` (default `DEFAULT_PREFILL_LENGTHS`): the
+            `prefill_<T>` signatures, each at most `context_length`.
+        kv_cache: `"dynamic"` (default: caches that the runtime grows with the conversation, each step attending
+            over the slots filled so far; LiteRT-LM's CPU backend) or `"static"` (`context_length` slots from the
+            start, what its GPU backend takes). Module docstring.
 
     Returns:
         `path`.
@@ -89,12 +102,12 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=D
     engine.create_conversation().send_message("What is the capital of France?")
     ```
     """
-    context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths)
+    context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache)
     from litert_lm_builder import litertlm_builder
 
     with tempfile.TemporaryDirectory() as tmp:
         model_path = _write_tflite(task, os.path.join(tmp, "model.tflite"), context_length, prefill_lengths,
-                                   quantize)
+                                   quantize, kv_cache)
         builder = litertlm_builder.LitertLmFileBuilder()
         builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
         tokenizer = task.preprocessor
@@ -119,8 +132,9 @@ def default_quantize(task):
     return "int8" if any(width % INT4_BLOCK for width in widths) else "int4"
 
 
-def _check_arguments(task, quantize, context_length, prefill_lengths):
-    """`litertlm`'s argument checks; returns the context length and the sorted prefill lengths."""
+def _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache="static"):
+    """`litertlm`'s argument checks; returns the context length and the sorted prefill lengths (None with a dynamic
+    cache)."""
     config = getattr(task, "config", None)
     if not isinstance(task, CausalLM) or config is None or config.architecture != "causal_lm":
         raise ValueError(f"`task` must be a tfformer CausalLM (a decoder-only language model). Received: "
@@ -138,6 +152,14 @@ def _check_arguments(task, quantize, context_length, prefill_lengths):
     check_int("context_length", context_length, maximum=limit, allow_none=True,
               expected=f"an integer in [1, max_sequence_length={limit}]")
     context_length = context_length or min(DEFAULT_CONTEXT_LENGTH, limit)
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"`kv_cache` must be one of {KV_CACHES}. Received: kv_cache={kv_cache!r}")
+    if kv_cache == "dynamic":
+        if prefill_lengths is not None:
+            raise ValueError("`prefill_lengths` sets the prefill signatures of kv_cache='static'; a dynamic cache has "
+                             f"one `prefill` of any length. Received: prefill_lengths={prefill_lengths!r}")
+        return context_length, None
+    prefill_lengths = DEFAULT_PREFILL_LENGTHS if prefill_lengths is None else prefill_lengths
     if isinstance(prefill_lengths, (str, bytes)) or not isinstance(prefill_lengths, (list, tuple)):
         raise ValueError(f"`prefill_lengths` must be a list of ints. Received: prefill_lengths={prefill_lengths!r}")
     for length in prefill_lengths:
@@ -154,11 +176,13 @@ class _BundleForms(DecodeForms):
     (`{id(kernel): (units, in) tensor}`) instead of the kernels; the caches are the signature's own tensors, keys
     `(1, K, S, H)` and values transposed `(1, K, H, S)`, which the attention reads in place: each group of `N / K`
     query heads is one batched matmul against its key/value head (no repeated copy of the cache), and a step writes
-    its slots in place (`in_place_cache_writes`, decode) or by a select over the cache (prefill)."""
+    its slots in place (`in_place_cache_writes`: decode, a dynamic prefill) or by a select over the cache (a static
+    prefill). `mask`: the runtime's additive mask `(1, 1, T, S)` (a dynamic cache's), added to the scores."""
 
-    def __init__(self, fed, in_place_cache_writes, offsets=None):
+    def __init__(self, fed, in_place_cache_writes, offsets=None, mask=None):
         super().__init__(in_place_cache_writes=in_place_cache_writes)
         self.fed = fed
+        self.mask = mask  # the runtime's additive mask (1, 1, T, S), or None
         self.offsets = offsets or {}  # {id(kernel): (units, in/B) tensor}: `gguf_int4_blocks`' block offsets
 
     def uses(self, x, kernel, bias=None):
@@ -175,7 +199,7 @@ class _BundleForms(DecodeForms):
             y = y + tf.matmul(tf.reduce_sum(blocks, -1), self.offsets[id(kernel)], transpose_b=True)  # (B*T, units)
         if bias is not None:
             y = y + tf.cast(bias, tf.float32)
-        return tf.cast(tf.reshape(y, list(x.shape[:-1]) + [kernel.shape[-1]]), x.dtype)  # (B, T, units)
+        return tf.cast(tf.reshape(y, tf.concat([tf.shape(x)[:-1], [kernel.shape[-1]]], 0)), x.dtype)  # (B, T, units)
 
     def update_cache(self, cache, k, v, cache_index):
         keys, values = (cache.keys, cache.values) if isinstance(cache, SplitCache) else cache
@@ -196,16 +220,19 @@ class _BundleForms(DecodeForms):
         return x  # `dot` and `mix` read each key/value head for its group of query heads
 
     def dot(self, q, k):
-        b, heads, t, head_dim = q.shape
-        groups = heads // k.shape[1]
-        q = tf.reshape(tf.cast(q, k.dtype), [b, k.shape[1], groups * t, head_dim])  # (1, K, G*T, H)
+        b, heads, _, head_dim = q.shape
+        t, slots = tf.shape(q)[2], tf.shape(k)[2]
+        q = tf.reshape(tf.cast(q, k.dtype), [b, k.shape[1], -1, head_dim])  # (1, K, G*T, H)
         scores = tf.matmul(q, k, transpose_b=True)  # (1, K, G*T, S)
-        return tf.reshape(scores, [b, heads, t, k.shape[2]])  # (1, N, T, S)
+        scores = tf.reshape(scores, [b, heads, t, slots])  # (1, N, T, S)
+        if self.mask is not None:  # the runtime's (its masked slots, which the model's own mask hides too)
+            scores = scores + tf.maximum(self.mask, -1e9)
+        return scores
 
     def mix(self, weights, v, dtype):
-        b, heads, t, slots = weights.shape
-        groups = heads // v.shape[1]
-        weights = tf.reshape(tf.cast(weights, v.dtype), [b, v.shape[1], groups * t, slots])  # (1, K, G*T, S)
+        b, heads = weights.shape[:2]
+        t, slots = tf.shape(weights)[2], tf.shape(weights)[3]
+        weights = tf.reshape(tf.cast(weights, v.dtype), [b, v.shape[1], -1, slots])  # (1, K, G*T, S)
         x = tf.matmul(weights, v, transpose_b=True)  # (1, K, G*T, H): values (1, K, H, S) read in place
         return tf.cast(tf.reshape(x, [b, heads, t, v.shape[2]]), dtype)  # (1, N, T, H)
 
@@ -217,13 +244,17 @@ def dense_kernels(task):
     return {f"weight_{i}": kernel for i, kernel in enumerate(kernels)}
 
 
-def _step_function(task, length, context_length, kernels, offsets=()):
-    """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs."""
+def _step_function(task, length, context_length, kernels, offsets=(), dynamic=False):
+    """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs; `dynamic`: the
+    `prefill` (`length` None) or `decode` of a cache of any number of slots, with the runtime's `mask`."""
     config = task.config
     layers, heads, head_dim = config.num_decoder_layers, config.key_value_heads, config.head_dim
     specs = {"tokens": tf.TensorSpec([1, length], tf.int32, name="tokens"),
              "input_pos": tf.TensorSpec([length], tf.int32, name="input_pos")}
     names = [(f"kv_cache_k_{i}", f"kv_cache_v_{i}") for i in range(layers)]
+    if dynamic:
+        context_length = None
+        specs["mask"] = tf.TensorSpec([1, 1, length, None], tf.float32, name="mask")  # (1, 1, T, S)
     for keys, values in names:
         specs[keys] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=keys)  # (1, K, S, H)
         specs[values] = tf.TensorSpec([1, heads, head_dim, context_length], tf.float32, name=values)  # (1, K, H, S)
@@ -235,10 +266,10 @@ def _step_function(task, length, context_length, kernels, offsets=()):
     decode = length == 1
 
     def step(inputs):
-        # Only decode writes in place: a prefill's padding may run past the last slot (module docstring).
-        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode,
+        # A static prefill does not write in place: its padding may run past the last slot (module docstring).
+        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode or dynamic,
                              {id(kernel): inputs[offsets_name(name)] for name, kernel in kernels.items()
-                              if name in offsets})
+                              if name in offsets}, inputs.get("mask"))
         caches = tuple((inputs[k], inputs[v]) for k, v in names)
         logits, caches = task.decode_step(inputs["tokens"], caches, inputs["input_pos"][0], last_only=True,
                                           plan=forms)
@@ -250,9 +281,9 @@ def _step_function(task, length, context_length, kernels, offsets=()):
     return step, [specs]
 
 
-def _write_tflite(task, path, context_length, prefill_lengths, quantize="none"):
+def _write_tflite(task, path, context_length, prefill_lengths, quantize="none", kv_cache="static"):
     """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
-    in `quantize`."""
+    in `quantize`, the caches `kv_cache` (`prefill_lengths` and `context_length`'s slots: a static cache's)."""
     kernels = dense_kernels(task)
 
     def filter_of(kernel):
@@ -268,9 +299,12 @@ def _write_tflite(task, path, context_length, prefill_lengths, quantize="none"):
                 exact[name], arrays[name], arrays[offsets_name(name)] = blocks[:2], blocks[0], blocks[2]
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()
-        names = [f"prefill_{length}" for length in prefill_lengths] + ["decode"]
-        for name, length in zip(names, list(prefill_lengths) + [1]):
-            fn, specs = _step_function(task, length, context_length, kernels, exact)
+        dynamic = kv_cache == "dynamic"
+        lengths = [None] if dynamic else list(prefill_lengths)
+        names = ["prefill"] if dynamic else [f"prefill_{length}" for length in prefill_lengths]
+        names.append("decode")
+        for name, length in zip(names, lengths + [1]):
+            fn, specs = _step_function(task, length, context_length, kernels, exact, dynamic)
             archive.add_endpoint(name, fn, input_signature=specs)
         archive.write_out(tmp, verbose=False)
         converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
@@ -378,12 +412,18 @@ def _quantize_lookup_tables(schema, model, quantize):
                 _set_filter(schema, graph, graph.tensors[quantized[table.buffer]], tables[table.buffer][1])
             ids, rows = graph.tensors[op.inputs[1]], graph.tensors[op.outputs[0]]
             count, width = int(np.prod(ids.shape)), int(table.shape[1])
+            # A dynamic-length signature's ids (`-1` in their shape signature): N and the rows' shape at run time.
+            dynamic = -1 in _signature(ids)
             shape = _tensor(schema, graph, ids.name + b"_flat_shape", [1], schema.TensorType.INT32,
-                            _buffer(schema, model, np.array([count], np.int32)))
-            flat = _tensor(schema, graph, ids.name + b"_flat", [count], schema.TensorType.INT32)  # (N,)
-            found = _tensor(schema, graph, rows.name + b"_flat", [count, width], schema.TensorType.FLOAT32)  # (N, D)
+                            _buffer(schema, model, np.array([-1 if dynamic else count], np.int32)))
+            flat = _tensor(schema, graph, ids.name + b"_flat", [count], schema.TensorType.INT32,
+                           signature=[-1] if dynamic else None)  # (N,)
+            found = _tensor(schema, graph, rows.name + b"_flat", [count, width], schema.TensorType.FLOAT32,
+                            signature=[-1, width] if dynamic else None)  # (N, D)
+            if list(_signature(rows)).count(-1) > 1:
+                raise ValueError(f"The lookup's rows {list(_signature(rows))} have more than one dynamic axis")
             back = _tensor(schema, graph, rows.name + b"_shape", [len(rows.shape)], schema.TensorType.INT32,
-                           _buffer(schema, model, np.array(list(rows.shape), np.int32)))
+                           _buffer(schema, model, np.array(list(_signature(rows)), np.int32)))
             operators += [_operator(schema, model, reshape, [op.inputs[1], shape], [flat]),
                           _operator(schema, model, lookup, [flat, quantized[table.buffer]], [found]),
                           _operator(schema, model, reshape, [found, back], [op.outputs[0]])]  # (N, D) -> (..., D)
@@ -405,10 +445,17 @@ def _column_scale(table, weights):
     return scale
 
 
-def _tensor(schema, graph, name, shape, tensor_type, buffer=0):
-    """Append a tensor to `graph`; returns its index."""
+def _signature(tensor):
+    """A tensor's shape signature: its shape with `-1` on each dynamic axis."""
+    return tensor.shape if tensor.shapeSignature is None or not len(tensor.shapeSignature) else tensor.shapeSignature
+
+
+def _tensor(schema, graph, name, shape, tensor_type, buffer=0, signature=None):
+    """Append a tensor to `graph` (`signature`: its shape signature, if it has dynamic axes); returns its index."""
     tensor = schema.TensorT()
     tensor.name, tensor.shape, tensor.type, tensor.buffer = name, [int(n) for n in shape], tensor_type, buffer
+    if signature is not None:
+        tensor.shapeSignature = [int(n) for n in signature]
     graph.tensors.append(tensor)
     return len(graph.tensors) - 1
 
@@ -478,7 +525,8 @@ def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
                 x = graph.tensors[op.inputs[0]]
                 factor = _tensor(schema, graph, x.name + b"_norm_scale", scale.shape, schema.TensorType.FLOAT32,
                                  _buffer(schema, model, scale))
-                scaled = _tensor(schema, graph, x.name + b"_scaled", x.shape, schema.TensorType.FLOAT32)
+                scaled = _tensor(schema, graph, x.name + b"_scaled", x.shape, schema.TensorType.FLOAT32,
+                                 signature=_signature(x))
                 mul = _operator(schema, model, multiply, [op.inputs[0], factor], [scaled])
                 mul.builtinOptionsType, mul.builtinOptions = schema.BuiltinOptions.MulOptions, schema.MulOptionsT()
                 operators.append(mul)
