@@ -256,7 +256,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         export_seconds = time.perf_counter() - start
         if done.returncode or not os.path.exists(path):
             return None, f"tfformer export --format litertlm failed ({done.returncode}): {done.stderr[-500:]}"
-        if "(int4 weights;" not in done.stdout:  # the rows are labelled int4: what the default must write here
+        if "(int4 weights," not in done.stdout:  # the rows are labelled int4: what the default must write here
             return None, f"tfformer export --format litertlm did not write int4 weights: {done.stdout[-300:]}"
         export_peak = json.loads(done.stdout.splitlines()[-1])["export_peak_rss_mb"]
         kv_cache = "dynamic" if "dynamic KV cache;" in done.stdout else "static"  # what the command wrote
