@@ -78,6 +78,8 @@ HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt"
 PERPLEXITY_CONTEXT = {"full": 256, "smoke": 16}  # llama-perplexity's -c: the chunk length
 PERPLEXITY_RATIO_TARGET = 1.05  # the issue's: the int4 bundle's perplexity <= 1.05x float32's
 EXPORT_PEAK_TARGET = 4.0  # the issue's: the export's peak resident memory <= 4x the float32 weights
+LLAMA_SPEEDUP_TARGET = 1.0  # the issue's: LiteRT-LM decode >= llama-bench tg128, its 512 prefill >= pp512
+INT4_FILE_TARGET = 0.2  # the issue's: the int4 file <= 0.2x the float32 variables
 # The smoke run's random model: SmolLM2's architecture (grouped-query attention, SwiGLU, RMSNorm, rotary), tiny.
 SMOKE_SHAPE = {"vocab": 512, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                "max_length": 256}
@@ -238,6 +240,13 @@ finally:
 """
 
 
+def export_line(stdout):
+    """`(weights, KV cache)` from the line `tfformer export --format litertlm` prints, e.g. `("int4", "dynamic")`,
+    or None when `stdout` has no such line."""
+    found = re.search(r"^LiteRT-LM: .* \((\w+) weights, (dynamic|static) KV cache;", stdout, re.MULTILINE)
+    return found.groups() if found else None
+
+
 def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
     """LiteRT-LM's own timings of the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by
     default (int4; run as that command, its peak memory measured), or the reason there are none."""
@@ -256,10 +265,11 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
         export_seconds = time.perf_counter() - start
         if done.returncode or not os.path.exists(path):
             return None, f"tfformer export --format litertlm failed ({done.returncode}): {done.stderr[-500:]}"
-        if "(int4 weights," not in done.stdout:  # the rows are labelled int4: what the default must write here
+        written = export_line(done.stdout)
+        if written is None or written[0] != "int4":  # the rows are labelled int4: what the default must write here
             return None, f"tfformer export --format litertlm did not write int4 weights: {done.stdout[-300:]}"
+        kv_cache = written[1]
         export_peak = json.loads(done.stdout.splitlines()[-1])["export_peak_rss_mb"]
-        kv_cache = "dynamic" if "dynamic KV cache;" in done.stdout else "static"  # what the command wrote
         done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
                                str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
                               text=True, timeout=1800,
@@ -597,6 +607,19 @@ def main(argv=None):
         goals.append(common.goal(f"llm int4 bundle perplexity <= {PERPLEXITY_RATIO_TARGET}x float32's",
                                  litert["perplexity"] / perplexity["perplexity"], PERPLEXITY_RATIO_TARGET,
                                  at_least=False, rows=["litert-lm int4", "tfformer float32"]))
+        goals.append(common.goal(f"llm int4 bundle file <= {INT4_FILE_TARGET}x the float32 weights",
+                                 litert["file_bytes"] / f32_bytes, INT4_FILE_TARGET, at_least=False,
+                                 rows=["litert-lm int4"]))
+        # llama-bench's tg128 (`-n`, no prompt) and pp512 against LiteRT-LM's decode after a prompt and its prefill.
+        llama_rows = {} if isinstance(llama, str) else {row["bench"]: row for row in llama}
+        for bench, key, ours, theirs in (("llm_decode_only", "decode_tokens_per_s", "decode", f"tg{new_tokens}"),
+                                         ("llm_prefill", "prefill_tokens_per_s", f"{prefill_len}-token prefill",
+                                          f"pp{prefill_len}")):
+            if bench in llama_rows and litert[key]:
+                goals.append(common.goal(f"llm int4 bundle {ours} >= {LLAMA_SPEEDUP_TARGET}x llama.cpp's {theirs}",
+                                         litert[key] / llama_rows[bench]["tokens_per_s"], LLAMA_SPEEDUP_TARGET,
+                                         rows=["litert-lm int4", LLAMA], reading=f"tokens/s ({key})",
+                                         kv_cache=litert["kv_cache"], context_length=litert["context_length"]))
     # What loading costs: the peak over the imports (TensorFlow alone holds more than the weights before loading).
     increase = (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes
     goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", increase,

@@ -6,10 +6,11 @@ template, tokenizer, prefill, decode, sampling, stop tokens. The TFLite model fo
 one of two forms (`kv_cache`):
 
 - `"dynamic"` (the default; LiteRT-LM's CPU backend): signatures `prefill` (any `T`) and `decode` (`T` = 1), whose
-  caches have a dynamic slot axis `S`. The runtime sizes them: to the prompt at the first prefill, then 16 slots
-  more whenever decoding fills them, so a step attends over the slots filled so far, never over the whole
-  context. Each signature also takes the runtime's additive `mask` `(1, 1, T, S)` float32 (0 where a query may
-  look, a large negative number elsewhere), which the runtime requires.
+  caches have a dynamic slot axis `S`. The runtime sizes them to the tokens so far: a prefill grows them by the
+  slots it needs, decoding by its `kv_increment_size` (16 in LiteRT-LM 0.18's CPU settings) when they are full,
+  so a step attends over about the slots filled so far, never over the whole context. Each signature also takes
+  the runtime's additive `mask` `(1, 1, T, S)` float32 (0 where a query may look, a large negative number
+  elsewhere), which the runtime requires.
 - `"static"` (what LiteRT-LM's GPU backend takes): signatures `prefill_<T>` (one per prefill length `T`; the
   runtime covers a prompt with the longest ones, then the shortest that holds the rest) and `decode`, with `S` =
   `context_length` slots that every step attends over. No `mask`.
@@ -23,11 +24,11 @@ copy of the cache. Outputs: the same cache tensors (the runtime binds each to on
 `decode` `logits` `(1, 1, V)`.
 
 A step writes its `T` keys and values at `input_pos[0]` and attends over the slots up to each query's position
-(the model's own causal mask from `input_pos[0]`; a dynamic step adds the runtime's mask to it, clipped to -1e9 so
-that the sum stays finite). `decode`, and a dynamic `prefill` (whose `T` the runtime cuts to the prompt), write with
-DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a static prefill writes with a select over the cache, which
-drops any padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots left, but a
-DYNAMIC_UPDATE_SLICE would move such a window back over cached positions.)
+(the model's own causal mask from `input_pos[0]`; a dynamic step adds the runtime's mask to it, clipped to
+`MASK_VALUE` so that the sum stays finite). `decode`, and a dynamic `prefill` (whose `T` the runtime cuts to the
+prompt), write with DYNAMIC_UPDATE_SLICE, in place in the bound buffer; a static prefill writes with a select over
+the cache, which drops any padding past the last slot. (LiteRT-LM 0.18 never runs a prefill longer than the slots
+left, but a DYNAMIC_UPDATE_SLICE would move such a window back over cached positions.)
 
 Memory: TensorFlow's converter holds many copies of the constants it folds (6.5 GB for SmolLM2-135M's 0.54 GB of
 float32 weights, one signature). So the matrices of the model's dense layers reach it as signature inputs `(units,
@@ -53,6 +54,7 @@ from tfformer.checks import check_int
 from tfformer.files import atomic_path, write_atomic
 from tfformer.layers.decode_forms import DecodeForms
 from tfformer.layers.layer_utils import SplitCache, dense, write_cache
+from tfformer.layers.masks import MASK_VALUE
 from tfformer.models.causal_lm import CausalLM
 from tfformer.tokens import PAD_ID
 
@@ -132,9 +134,9 @@ def default_quantize(task):
     return "int8" if any(width % INT4_BLOCK for width in widths) else "int4"
 
 
-def _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache="static"):
-    """`litertlm`'s argument checks; returns the context length and the sorted prefill lengths (None with a dynamic
-    cache)."""
+def _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache):
+    """`litertlm`'s argument checks (`kv_cache` too, and `prefill_lengths` only with a static one); returns the
+    context length and the sorted prefill lengths (None with a dynamic cache)."""
     config = getattr(task, "config", None)
     if not isinstance(task, CausalLM) or config is None or config.architecture != "causal_lm":
         raise ValueError(f"`task` must be a tfformer CausalLM (a decoder-only language model). Received: "
@@ -226,7 +228,7 @@ class _BundleForms(DecodeForms):
         scores = tf.matmul(q, k, transpose_b=True)  # (1, K, G*T, S)
         scores = tf.reshape(scores, [b, heads, t, slots])  # (1, N, T, S)
         if self.mask is not None:  # the runtime's (its masked slots, which the model's own mask hides too)
-            scores = scores + tf.maximum(self.mask, -1e9)
+            scores = scores + tf.maximum(self.mask, MASK_VALUE)
         return scores
 
     def mix(self, weights, v, dtype):
@@ -281,7 +283,7 @@ def _step_function(task, length, context_length, kernels, offsets=(), dynamic=Fa
     return step, [specs]
 
 
-def _write_tflite(task, path, context_length, prefill_lengths, quantize="none", kv_cache="static"):
+def _write_tflite(task, path, context_length, prefill_lengths, quantize, kv_cache):
     """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
     in `quantize`, the caches `kv_cache` (`prefill_lengths` and `context_length`'s slots: a static cache's)."""
     kernels = dense_kernels(task)
