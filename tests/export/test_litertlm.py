@@ -84,12 +84,11 @@ def test_sentencepiece_bundle_greedy_equals_tfformer(tmp_path, tokenizer):
     `SubwordTokenizer`, as the `gpt-mini` runs have: the bundle carries the SentencePiece model itself."""
     config = models.TransformerConfig(architecture="causal_lm", vocabulary_size=tokenizer.vocabulary_size,
                                       **dict(CFG, position="learned"))
-    # Seed 2: replies without tabs or line breaks, which the bundle's raw SentencePiece model writes as the
-    # tokenizer's escapes (U+2409, U+240A: tfformer.data.tokenizers.ESCAPES), a known difference (issue 55's note).
-    model = spread(models.build_causal_lm(config), seed=2)
+    model = spread(models.build_causal_lm(config), seed=1)  # its reply to the first prompt holds a tab
     model.preprocessor = tokenizer
     bundle = export.litertlm(model, str(tmp_path / "model.litertlm"))
-    prompts = ["open the file", "Datei", "close a folder and save the file"]
+    # Tabs and line breaks: the tokenizer's escapes (tfformer.data.tokenizers.ESCAPES), in the bundle's model too.
+    prompts = ["open the file", "Datei", "close a folder and save the file", "open\tthe file\nclose\r\n"]
     result = run_engine(bundle, tmp_path, prompts=prompts, max_new_tokens=5)
     for prompt, ids, text in zip(prompts, result["ids"], result["texts"]):
         assert ids == np.asarray(model.tokenize([prompt]))[0].tolist()

@@ -37,7 +37,8 @@ and `bind_kernels` then turns those inputs into constant tensors of the written 
 every signature. The converter keeps only the embedding table and the norms.
 
 The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
-(`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model. The metadata holds the stop tokens (the
+(`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model with the tokenizer's escapes of tabs and line
+breaks in its normalizer and denormalizer (`sentencepiece_model`). The metadata holds the stop tokens (the
 preset's `end_ids` and the padding id), the chat template (as `jinja_prompt_template`, after `TEMPLATE_PREAMBLE`),
 the context length and greedy sampling. No start token: SmolLM2's chat template begins with `<|im_start|>`, which
 the runtime would then refuse in a prompt.
@@ -114,9 +115,9 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=N
         builder = litertlm_builder.LitertLmFileBuilder()
         builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
         tokenizer = task.preprocessor
-        if hasattr(tokenizer, "model_proto"):  # a SubwordTokenizer: its SentencePiece model as it is
+        if hasattr(tokenizer, "model_proto"):  # a SubwordTokenizer: its SentencePiece model, escapes included
             builder.add_sentencepiece_tokenizer(write_atomic(os.path.join(tmp, "tokenizer.model"),
-                                                             tokenizer.model_proto))
+                                                             sentencepiece_model(tokenizer.model_proto)))
         else:
             builder.add_hf_tokenizer(tokenizer_json(tokenizer, os.path.join(tmp, "tokenizer.json")))
         builder.add_llm_metadata(write_atomic(os.path.join(tmp, "llm_metadata.pb"),
@@ -635,6 +636,41 @@ def gguf_int4_blocks(weights):
     scales[constant] = np.finfo(np.float16).tiny
     offsets = (m + 8 * d)[..., 0]  # (units, in/B): exact, two float16 values
     return (q - 8).astype(np.int8).reshape(units, width), scales, offsets.astype(np.float32)
+
+
+def sentencepiece_model(model_proto):
+    """A `SubwordTokenizer`'s SentencePiece model (bytes) as a runtime that knows only SentencePiece must read it:
+    the tokenizer maps tabs and line breaks to symbols around SentencePiece (`tfformer.data.tokenizers.ESCAPES`),
+    and here its (identity) normalizer does the same and a denormalizer maps them back, so the model alone gives
+    the tokenizer's ids and texts. The character maps are compiled by SentencePiece's trainer from rule files."""
+    import io
+
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    from tfformer.data.tokenizers import ESCAPES
+
+    model = sentencepiece_model_pb2.ModelProto.FromString(bytes(model_proto))
+    if model.normalizer_spec.name != "identity":
+        raise ValueError(f"A SubwordTokenizer's model has the identity normalizer; this one has "
+                         f"{model.normalizer_spec.name!r}")
+    maps = []
+    for rules in (ESCAPES, [(symbol, raw) for raw, symbol in ESCAPES]):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rules.tsv")
+            with open(path, "w") as f:  # one rule a line: source and target code points in hex
+                f.writelines(f"{ord(a):X}\t{ord(b):X}\n" for a, b in rules)
+            out = io.BytesIO()
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["a b c"] * 8), model_writer=out,
+                                                     vocab_size=8, hard_vocab_limit=False,
+                                                     normalization_rule_tsv=path, minloglevel=2)
+        maps.append(sentencepiece_model_pb2.ModelProto.FromString(out.getvalue()).normalizer_spec.precompiled_charsmap)
+    model.normalizer_spec.name, model.normalizer_spec.precompiled_charsmap = "tfformer_escapes", maps[0]
+    model.denormalizer_spec.name, model.denormalizer_spec.precompiled_charsmap = "tfformer_unescapes", maps[1]
+    model.denormalizer_spec.add_dummy_prefix = False
+    model.denormalizer_spec.remove_extra_whitespaces = False
+    model.denormalizer_spec.escape_whitespaces = False
+    return model.SerializeToString()
 
 
 def int8_channels(weights):
