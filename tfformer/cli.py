@@ -161,11 +161,11 @@ def _export_litertlm(args, model):
 
     from tfformer.export.litertlm import default_quantize
 
-    quantize = args.quantize or default_quantize(model)
+    quantize, kv_cache = args.quantize or default_quantize(model), args.kv_cache or "dynamic"
     path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=quantize,
-                           context_length=args.max_length, kv_cache=args.kv_cache or "dynamic")
-    print(f"LiteRT-LM: {path} ({quantize} weights, {args.kv_cache or 'dynamic'} KV cache; litert_lm.Engine({path!r}), "
-          "or LiteRT-LM's Android/iOS/desktop APIs)")
+                           context_length=args.max_length, kv_cache=kv_cache)
+    print(f"LiteRT-LM: {path} ({quantize} weights, {kv_cache} KV cache; litert_lm.Engine({path!r}), or LiteRT-LM's "
+          "Android/iOS/desktop APIs)")
     return 0
 
 

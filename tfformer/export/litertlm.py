@@ -654,19 +654,23 @@ def sentencepiece_model(model_proto):
     if model.normalizer_spec.name != "identity":
         raise ValueError(f"A SubwordTokenizer's model has the identity normalizer; this one has "
                          f"{model.normalizer_spec.name!r}")
-    maps = []
-    for rules in (ESCAPES, [(symbol, raw) for raw, symbol in ESCAPES]):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "rules.tsv")
-            with open(path, "w") as f:  # one rule a line: source and target code points in hex
+    # One throwaway training compiles both maps: the escapes as its normalizer, their reverse as its denormalizer.
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for kind, rules in (("normalization", ESCAPES), ("denormalization", [(b, a) for a, b in ESCAPES])):
+            paths[kind] = os.path.join(tmp, f"{kind}.tsv")
+            with open(paths[kind], "w") as f:  # one rule a line: source and target code points in hex
                 f.writelines(f"{ord(a):X}\t{ord(b):X}\n" for a, b in rules)
-            out = io.BytesIO()
-            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["a b c"] * 8), model_writer=out,
-                                                     vocab_size=8, hard_vocab_limit=False,
-                                                     normalization_rule_tsv=path, minloglevel=2)
-        maps.append(sentencepiece_model_pb2.ModelProto.FromString(out.getvalue()).normalizer_spec.precompiled_charsmap)
-    model.normalizer_spec.name, model.normalizer_spec.precompiled_charsmap = "tfformer_escapes", maps[0]
-    model.denormalizer_spec.name, model.denormalizer_spec.precompiled_charsmap = "tfformer_unescapes", maps[1]
+        out = io.BytesIO()
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["a b c"] * 8), model_writer=out, vocab_size=8,
+                                                 hard_vocab_limit=False, minloglevel=2,
+                                                 normalization_rule_tsv=paths["normalization"],
+                                                 denormalization_rule_tsv=paths["denormalization"])
+    compiled = sentencepiece_model_pb2.ModelProto.FromString(out.getvalue())
+    model.normalizer_spec.name = "tfformer_escapes"
+    model.normalizer_spec.precompiled_charsmap = compiled.normalizer_spec.precompiled_charsmap
+    model.denormalizer_spec.name = "tfformer_unescapes"
+    model.denormalizer_spec.precompiled_charsmap = compiled.denormalizer_spec.precompiled_charsmap
     model.denormalizer_spec.add_dummy_prefix = False
     model.denormalizer_spec.remove_extra_whitespaces = False
     model.denormalizer_spec.escape_whitespaces = False
