@@ -125,8 +125,8 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     q = export.litertlm(trained_lm, str(tmp_path / f"{quantize}.litertlm"), quantize=quantize)
     # In the TFLite files, each matrix read by FULLY_CONNECTED shrinks from 4 bytes a weight to 1/2 + 2/32 (int4:
     # a float16 scale a block) or 1 (int8) plus a float32 scale and an int64 zero point a row in each signature
-    # that holds it: the dense layers' (both signatures). The tied table, float32 twice (the lookup's, and the
-    # logits' times the final norm's scale), is one int8 buffer for the lookup (both signatures) and the logits.
+    # that holds it: the dense layers' (both signatures). The tied table, one float32 buffer for the lookups and the
+    # logits (a signature input until bound, as the matrices are), is one int8 buffer for the same three tensors.
     sizes = {kind: os.path.getsize(litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64,
                                                                  [8], kind, "static")) for kind in ("none", quantize)}
     config = trained_lm.config
@@ -136,8 +136,7 @@ def test_quantized_bundle_greedy_equals_float32(tmp_path, trained_lm, quantize):
     expected = sum(rows * inputs * 3 - 12 * rows * signatures for rows, inputs, signatures in int8)
     if quantize == "int4":
         expected += sum(rows * inputs * (4 - 0.5 - 2 / 32) for rows, inputs, _ in matrices)
-    expected += 4 * table[0] * table[1]  # the second float32 copy
-    total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 8 * table[0] * table[1]
+    total = sum(4 * rows * inputs for rows, inputs, _ in matrices) + 4 * table[0] * table[1]
     assert abs(sizes["none"] - sizes[quantize] - expected) < 0.02 * total, (sizes, expected)
     prompts = [" open the file", " close a file and", " the folder and"]  # the beginnings of SENTENCES
     texts = run_engine(q, tmp_path, prompts=prompts, max_new_tokens=6)["texts"]
@@ -320,15 +319,16 @@ def test_int8_table_shared_by_the_lookup_and_the_logits(tmp_path, lm):
 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_tied_table_stored_once_quantized(tmp_path, trained_lm, quantize):
-    """The tied table of `trained_lm` (whose final norm's scale the converter folds into the logits' filter) is one
-    quantized buffer, read by every signature's EMBEDDING_LOOKUP and by decode's logits FULLY_CONNECTED after a MUL
-    by the norm's scale: no float32 tensor of the table's size is left. Decode logits stay within the error of
-    `quantize` of float32's, with the same argmax."""
+    """The tied table of `trained_lm` is one quantized buffer, read by every signature's EMBEDDING_LOOKUP and by
+    decode's logits FULLY_CONNECTED after a MUL by the final norm's scale: no float32 tensor of the table's size is
+    left. (The table reaches the converter as an input; as a constant, the converter folded that scale into a
+    second copy for the logits.) Decode logits stay within the error of `quantize` of float32's, with the same
+    argmax."""
     from ai_edge_litert.interpreter import Interpreter
 
     config = trained_lm.config
     norm_scale = [w for w in trained_lm.final_norm.weights][0].numpy()
-    assert np.abs(norm_scale - 1).max() > 0.05  # a scale the converter folds into the logits' filter
+    assert np.abs(norm_scale - 1).max() > 0.05  # a scale a converter could fold into the logits' filter
     logits = {}
     for kind in ("none", quantize):
         path = litertlm_module._write_tflite(trained_lm, str(tmp_path / f"{kind}.tflite"), 64, [8], kind, "static")

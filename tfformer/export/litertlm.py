@@ -33,8 +33,11 @@ left, but a DYNAMIC_UPDATE_SLICE would move such a window back over cached posit
 Memory: TensorFlow's converter holds many copies of the constants it folds (6.5 GB for SmolLM2-135M's 0.54 GB of
 float32 weights, one signature). So the matrices of the model's dense layers reach it as signature inputs `(units,
 in)` (the `FULLY_CONNECTED` filter layout, read by `tf.matmul(..., transpose_b=True)`, which needs no transpose),
-and `bind_kernels` then turns those inputs into constant tensors of the written file, one buffer per matrix shared by
-every signature. The converter keeps only the embedding table and the norms.
+and so does the token embedding table `(V, D)` (`TABLE`: the lookup's `GATHER` rows, and the filter of a tied
+logits' `FULLY_CONNECTED`); `bind_kernels` then turns those inputs into constant tensors of the written file, one
+buffer per matrix shared by every signature. The converter keeps only the norms. (With the table a constant it
+held about ten copies of it, and folded the final norm's scale into a second table for the logits: `tfformer
+export smollm2-135m-instruct --format litertlm` peaked at 4.36 GB against 2.94 GB, AMD EPYC Zen 4.)
 
 The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
 (`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model with the tokenizer's escapes of tabs and line
@@ -52,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfformer.checks import check_int
+from tfformer.cpu import release_freed_memory
 from tfformer.files import atomic_path, write_atomic
 from tfformer.layers.decode_forms import DecodeForms
 from tfformer.layers.layer_utils import SplitCache, dense, write_cache
@@ -192,6 +196,16 @@ class _BundleForms(DecodeForms):
     def uses(self, x, kernel, bias=None):
         return id(kernel) in self.fed
 
+    def lookup(self, table, ids):
+        return super().lookup(self.fed.get(id(table), table), ids)  # (B, T, D): a GATHER of the fed table's rows
+
+    def logits(self, x, table):
+        if id(table) not in self.fed:
+            return super().logits(x, table)
+        flat = tf.reshape(tf.cast(x, tf.float32), [-1, table.shape[1]])  # (B*T, D)
+        y = tf.matmul(flat, self.fed[id(table)], transpose_b=True)  # (B*T, V): FULLY_CONNECTED, the table its filter
+        return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [table.shape[0]]], 0))  # (B, T, V)
+
     def dense(self, x, kernel, bias=None, start=0, stop=None):
         stop = kernel.shape[-1] if stop is None else stop
         if id(kernel) not in self.fed or (start, stop) != (0, kernel.shape[-1]):
@@ -248,6 +262,9 @@ def dense_kernels(task):
     return {f"weight_{i}": kernel for i, kernel in enumerate(kernels)}
 
 
+TABLE = "embedding_table"  # the signature input of the token embedding table `(V, D)` (module docstring)
+
+
 def _step_function(task, length, context_length, kernels, offsets=(), dynamic=False):
     """The `prefill_<length>` (or, for 1, `decode`) signature's function and its input specs; `dynamic`: the
     `prefill` (`length` None) or `decode` of a cache of any number of slots, with the runtime's `mask`."""
@@ -262,6 +279,8 @@ def _step_function(task, length, context_length, kernels, offsets=(), dynamic=Fa
     for keys, values in names:
         specs[keys] = tf.TensorSpec([1, heads, context_length, head_dim], tf.float32, name=keys)  # (1, K, S, H)
         specs[values] = tf.TensorSpec([1, heads, head_dim, context_length], tf.float32, name=values)  # (1, K, H, S)
+    table = task.token_embedding.embeddings
+    specs[TABLE] = tf.TensorSpec(table.shape, tf.float32, name=TABLE)  # (V, D)
     for name, kernel in kernels.items():
         specs[name] = tf.TensorSpec([kernel.shape[1], kernel.shape[0]], tf.float32, name=name)  # (units, in)
         if name in offsets:
@@ -271,7 +290,9 @@ def _step_function(task, length, context_length, kernels, offsets=(), dynamic=Fa
 
     def step(inputs):
         # A static prefill does not write in place: its padding may run past the last slot (module docstring).
-        forms = _BundleForms({id(kernel): inputs[name] for name, kernel in kernels.items()}, decode or dynamic,
+        fed = {id(kernel): inputs[name] for name, kernel in kernels.items()}
+        fed[id(table)] = inputs[TABLE]
+        forms = _BundleForms(fed, decode or dynamic,
                              {id(kernel): inputs[offsets_name(name)] for name, kernel in kernels.items()
                               if name in offsets}, inputs.get("mask"))
         caches = tuple((inputs[k], inputs[v]) for k, v in names)
@@ -314,8 +335,11 @@ def _write_tflite(task, path, context_length, prefill_lengths, quantize, kv_cach
         converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         content = converter.convert()
+        del converter
+    release_freed_memory()  # the converter's: about 0.4 GB that the binding below would otherwise add to
     arrays.update({name: filter_of(kernel) for name, kernel in kernels.items() if name not in exact})
-    return write_atomic(path, bind_kernels(content, arrays, quantize, exact))
+    arrays[TABLE] = np.asarray(keras.ops.convert_to_numpy(task.token_embedding.embeddings), np.float32)  # (V, D)
+    return write_atomic(path, bind_kernels(content, arrays, quantize, exact, tables=[TABLE]))
 
 
 def offsets_name(name):
@@ -323,23 +347,27 @@ def offsets_name(name):
     return f"{name}_offsets"
 
 
-def bind_kernels(content, arrays, quantize="none", exact=None):
+def bind_kernels(content, arrays, quantize="none", exact=None, tables=()):
     """The TFLite flatbuffer `content` with the signature inputs named in `arrays` (`{name: float32 array}`) made
     constant tensors holding those arrays, float32 or quantized (`int4_blocks`, `int8_channels`: the formats of
     `litert_quantizer`'s `dynamic_wi4b32_afp32` and `dynamic_wi8c_afp32` recipes, which XNNPACK multiplies with
     activations quantized at run time); one set of buffers each, shared by every signature. Quantized, the
     converter's own constants are quantized too: the embedding tables (`_quantize_lookup_tables`) and the filters
-    (`_quantize_constant_filters`), a tied table one buffer for both. Returns the new bytes.
+    (`_quantize_constant_filters`), a tied table one buffer for both. Returns the new file's bytes, a memoryview.
     (litert_quantizer 0.11 itself, run on the bound file, quantized a shared buffer for one signature's tensor and
     left the other signatures' tensors on it float32: a file the runtime refuses.)
 
     `exact` (`{name: (q, scales)}`, from `gguf_int4_blocks`) stores those matrices' int4 blocks as they are (their
     `arrays` entry need only have the shape), and their block offsets (`arrays[offsets_name(name)]`) in float32.
 
-    Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter.
+    `tables` (names in `arrays`): embedding tables `(V, D)`, read by `GATHER`s of rows and by a tied logits'
+    `FULLY_CONNECTED`. They are bound in float32, and quantized (in int8) with the converter's own constants.
+
+    Each must be an input of every signature, of the array's shape, read only as a `FULLY_CONNECTED` filter (a
+    table also as a `GATHER`'s rows).
     """
     exact = exact or {}
-    float32 = {offsets_name(name) for name in exact}
+    float32 = {offsets_name(name) for name in exact} | set(tables)
     import flatbuffers
     from ai_edge_litert import schema_py_generated as schema
 
@@ -351,7 +379,7 @@ def bind_kernels(content, arrays, quantize="none", exact=None):
         missing = set(arrays) - set(bound.values())
         if missing:
             raise ValueError(f"Signature {_name(signature.signatureKey)} does not read the matrices {sorted(missing)}")
-        _check_filters(schema, model, graph, bound)
+        _check_filters(schema, model, graph, bound, tables)
         for index, name in bound.items():
             tensor = graph.tensors[index]
             if list(tensor.shape) != list(arrays[name].shape):
@@ -363,11 +391,12 @@ def bind_kernels(content, arrays, quantize="none", exact=None):
         graph.inputs = [i for i in graph.inputs if i not in bound]
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
     if quantize != "none":
-        tables = _quantize_lookup_tables(schema, model, quantize)
-        _quantize_constant_filters(schema, model, quantize, tables, {entry[0] for entry in stored.values()})
-    builder = flatbuffers.Builder(sum(a.nbytes for a in arrays.values()) + len(content) + (1 << 20))
+        bound = {entry[0] for name, entry in stored.items() if name not in tables}
+        _quantize_constant_filters(schema, model, quantize, _quantize_lookup_tables(schema, model, quantize), bound)
+    kept = sum(len(buffer.data) for buffer in model.buffers if buffer.data is not None)
+    builder = flatbuffers.Builder(kept + len(content) + (1 << 20))  # the whole file: the builder never grows
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return builder.Output()
+    return memoryview(builder.Bytes)[builder.Head():]  # the file's bytes, not copied
 
 
 def _set_filter(schema, graph, tensor, stored):
@@ -387,11 +416,11 @@ def _quantize_lookup_tables(schema, model, quantize):
     `EMBEDDING_LOOKUP` of the same rows from the table quantized as a `FULLY_CONNECTED` filter `(units=V, in=D)`
     (`_store`: int4 in blocks of 32 inputs, or int8 per row; the kernel dequantizes the rows it reads), between
     `RESHAPE`s of the ids to `(N,)` and of the rows back to the `GATHER`'s shape. One buffer per table for every
-    graph. Returns `{float32 table buffer: (table, stored)}` for `_quantize_constant_filters`; the float32 tables
+    graph. Returns `{float32 table buffer: stored}` for `_quantize_constant_filters`; the float32 tables
     themselves stay for it to empty."""
     gather, lookup, reshape = (schema.BuiltinOperator.GATHER, schema.BuiltinOperator.EMBEDDING_LOOKUP,
                                schema.BuiltinOperator.RESHAPE)
-    tables = {}  # float32 table buffer -> (the table (V, D), `_store`'s result)
+    tables = {}  # float32 table buffer -> `_store`'s result
     for graph in model.subgraphs:
         operators = []
         quantized = {}  # float32 table buffer -> this graph's quantized table tensor
@@ -405,15 +434,14 @@ def _quantize_lookup_tables(schema, model, quantize):
                 operators.append(op)
                 continue
             if table.buffer not in tables:
-                weights = np.frombuffer(bytes(model.buffers[table.buffer].data), np.float32)
-                weights = weights.reshape([int(n) for n in table.shape])  # (V, D)
+                weights = _array(model.buffers[table.buffer].data, np.float32, table.shape)  # (V, D)
                 # int8 even in an int4 file: SmolLM2's table in int4 took its perplexity from 26.0 to 31.3 (int8:
                 # 26.1), with its matrices as the GGUF's; the GGUF itself holds it in 8 bits (Q8_0).
-                tables[table.buffer] = weights, _store(schema, model, weights, "int8")
+                tables[table.buffer] = _store(schema, model, weights, "int8")
             if table.buffer not in quantized:
                 quantized[table.buffer] = _tensor(schema, graph, table.name + b"_quantized", table.shape,
                                                   schema.TensorType.FLOAT32)
-                _set_filter(schema, graph, graph.tensors[quantized[table.buffer]], tables[table.buffer][1])
+                _set_filter(schema, graph, graph.tensors[quantized[table.buffer]], tables[table.buffer])
             ids, rows = graph.tensors[op.inputs[1]], graph.tensors[op.outputs[0]]
             count, width = int(np.prod(ids.shape)), int(table.shape[1])
             # A dynamic-length signature's ids (`-1` in their shape signature): N and the rows' shape at run time.
@@ -433,20 +461,6 @@ def _quantize_lookup_tables(schema, model, quantize):
                           _operator(schema, model, reshape, [found, back], [op.outputs[0]])]  # (N, D) -> (..., D)
         graph.operators = operators
     return tables
-
-
-def _column_scale(table, weights):
-    """`s` `(D,)` with `weights ~ table * s` (float32 rounding) for a filter `weights` and a table `(V, D)`, or None:
-    a tied logits filter, the table times the final norm's scale, which the converter folded in."""
-    if weights.shape != table.shape:
-        return None
-    t, w = table.astype(np.float64), weights.astype(np.float64)
-    norms = (t * t).sum(0)  # (D,)
-    scale = np.where(norms > 0, (t * w).sum(0) / np.where(norms > 0, norms, 1), 0.0)  # least squares a column
-    scale = scale.astype(np.float32)
-    if np.abs(table * scale - weights).max() > 1e-6 * max(float(np.abs(weights).max()), 1e-30):
-        return None
-    return scale
 
 
 def _signature(tensor):
@@ -489,14 +503,13 @@ def _operator(schema, model, builtin, inputs, outputs):
 
 
 def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
-    """Quantize the float32 `FULLY_CONNECTED` filters that the converter itself wrote as constants, as the bound
-    matrices are: a tied embedding's logits projection. A filter that is a lookup table of `tables`
-    (`_quantize_lookup_tables`), or such a table times a scale a column (the final norm's scale, which the converter
-    folds in), reads the table's quantized buffer, after a `MUL` of its input by that scale: tied weights stored
-    once. The buffers in `bound` (what `bind_kernels` stored, in their formats: float32 block offsets stay so)
-    are left as they are. Buffers no tensor reads any more are emptied."""
-    fully_connected, multiply = schema.BuiltinOperator.FULLY_CONNECTED, schema.BuiltinOperator.MUL
-    stored = {}  # float32 buffer -> (`_store`'s result, the scale a column to multiply the input by, or None)
+    """Quantize the float32 `FULLY_CONNECTED` filters that are constants of the file, as the bound matrices are:
+    a tied embedding's logits projection. A filter that is a lookup table of `tables` (`_quantize_lookup_tables`)
+    reads the table's quantized buffer: tied weights stored once. The buffers in `bound` (what `bind_kernels`
+    stored, in their formats: float32 block offsets stay so) are left as they are. Buffers no tensor reads any more
+    are emptied."""
+    fully_connected = schema.BuiltinOperator.FULLY_CONNECTED
+    stored = {}  # float32 buffer -> `_store`'s result
     for graph in model.subgraphs:
         filters = {}  # float32 filter tensor -> this graph's tensor on its quantized buffer
         operators = []
@@ -512,29 +525,15 @@ def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
                 operators.append(op)
                 continue
             if tensor.buffer not in stored:
-                weights = np.frombuffer(bytes(data), np.float32).reshape([int(n) for n in tensor.shape])
-                for buffer, (table, table_stored) in tables.items():  # the table itself, or times a scale
-                    scale = None if buffer == tensor.buffer else _column_scale(table, weights)
-                    if buffer == tensor.buffer or scale is not None:
-                        stored[tensor.buffer] = table_stored, (None if scale is None or np.all(scale == 1) else scale)
-                        break
+                if tensor.buffer in tables:
+                    stored[tensor.buffer] = tables[tensor.buffer]
                 else:
-                    stored[tensor.buffer] = _store(schema, model, weights, quantize), None
+                    weights = _array(data, np.float32, tensor.shape)
+                    stored[tensor.buffer] = _store(schema, model, weights, quantize)
             if index not in filters:
                 filters[index] = _tensor(schema, graph, tensor.name + b"_quantized", tensor.shape,
                                          schema.TensorType.FLOAT32)
-                _set_filter(schema, graph, graph.tensors[filters[index]], stored[tensor.buffer][0])
-            scale = stored[tensor.buffer][1]
-            if scale is not None:  # x -> x * s, for the table's filter `(V, D)`
-                x = graph.tensors[op.inputs[0]]
-                factor = _tensor(schema, graph, x.name + b"_norm_scale", scale.shape, schema.TensorType.FLOAT32,
-                                 _buffer(schema, model, scale))
-                scaled = _tensor(schema, graph, x.name + b"_scaled", x.shape, schema.TensorType.FLOAT32,
-                                 signature=_signature(x))
-                mul = _operator(schema, model, multiply, [op.inputs[0], factor], [scaled])
-                mul.builtinOptionsType, mul.builtinOptions = schema.BuiltinOptions.MulOptions, schema.MulOptionsT()
-                operators.append(mul)
-                op.inputs = [scaled, *op.inputs[1:]]
+                _set_filter(schema, graph, graph.tensors[filters[index]], stored[tensor.buffer])
             op.inputs = [op.inputs[0], filters[index], *op.inputs[2:]]
             operators.append(op)
         graph.operators = operators
@@ -544,12 +543,20 @@ def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
             model.buffers[index].data = None
 
 
-def _check_filters(schema, model, graph, bound):
-    """Raise unless every tensor of `bound` is read only as a `FULLY_CONNECTED` filter."""
+def _check_filters(schema, model, graph, bound, tables=()):
+    """Raise unless every tensor of `bound` (`{index: name}`) is read only as a `FULLY_CONNECTED` filter, or, named
+    in `tables`, also as a `GATHER`'s rows."""
+    reads = {(schema.BuiltinOperator.FULLY_CONNECTED, 1)}
     for op in graph.operators:
         for position, index in enumerate(op.inputs):
-            if index in bound and (_builtin(model, op) != schema.BuiltinOperator.FULLY_CONNECTED or position != 1):
+            if index in bound and (_builtin(model, op), position) not in reads | (
+                    {(schema.BuiltinOperator.GATHER, 0)} if bound[index] in tables else set()):
                 raise ValueError(f"{bound[index]} is read by an op other than a FULLY_CONNECTED filter")
+
+
+def _array(data, dtype, shape):
+    """A buffer's bytes `data` (a uint8 array, or bytes) as an array of `dtype` and `shape`, without a copy."""
+    return np.frombuffer(data, np.uint8).view(dtype).reshape([int(n) for n in shape])
 
 
 def _buffer(schema, model, data):
@@ -681,9 +688,13 @@ def int8_channels(weights):
     """Symmetric int8 weights per output channel: `(q, scales)` for a float32 filter `(units, in)`, `q` `(units, in)`
     int8 in -127..127 and float32 `scales` `(units,)` with `w ~ q * scale` (`scale = max|w| / 127`, 1 for a row
     of zeros)."""
-    scales = np.abs(weights).max(-1) / 127.0
+    scales = np.maximum(weights.max(-1), -weights.min(-1)) / 127.0  # max |w| a row, without a copy of |w|
     scales[scales == 0] = 1.0
-    return np.clip(np.rint(weights / scales[:, None]), -127, 127).astype(np.int8), scales.astype(np.float32)
+    q = np.empty(weights.shape, np.int8)
+    for start in range(0, len(weights), 4096):  # 4,096 rows at a time: no float copy of a whole table
+        rows = weights[start:start + 4096] / scales[start:start + 4096, None]
+        q[start:start + 4096] = np.clip(np.rint(rows, out=rows), -127, 127, out=rows)
+    return q, scales.astype(np.float32)
 
 
 def tokenizer_json(tokenizer, path):

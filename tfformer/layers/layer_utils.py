@@ -175,6 +175,15 @@ class PlainForms:
         """Whether `dense(x, kernel, bias)` reads a kernel laid out for a decode loop."""
         return False
 
+    def lookup(self, table, ids):
+        """The rows `(B, T, D)` of a token embedding `table` `(V, D)` at int32 `ids` `(B, T)`."""
+        return ops.take(table, ids, axis=0)
+
+    def logits(self, x, table):
+        """The float32 logits `x @ table^T` `(B, T, V)` of hidden states `x` `(B, T, D)`, a tied `table` `(V, D)`."""
+        kernel = ops.cast(table, x.dtype)
+        return ops.cast(ops.matmul(x, ops.transpose(kernel)), "float32")
+
     def one_row(self, x):
         """Whether `x` `(B, T, D)` is one token of a batch-1 decode loop on laid-out kernels."""
         return False

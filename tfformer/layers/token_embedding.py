@@ -48,7 +48,7 @@ class TokenEmbedding(keras.layers.Layer):
     Call arguments:
         inputs: int ids `(B, T)`, or with `reverse=True` hidden states `(B, T, hidden_dim)`.
         reverse: bool. Project hidden states to logits instead of looking up ids.
-        plan: optional decode plan (see `layer_utils`), with `reverse=True`.
+        plan: optional decode plan (see `layer_utils`): its forms of the lookup and of the projection.
 
     Returns:
         `(B, T, hidden_dim)` embeddings, or `(B, T, vocabulary_size)` float32 logits.
@@ -85,7 +85,8 @@ class TokenEmbedding(keras.layers.Layer):
             return self.attend(inputs, plan)
         check_token_ids(inputs, self.vocabulary_size)
         # Gather from the float32 table, then cast the (B, T, D) rows: not the whole (V, D) table.
-        x = ops.cast(ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)  # (B, T, D)
+        rows = (plan or PLAIN).lookup(self.embeddings, ops.cast(inputs, "int32"))  # (B, T, D)
+        x = ops.cast(rows, self.compute_dtype)
         return x * ops.cast(math.sqrt(self.hidden_dim), x.dtype) if self.scale else x
 
     def attend(self, inputs, plan=None):
@@ -97,8 +98,7 @@ class TokenEmbedding(keras.layers.Layer):
             laid_out = plan.kernels.get(id(self.embeddings))
             columns = ops.transpose(self.embeddings) if laid_out is None else laid_out[0]
             return ops.matmul(ops.cast(inputs, "float32"), columns)  # (B, 1, D) x (D, V) -> (B, 1, V)
-        kernel = ops.cast(self.embeddings, inputs.dtype)
-        return ops.cast(ops.matmul(inputs, ops.transpose(kernel)), "float32")
+        return (plan or PLAIN).logits(inputs, self.embeddings)
 
     def compute_mask(self, inputs, mask=None, reverse=False, plan=None):
         if reverse or not self.mask_zero:

@@ -110,9 +110,10 @@ def final_norm(config, name, dtype):
     return layers.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=dtype, name=name)
 
 
-def embed_tokens(embedding, position, token_ids, start_index=0):
-    """Token embedding (scaled by sqrt(d) if configured) plus positions, `(B, T, D)`."""
-    x = embedding(token_ids)  # (B, T, D)
+def embed_tokens(embedding, position, token_ids, start_index=0, plan=None):
+    """Token embedding (scaled by sqrt(d) if configured) plus positions, `(B, T, D)`; `plan`: a decode plan
+    (`layer_utils`) for the lookup."""
+    x = embedding(token_ids, plan=plan)  # (B, T, D)
     return x + position(x, start_index=start_index)
 
 

@@ -181,7 +181,7 @@ class CausalLM(base.TransformerModel):
         if last_only and logits_index is not None:
             raise ValueError(f"Pass `last_only` or `logits_index`, not both. Received: last_only=True, "
                              f"logits_index={logits_index!r}")
-        x = _embed(self.token_embedding, self.position, token_ids, start_index=cache_index)  # (B, T, D)
+        x = _embed(self.token_embedding, self.position, token_ids, start_index=cache_index, plan=plan)  # (B, T, D)
         caches = []
         # A stacked (L, ...) cache, or a tuple of per-layer caches, stacked or split (`split_cache`; cheaper inside
         # decode loops: no re-stacking).
@@ -203,11 +203,12 @@ class CausalLM(base.TransformerModel):
         return logits, (tuple(caches) if per_layer else ops.stack(caches))
 
 
-def _embed(token_embedding, position, token_ids, start_index=0):
-    """Token embeddings plus positions, or alone when the positions are rotary (`position` None), `(B, T, D)`."""
+def _embed(token_embedding, position, token_ids, start_index=0, plan=None):
+    """Token embeddings plus positions, or alone when the positions are rotary (`position` None), `(B, T, D)`;
+    `plan`: a decode plan (`layer_utils`) for the lookup."""
     if position is None:
-        return token_embedding(token_ids)
-    return base.embed_tokens(token_embedding, position, token_ids, start_index=start_index)
+        return token_embedding(token_ids, plan=plan)
+    return base.embed_tokens(token_embedding, position, token_ids, start_index=start_index, plan=plan)
 
 
 def build_causal_lm(config, dtype=None):
