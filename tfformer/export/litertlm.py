@@ -546,11 +546,11 @@ def _quantize_constant_filters(schema, model, quantize, tables, bound=()):
 def _check_filters(schema, model, graph, bound, tables=()):
     """Raise unless every tensor of `bound` (`{index: name}`) is read only as a `FULLY_CONNECTED` filter, or, named
     in `tables`, also as a `GATHER`'s rows."""
-    reads = {(schema.BuiltinOperator.FULLY_CONNECTED, 1)}
+    filter_read, rows_read = (schema.BuiltinOperator.FULLY_CONNECTED, 1), (schema.BuiltinOperator.GATHER, 0)
     for op in graph.operators:
         for position, index in enumerate(op.inputs):
-            if index in bound and (_builtin(model, op), position) not in reads | (
-                    {(schema.BuiltinOperator.GATHER, 0)} if bound[index] in tables else set()):
+            read = (_builtin(model, op), position)
+            if index in bound and read != filter_read and not (bound[index] in tables and read == rows_read):
                 raise ValueError(f"{bound[index]} is read by an op other than a FULLY_CONNECTED filter")
 
 
