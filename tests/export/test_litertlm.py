@@ -164,6 +164,25 @@ def test_int4_blocks_round_trip():
     assert np.all(np.abs(q * step - weights) <= step / 2 + 1e-6)
 
 
+def test_int8_channels_against_numpy():
+    """`int8_channels` (which quantizes 4,096 rows at a time) against the whole-matrix formula in numpy, across a
+    chunk boundary: `q = clip(rint(w / s), -127, 127)` with `s = max|w| / 127` a row (1 for a row of zeros), and each
+    weight within half a step."""
+    rng = np.random.default_rng(0)
+    rows = 4096 + 5
+    weights = (rng.normal(size=(rows, 48)) * rng.uniform(0.01, 3, (rows, 1))).astype(np.float32)
+    weights[4096] = 0.0  # a row of zeros in the second chunk
+    weights[7, 3] = -50.0  # a row whose largest magnitude is negative
+    q, scales = litertlm_module.int8_channels(weights)
+    expected_scales = np.abs(weights).max(-1) / 127.0
+    expected_scales[4096] = 1.0
+    assert q.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (rows,)
+    np.testing.assert_array_equal(scales, expected_scales.astype(np.float32))
+    np.testing.assert_array_equal(q, np.clip(np.rint(weights / expected_scales[:, None]), -127, 127).astype(np.int8))
+    assert q[7, 3] == -127 and not q[4096].any()
+    assert np.all(np.abs(q * scales[:, None] - weights) <= scales[:, None] / 2 * (1 + 1e-6))
+
+
 def q4_1_values(rng, shape):
     """GGUF Q4_1 values of `shape` `(units, in)`, as `tfformer.convert.gguf` dequantizes them from random blocks
     (float16 `d` and `m`, 4-bit `q`), each block's `q` spanning 0..15 as Q4_1's quantizer makes them (`m` its
