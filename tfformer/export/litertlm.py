@@ -391,8 +391,9 @@ def bind_kernels(content, arrays, quantize="none", exact=None, tables=()):
         graph.inputs = [i for i in graph.inputs if i not in bound]
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
     if quantize != "none":
-        bound = {entry[0] for name, entry in stored.items() if name not in tables}
-        _quantize_constant_filters(schema, model, quantize, _quantize_lookup_tables(schema, model, quantize), bound)
+        matrices = {entry[0] for name, entry in stored.items() if name not in tables}  # their buffers, as stored
+        _quantize_constant_filters(schema, model, quantize, _quantize_lookup_tables(schema, model, quantize),
+                                   matrices)
     kept = sum(len(buffer.data) for buffer in model.buffers if buffer.data is not None)
     builder = flatbuffers.Builder(kept + len(content) + (1 << 20))  # the whole file: the builder never grows
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
@@ -690,10 +691,10 @@ def int8_channels(weights):
     of zeros)."""
     scales = np.maximum(weights.max(-1), -weights.min(-1)) / 127.0  # max |w| a row, without a copy of |w|
     scales[scales == 0] = 1.0
-    q = np.empty(weights.shape, np.int8)
-    for start in range(0, len(weights), 4096):  # 4,096 rows at a time: no float copy of a whole table
-        rows = weights[start:start + 4096] / scales[start:start + 4096, None]
-        q[start:start + 4096] = np.clip(np.rint(rows, out=rows), -127, 127, out=rows)
+    q, chunk = np.empty(weights.shape, np.int8), 4096  # `chunk` rows at a time: no float copy of a whole table
+    for start in range(0, len(weights), chunk):
+        rows = weights[start:start + chunk] / scales[start:start + chunk, None]
+        q[start:start + chunk] = np.clip(np.rint(rows, out=rows), -127, 127, out=rows)
     return q, scales.astype(np.float32)
 
 
