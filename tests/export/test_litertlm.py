@@ -1,5 +1,6 @@
 """`export.litertlm`: bundles that Google's LiteRT-LM runtime runs, checked in that runtime against tfformer itself."""
 
+import collections
 import importlib
 import io
 import json
@@ -241,6 +242,18 @@ def test_dynamic_cache_grows_while_decoding(tmp_path, trained_lm):
         new = np.asarray(trained_lm.generate(trained_lm.tokenize([prompt]), max_new_tokens=40, jit_compile=False))[0]
         assert not set(new.tolist()) & {PAD_ID, *trained_lm.end_ids}  # 40 tokens: the caches grow past 32 slots
         assert text == greedy_text(trained_lm, prompt, 40), prompt
+
+
+def test_decode_makes_its_mask_once(tmp_path, lm):
+    """A dynamic bundle's decode step makes the causal mask once for all its layers, and reads no cache shape per
+    layer: one RANGE and one compare, not one a layer (SmolLM2's decode graph: 2,251 ops before, 1,870 after). The
+    greedy tests above check that the shared mask gives the same tokens."""
+    assert lm.config.num_decoder_layers >= 2
+    path = litertlm_module._write_tflite(lm, str(tmp_path / "model.tflite"), 64, None, "none", "dynamic")
+    model, names = _read_tflite(path)
+    (decode,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    ops = collections.Counter(name for name, _ in _graph_ops(model, names, decode))
+    assert ops["RANGE"] == ops["GREATER_EQUAL"] == 1 and ops["SHAPE"] <= 1, ops
 
 
 def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):

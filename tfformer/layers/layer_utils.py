@@ -184,6 +184,11 @@ class PlainForms:
         kernel = ops.cast(table, x.dtype)
         return ops.cast(ops.matmul(x, ops.transpose(kernel)), "float32")
 
+    def shared_mask(self, compute):
+        """The attention mask that `compute()` makes, `(B|1, 1, T, S)` bool or None. A plan whose layers all attend
+        with one mask (a bundle's step: one query length, position and cache size) makes it once."""
+        return compute()
+
     def one_row(self, x):
         """Whether `x` `(B, T, D)` is one token of a batch-1 decode loop on laid-out kernels."""
         return False
