@@ -341,6 +341,8 @@ def _write_tflite(task, path, context_length, prefill_lengths, quantize, kv_cach
             fn, specs = _step_function(task, length, context_length, kernels, exact, dynamic)
             archive.add_endpoint(name, fn, input_signature=specs)
         archive.write_out(tmp, verbose=False)
+        del archive, fn  # the traced steps: 0.13 GB of SmolLM2's export peak (2,920 -> 2,793 MB, AMD EPYC Zen 4)
+        release_freed_memory()
         converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         content = converter.convert()
