@@ -192,17 +192,17 @@ class _BundleForms(DecodeForms):
         self.fed = fed
         self.mask = mask  # the runtime's additive mask (1, 1, T, S), or None
         self.offsets = offsets or {}  # {id(kernel): (units, in/B) tensor}: `gguf_int4_blocks`' block offsets
-        self._mask = None  # (the model's attention mask,) once the first layer made it
+        self._masks = {}  # {(use_causal_mask, window): the model's attention mask}, as the first layer made it
 
     def uses(self, x, kernel, bias=None):
         return id(kernel) in self.fed
 
-    def shared_mask(self, compute):
-        # Every layer of a step attends with the first layer's mask: made once, not one RANGE, compare and select
-        # per layer (12 ops of a layer's 74 in decode, with the shape reads below: 2,251 ops -> 1,870).
-        if self._mask is None:
-            self._mask = (compute(),)
-        return self._mask[0]
+    def shared_mask(self, key, compute):
+        # The layers of a step attend with the first one's mask of their `key`: made once, not one RANGE, compare and
+        # select a layer (12 ops of a layer's 74 in decode, with the shape reads below: 2,251 ops -> 1,870).
+        if key not in self._masks:
+            self._masks[key] = compute()
+        return self._masks[key]
 
     def lookup(self, table, ids):
         return super().lookup(self.fed.get(id(table), table), ids)  # (B, T, D): a GATHER of the fed table's rows

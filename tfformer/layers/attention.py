@@ -283,8 +283,8 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             self._check_cacheable()
             k, v, cache = plan.update_cache(cache, k, v, cache_index)
         k, v = (plan.shared_heads(x, q, self.num_heads // self._kv_heads) for x in (k, v))  # K -> N heads
-        mask = plan.shared_mask(lambda: self._mask(query, k, query_mask, value_mask, key_mask, attention_mask,
-                                                   use_causal_mask, cache, cache_index))
+        mask = plan.shared_mask((use_causal_mask, self.window), lambda: self._mask(
+            query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache, cache_index))
         scores = self._scores(q, k, plan)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.

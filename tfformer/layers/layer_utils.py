@@ -184,9 +184,10 @@ class PlainForms:
         kernel = ops.cast(table, x.dtype)
         return ops.cast(ops.matmul(x, ops.transpose(kernel)), "float32")
 
-    def shared_mask(self, compute):
-        """The attention mask that `compute()` makes, `(B|1, 1, T, S)` bool or None. A plan whose layers all attend
-        with one mask (a bundle's step: one query length, position and cache size) makes it once."""
+    def shared_mask(self, key, compute):
+        """The attention mask that `compute()` makes, `(B|1, 1, T, S)` bool or None. A plan whose layers attend with
+        the same masks (a bundle's step: one query length, position and cache size, no padding) makes it once per
+        `key`: `(use_causal_mask, window)`, what else it depends on."""
         return compute()
 
     def one_row(self, x):
