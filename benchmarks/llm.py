@@ -17,6 +17,9 @@ system). Systems:
 - TFLite int8: `tfformer.export.tflite_decoder(..., quantize="dynamic")` run by `tfformer.edge.Generator`
   (the prompt fed one token per step), after the interleaved rounds; a "skipped" record says why when the export
   fails. The same for `quantize="gguf"` ("tflite gguf-int8": the GGUF's own blocks in int8, float32's logits).
+  Both files hold a cache of the prompt and the new tokens; "tflite int8-default" is the dynamic-range file as
+  `tfformer export --format tflite --quantize dynamic` writes it by default, its cache the model's
+  `max_sequence_length` (8,192 slots for SmolLM2), which a step attends over.
 - LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by default (int4)
   (`tfformer.export.litertlm`, context 2048, a dynamic KV cache that the runtime grows with the tokens so far),
   timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
@@ -160,16 +163,18 @@ class LoadPeak:
         return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
-def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quantize="dynamic"):
+def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quantize="dynamic", fit_cache=True):
     """The TFLite int8 decode rows (`tfformer.export.tflite_decoder(..., quantize=quantize)` +
-    `tfformer.edge.Generator`), or a reason."""
+    `tfformer.edge.Generator`), or a reason. `fit_cache`: the file's cache holds the prompt and the new tokens;
+    False: the export's default, the model's `max_sequence_length`."""
     from tfformer import edge, export
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"decoder_{quantize}.tflite")
         start = time.perf_counter()
         try:
-            export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens, quantize=quantize)
+            export.tflite_decoder(model, path, max_length=prompt.shape[1] + new_tokens if fit_cache else None,
+                                  quantize=quantize)
         except Exception as error:  # any failure of the export is the reason for the skip
             return None, f"tfformer.export.tflite_decoder failed on this model: {type(error).__name__}: " \
                          f"{str(error)[:300]}"
@@ -180,7 +185,7 @@ def tflite_int8(model, prompt, new_tokens, short_tokens, repeats, threads, quant
                  for n in (new_tokens, short_tokens)}
         times = common.interleaved(calls, repeats=repeats, warmup=1, self_timed=True)
         new_ids = generator.generate(ids, max_new_tokens=new_tokens, end_ids=())
-        return {"times": times, "file_bytes": os.path.getsize(path),
+        return {"times": times, "file_bytes": os.path.getsize(path), "max_length": generator.max_length,
                 "export_seconds": round(export_seconds, 1), "ids": new_ids}, None
 
 
@@ -459,6 +464,9 @@ def main(argv=None):
     # The GGUF's own blocks in int8 (`quantize="gguf"`): float32's logits, weights rebuilt at each step.
     exact, exact_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats, threads,
                                     quantize="gguf")
+    # What a user gets from the export's defaults: a cache of max_sequence_length slots (issue 55).
+    default, default_skip = tflite_int8(ours["float32"], prompts["decode"], new_tokens, short_tokens, repeats,
+                                        threads, fit_cache=False)
     context = PERPLEXITY_CONTEXT["smoke" if args.smoke else "full"]
     if args.smoke:  # the random model has no tokenizer: random ordinary ids, two chunks
         heldout_ids = rng.integers(FIRST_ORDINARY_ID, vocab, size=2 * context).tolist()
@@ -513,7 +521,8 @@ def main(argv=None):
         decode[name] = decode_row(system, dtype, times[(system, dtype, new_tokens)],
                                   times[(system, dtype, short_tokens)], extra)
     for key, label, result, skip in (("int8", "tflite int8", tflite, tflite_skip),
-                                     ("gguf-int8", "tflite gguf-int8", exact, exact_skip)):
+                                     ("gguf-int8", "tflite gguf-int8", exact, exact_skip),
+                                     ("int8-default", "tflite int8-default", default, default_skip)):
         if result is None:
             common.emit({"bench": "skipped", "system": label, "reason": skip})
             continue
@@ -521,7 +530,8 @@ def main(argv=None):
         bytes_per_token[key] = result["file_bytes"]
         decode[label] = decode_row("tflite", key, result["times"][new_tokens], result["times"][short_tokens],
                                    {"file_bytes": result["file_bytes"], "export_seconds": result["export_seconds"],
-                                    "threads": threads, "prefill": "one token per step",
+                                    "max_length": result["max_length"], "threads": threads,
+                                    "prefill": "one token per step",
                                     "leading_ids_equal_tfformer_float32": leading_equal(
                                         result["ids"], last_ids[("tfformer float32", new_tokens)])})
     text = "random ids" if args.smoke else os.path.relpath(HELDOUT, os.path.dirname(os.path.dirname(HELDOUT)))

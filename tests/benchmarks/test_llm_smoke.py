@@ -51,6 +51,11 @@ def test_llm_benchmark_smoke(peers):
     assert with_torch or not torch_rows & (set(decode) | set(prefill))
     # TFLite int8 decode is a row, or a skip that says why; llama.cpp is always accounted for.
     assert ("tflite int8" in decode) != ("tflite int8" in skipped)
+    # The same file as the export writes it by default: a cache of the model's max_sequence_length, not the run's.
+    assert ("tflite int8-default" in decode) != ("tflite int8-default" in skipped)
+    if "tflite int8-default" in decode:
+        assert decode["tflite int8-default"]["max_length"] == llm.SMOKE_SHAPE["max_length"]
+        assert decode["tflite int8"]["max_length"] == smoke["prompt"] + smoke["new_tokens"]
     # The GGUF-exact file needs GGUF blocks, which the random smoke model has not: a skip that says so.
     assert "tflite gguf-int8" not in decode and "no Q8_0 / Q4_1 block weights" in skipped["tflite gguf-int8"]
     # llama.cpp: llama-bench's three tests at the smoke's sizes, or a skip that names what is missing.
