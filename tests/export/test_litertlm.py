@@ -251,7 +251,7 @@ def test_decode_makes_its_mask_once(tmp_path, lm):
     assert lm.config.num_decoder_layers >= 2
     path = litertlm_module._write_tflite(lm, str(tmp_path / "model.tflite"), 64, None, "none", "dynamic")
     model, names = _read_tflite(path)
-    (decode,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    decode = _decode_graph(model)
     ops = collections.Counter(name for name, _ in _graph_ops(model, names, decode))
     assert ops["RANGE"] == ops["GREATER_EQUAL"] == 1 and ops["SHAPE"] <= 1, ops
 
@@ -285,7 +285,7 @@ def test_gguf_int4_file_keeps_the_gguf_values(tmp_path, monkeypatch):
         logits[kind] = runner(**feeds)["logits"].ravel()  # (V,)
         if kind == "int4":
             tflite, names = _read_tflite(path)
-            (decode,) = [tflite.subgraphs[s.subgraphIndex] for s in tflite.signatureDefs if s.signatureKey == b"decode"]
+            decode = _decode_graph(tflite)
             filters = [decode.tensors[op.inputs[1]] for name, op in _graph_ops(tflite, names, decode)
                        if name == "FULLY_CONNECTED"]
             int4 = sorted(tuple(t.shape) for t in filters if t.type == 17)  # TensorType.INT4
@@ -313,11 +313,17 @@ def _graph_ops(model, names, graph):
                        model.operatorCodes[op.opcodeIndex].deprecatedBuiltinCode)], op) for op in graph.operators]
 
 
+def _decode_graph(model):
+    """The one subgraph of `model`'s `decode` signature."""
+    (graph,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    return graph
+
+
 def _table_readers(path):
     """`{op name: tensor type}` of the ops of the decode graph in the TFLite file `path` that read the buffer the
     embedding lookup (`GATHER` or `EMBEDDING_LOOKUP`) reads."""
     model, names = _read_tflite(path)
-    (graph,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    graph = _decode_graph(model)
     ops = _graph_ops(model, names, graph)
     (table,) = [op.inputs[0] for name, op in ops if name == "GATHER" and len(graph.tensors[op.inputs[0]].shape) == 2] \
         + [op.inputs[1] for name, op in ops if name == "EMBEDDING_LOOKUP"]
@@ -379,7 +385,7 @@ def test_tied_table_stored_once_quantized(tmp_path, trained_lm, quantize):
                     assert tensor.type != 0, name  # no float32 table
                     readers.setdefault(tensor.buffer, set()).add(name)
     assert list(readers.values()) == [{"EMBEDDING_LOOKUP", "FULLY_CONNECTED"}], readers  # one buffer for both
-    (decode,) = [model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode"]
+    decode = _decode_graph(model)
     ops = _graph_ops(model, names, decode)
     (fc,) = [op for name, op in ops if name == "FULLY_CONNECTED" and list(decode.tensors[op.inputs[1]].shape) == shape]
     (mul,) = [op for name, op in ops if name == "MUL" and op.outputs[0] == fc.inputs[0]]
