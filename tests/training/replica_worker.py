@@ -41,13 +41,13 @@ dataset = dataset.repeat().batch(8)  # the global batch
 
 def run(weights_in, weights_out, optimizer="sgd", fuse_projection="fused", micro_batches="1"):
     keras.utils.clear_session()  # each job's model as in a process of its own
-    if weights_in == "-":
-        # The same initial weights in every session. Adam's step is m / sqrt(v): where an element's gradients
-        # are small, the rounding that differs between one replica and two is scaled up, by how much depending
-        # on the start. A random start once made 3 of token_embedding's 480 values differ by up to 4.3e-5 in
-        # CI (atol 1e-5). FusedAdam on 2 against Adam on 1, largest difference, Intel Xeon (model 207), 2 cores:
-        # seeds 0-5 6.6e-6, 8.3e-7, 1.8e-6, 7.3e-7, 1.8e-6, 1.5e-6; 8 random starts 0.7-2.2e-6.
-        keras.utils.set_random_seed(1)
+    # The same initial weights in every session (the "-" job's; the others load them). Adam's step is
+    # m / sqrt(v): where an element's gradients are small, the rounding that differs between one replica and two
+    # is scaled up, by how much depending on the start. A random start once made 3 of token_embedding's 480
+    # values differ by up to 4.3e-5 in CI (atol 1e-5). FusedAdam on 2 against Adam on 1, largest difference,
+    # Intel Xeon (model 207), 2 cores: seeds 0-5 6.6e-6, 8.3e-7, 1.8e-6, 7.3e-7, 1.8e-6, 1.5e-6; 8 random
+    # starts 0.7-2.2e-6.
+    keras.utils.set_random_seed(1)
     with strategy.scope():
         model = models.build_seq2seq(config)
         if weights_in == "-":
