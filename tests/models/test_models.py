@@ -1,3 +1,4 @@
+import gc
 import json
 import os
 import threading
@@ -5,6 +6,7 @@ import threading
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfformer import compat, layers, models
 
@@ -73,6 +75,29 @@ def test_save_load_and_config_round_trip(tmp_path, rng, name):
             np.testing.assert_allclose(cloned[key], expected[key], atol=1e-6)
     else:
         np.testing.assert_allclose(cloned, expected, atol=1e-6)
+
+
+def _live_graphs():
+    gc.collect()
+    return sum(isinstance(o, tf.Graph) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_deleted_model_leaves_no_graph_behind(rng, name):
+    """Keras traces each layer of a functional model in a scratch graph that captures its variables: a graph that
+    outlives the model keeps every weight resident. TensorFlow's `tf.nn.silu` is a `tf.custom_gradient`, whose
+    graph-mode form registers its gradient function for the life of the process, and with it the graph: a deleted
+    SmolLM2-135M kept 0.7 GB resident (RSS 837 MB after the imports, 1,613 loaded, 1,574 after `del` and
+    `gc.collect()`, Intel Xeon model 207)."""
+
+    def build_and_predict():
+        model = models.build_model(CONFIGS[name])
+        model.predict(_inputs(model, rng), verbose=0)
+
+    build_and_predict()  # what is traced once per process (module-level functions) is traced now
+    before = _live_graphs()
+    build_and_predict()
+    assert _live_graphs() == before
 
 
 @pytest.mark.parametrize("name", ["seq2seq", "causal_lm"])

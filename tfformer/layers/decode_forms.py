@@ -26,7 +26,7 @@ chooses them for a loop and lays the kernels out. What each form does, and why (
 import tensorflow as tf
 from keras import ops
 
-from tfformer.layers.layer_utils import PlainForms, SplitCache, write_cache
+from tfformer.layers.layer_utils import PlainForms, SplitCache, silu, write_cache
 
 KERNEL_LAYOUTS = ("rows", "halves")
 
@@ -94,7 +94,7 @@ class DecodeForms(PlainForms):
     # === bfloat16 in the graph runtime ===
     def silu(self, x):
         if self.native_bfloat16 and x.dtype == "bfloat16":
-            return ops.silu(x)  # oneDNN's bfloat16 SiLU: float32 inside, the casts' numbers in one pass
+            return silu(x)  # oneDNN's bfloat16 sigmoid: float32 inside, the casts' numbers in one pass
         return super().silu(x)
 
     def softmax(self, scores):

@@ -7,7 +7,7 @@ from keras import ops
 from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import PLAIN, check_dropout, dense, matmul_bias, quantized
+from tfformer.layers.layer_utils import PLAIN, check_dropout, dense, matmul_bias, quantized, silu
 
 ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
@@ -146,7 +146,7 @@ class FeedForward(keras.layers.Layer):
         x = self._project(self.intermediate_dense, inputs, plan)  # (B, T, d_ff) or (B, T, 2*d_ff) for swiglu
         if self.activation == "swiglu":
             gate, x = ops.split(x, 2, axis=-1)  # 2 x (B, T, d_ff)
-            x = _in_float32(ops.silu, gate) * x
+            x = _in_float32(silu, gate) * x
         elif self.activation in _GELUS and gradient_recording():
             x = _GELUS[self.activation](x)
         elif self.activation in _GELUS:
