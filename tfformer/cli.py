@@ -155,14 +155,16 @@ def _export_speech(args, model):
     return 0
 
 
-def _export_litertlm(args, model):
+def _export_litertlm(args):
     """A causal LM as one .litertlm bundle (model, tokenizer, metadata) for Google's LiteRT-LM runtime."""
-    from tfformer import export
+    from tfformer import export, models
 
     from tfformer.export.litertlm import default_quantize
 
-    quantize, kv_cache = args.quantize or default_quantize(model), args.kv_cache or "dynamic"
-    path = export.litertlm(model, os.path.join(args.out, "model.litertlm"), quantize=quantize,
+    held = [models.from_preset(args.run)]
+    quantize, kv_cache = args.quantize or default_quantize(held[0]), args.kv_cache or "dynamic"
+    # `held.pop` hands the model over: the export drops it before the converter runs (`export.litertlm`).
+    path = export.litertlm(held.pop, os.path.join(args.out, "model.litertlm"), quantize=quantize,
                            context_length=args.max_length, kv_cache=kv_cache)
     print(f"LiteRT-LM: {path} ({quantize} weights, {kv_cache} KV cache; litert_lm.Engine({path!r}), or LiteRT-LM's "
           "Android/iOS/desktop APIs)")
@@ -179,11 +181,11 @@ def _export(args):
     if args.quantize is not None and (args.quantize in tflite_quantize) == litert_lm:
         allowed = ("none", "int8", "int4") if litert_lm else tflite_quantize
         raise ValueError(f"--quantize {args.quantize} is not for --format {args.format}; use one of {allowed}.")
-    # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
-    model = models.from_preset(args.run)
     if litert_lm:
         os.makedirs(args.out, exist_ok=True)
-        return _export_litertlm(args, model)
+        return _export_litertlm(args)
+    # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
+    model = models.from_preset(args.run)
     if isinstance(model, models.WhisperModel):  # speech in, text out
         return _export_speech(args, model)
     tokenizer = model.preprocessor

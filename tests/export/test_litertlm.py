@@ -69,7 +69,8 @@ def greedy_text(lm, prompt, max_new_tokens):
 @pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
 def test_float32_bundle_greedy_equals_tfformer(tmp_path, lm, kv_cache):
     lengths = {"prefill_lengths": (4, 16)} if kv_cache == "static" else {}
-    bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60, kv_cache=kv_cache, **lengths)
+    task = (lambda: lm) if kv_cache == "dynamic" else lm  # a function that returns the model, as `tfformer export`
+    bundle = export.litertlm(task, str(tmp_path / "model.litertlm"), context_length=60, kv_cache=kv_cache, **lengths)
     steps = 2
     result = run_engine(bundle, tmp_path, prompts=PROMPTS, max_new_tokens=steps)
     for prompt, ids, text in zip(PROMPTS, result["ids"], result["texts"]):
@@ -395,6 +396,37 @@ def test_tied_table_stored_once_quantized(tmp_path, trained_lm, quantize):
     tolerance = 0.3 if quantize == "int4" else 0.05
     assert scale > 1 and np.abs(logits[quantize] - logits["none"]).max() < tolerance * scale, logits
     assert logits[quantize].argmax() == logits["none"].argmax()
+
+
+def test_a_model_a_function_returns_is_dropped_before_the_converter_runs(tmp_path, monkeypatch):
+    """`litertlm(load)`: when TensorFlow's converter starts, nothing refers to the model `load()` returned any more
+    (it has been traced and its matrices saved), so its memory is free for the converter's peak. The bundle that
+    this way gives is checked in `test_float32_bundle_greedy_equals_tfformer[dynamic]`."""
+    import gc
+    import weakref
+
+    import tensorflow as tf
+
+    tokenizer = byte_pair_tokenizer(ascii_only=True)
+    loaded = []
+
+    def load():
+        model = llama_lm(tokenizer.vocabulary_size)
+        model.preprocessor = tokenizer
+        loaded.append(weakref.ref(model))
+        return model
+
+    from_saved_model = tf.lite.TFLiteConverter.from_saved_model
+    alive = []
+
+    def converter(*args, **kwargs):
+        gc.collect()
+        alive.append(loaded[0]() is not None)
+        return from_saved_model(*args, **kwargs)
+
+    monkeypatch.setattr(tf.lite.TFLiteConverter, "from_saved_model", converter)
+    assert export.litertlm(load, str(tmp_path / "model.litertlm"), quantize="int8") == str(tmp_path / "model.litertlm")
+    assert alive == [False]
 
 
 def test_bad_arguments_name_the_argument(tmp_path, lm):

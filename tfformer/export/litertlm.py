@@ -37,7 +37,11 @@ and so does the token embedding table `(V, D)` (`TABLE`: the lookup's `GATHER` r
 logits' `FULLY_CONNECTED`); `bind_kernels` then turns those inputs into constant tensors of the written file, one
 buffer per matrix shared by every signature. The converter keeps only the norms. (With the table a constant it
 held about ten copies of it, and folded the final norm's scale into a second table for the logits: `tfformer
-export smollm2-135m-instruct --format litertlm` peaked at 4.36 GB against 2.94 GB, AMD EPYC Zen 4.)
+export smollm2-135m-instruct --format litertlm` peaked at 4.36 GB against 2.94 GB, AMD EPYC Zen 4.) Before the
+converter runs, the signatures are saved as a SavedModel and the matrices as `.npy` files, which the binding maps
+from disk; a model that `task()` returned is then free. `tfformer export` hands its model over so, with oneDNN off
+(whose CPU allocator never gives memory back): 1.91 GB against 2.97 GB, Intel Xeon model 207, for 0.51 GB of
+weights, the peak now while the model is traced.
 
 The tokenizer goes in as the runtime reads it: a `BytePairTokenizer` (SmolLM2) as a Hugging Face `tokenizer.json`
 (`tokenizer_json`), a `SubwordTokenizer` as its SentencePiece model with the tokenizer's escapes of tabs and line
@@ -77,7 +81,12 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=N
 
     Args:
         task: a `tfformer.models.CausalLM` with a `preprocessor` (`BytePairTokenizer` or `SubwordTokenizer`), e.g.
-            `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run.
+            `tfformer.models.from_preset("smollm2-135m-instruct")` or a trained `gpt-mini` run; or a function of no
+            arguments that returns one (`tfformer export` passes one). Nothing refers to the model that function
+            returns once it is traced and its weights are saved to a temporary directory, so its memory is free
+            before TensorFlow's converter runs; a model the caller holds stays in memory through the conversion.
+            (With oneDNN on, TensorFlow's CPU allocator keeps freed memory for its own reuse: `tfformer export`
+            runs with `TF_ENABLE_ONEDNN_OPTS=0`, `tfformer_command.tensorflow_environment`.)
         path: the output file, e.g. `"model.litertlm"`.
         quantize: `"none"` (float32 weights), `"int8"` (every `FULLY_CONNECTED` filter per channel) or `"int4"`
             (in blocks of 32 inputs; `bind_kernels`), the output projection included, and the embedding table in
@@ -110,25 +119,39 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=N
     engine.create_conversation().send_message("What is the capital of France?")
     ```
     """
-    context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache)
     from litert_lm_builder import litertlm_builder
 
+    loader = callable(task) and not isinstance(task, keras.Layer)
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = _write_tflite(task, os.path.join(tmp, "model.tflite"), context_length, prefill_lengths,
-                                   quantize, kv_cache)
+        # A model `task()` returns is an argument only: nothing refers to it once `_save_bundle_parts` returns.
+        names, tokenizer = _save_bundle_parts(task() if loader else task, tmp, quantize, context_length,
+                                              prefill_lengths, kv_cache)
+        model_path = _convert_and_bind(tmp, names, quantize, os.path.join(tmp, "model.tflite"))
         builder = litertlm_builder.LitertLmFileBuilder()
         builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
-        tokenizer = task.preprocessor
-        if hasattr(tokenizer, "model_proto"):  # a SubwordTokenizer: its SentencePiece model, escapes included
-            builder.add_sentencepiece_tokenizer(write_atomic(os.path.join(tmp, "tokenizer.model"),
-                                                             sentencepiece_model(tokenizer.model_proto)))
+        if tokenizer.endswith(".model"):  # a SubwordTokenizer's SentencePiece model
+            builder.add_sentencepiece_tokenizer(tokenizer)
         else:
-            builder.add_hf_tokenizer(tokenizer_json(tokenizer, os.path.join(tmp, "tokenizer.json")))
-        builder.add_llm_metadata(write_atomic(os.path.join(tmp, "llm_metadata.pb"),
-                                              llm_metadata(task, context_length)))
+            builder.add_hf_tokenizer(tokenizer)
+        builder.add_llm_metadata(os.path.join(tmp, "llm_metadata.pb"))
         with atomic_path(path) as out, open(out, "wb") as stream:
             builder.build(stream)
     return path
+
+
+def _save_bundle_parts(task, directory, quantize, context_length, prefill_lengths, kv_cache):
+    """Everything of `task` that the bundle needs, checked and saved in `directory`: its steps and matrices
+    (`_save_steps_and_matrices`), its tokenizer and `llm_metadata.pb`. Returns the signature names and the
+    tokenizer's file."""
+    context_length, prefill_lengths = _check_arguments(task, quantize, context_length, prefill_lengths, kv_cache)
+    names = _save_steps_and_matrices(task, directory, context_length, prefill_lengths, quantize, kv_cache)
+    tokenizer = task.preprocessor
+    if hasattr(tokenizer, "model_proto"):  # a SubwordTokenizer: its SentencePiece model, escapes included
+        path = write_atomic(os.path.join(directory, "tokenizer.model"), sentencepiece_model(tokenizer.model_proto))
+    else:
+        path = tokenizer_json(tokenizer, os.path.join(directory, "tokenizer.json"))
+    write_atomic(os.path.join(directory, "llm_metadata.pb"), llm_metadata(task, context_length))
+    return names, path
 
 
 def default_quantize(task):
@@ -318,38 +341,62 @@ def _step_function(task, length, context_length, kernels, offsets=(), dynamic=Fa
 def _write_tflite(task, path, context_length, prefill_lengths, quantize, kv_cache):
     """The prefill and decode signatures as one TFLite file at `path` (builtin ops only), the dense layers' matrices
     in `quantize`, the caches `kv_cache` (`prefill_lengths` and `context_length`'s slots: a static cache's)."""
-    kernels = dense_kernels(task)
-
-    def filter_of(kernel):
-        return np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
-
-    # name -> (q, scales): a GGUF Q4_1 matrix kept exactly, its block offsets a float32 input. Only these int4
-    # values (1 byte a weight) are held while the converter runs; the float32 filters are made after it.
-    exact, arrays = {}, {}
-    if quantize == "int4":
-        for name, kernel in kernels.items():
-            blocks = gguf_int4_blocks(filter_of(kernel))
-            if blocks is not None:
-                exact[name], arrays[name], arrays[offsets_name(name)] = blocks[:2], blocks[0], blocks[2]
     with tempfile.TemporaryDirectory() as tmp:
-        archive = keras.export.ExportArchive()
-        dynamic = kv_cache == "dynamic"
-        lengths = [None] if dynamic else list(prefill_lengths)
-        names = ["prefill"] if dynamic else [f"prefill_{length}" for length in prefill_lengths]
-        names.append("decode")
-        for name, length in zip(names, lengths + [1]):
-            fn, specs = _step_function(task, length, context_length, kernels, exact, dynamic)
-            archive.add_endpoint(name, fn, input_signature=specs)
-        archive.write_out(tmp, verbose=False)
-        del archive, fn  # the traced steps: 0.13 GB of SmolLM2's export peak (2,920 -> 2,793 MB, AMD EPYC Zen 4)
-        release_freed_memory()
-        converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=names)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
-        content = converter.convert()
-        del converter
+        names = _save_steps_and_matrices(task, tmp, context_length, prefill_lengths, quantize, kv_cache)
+        return _convert_and_bind(tmp, names, quantize, path)
+
+
+def _save_steps_and_matrices(task, directory, context_length, prefill_lengths, quantize, kv_cache):
+    """What the converter and `bind_kernels` take of `task`, saved in `directory`: the signatures `names` (returned)
+    as a SavedModel (`steps/`), and their matrix inputs as `.npy` files (`matrices/`): each dense layer's float32
+    filter `(units, in)`, the table `(V, D)`, and for a GGUF Q4_1 matrix kept exactly (`quantize="int4"`) its int4
+    values in the filter's place, its block offsets, and its block scales in `matrices/scales/`. Nothing made here
+    stays in memory (module docstring: the converter's peak comes on top of what is held)."""
+    kernels = dense_kernels(task)
+    matrices = os.path.join(directory, "matrices")
+    os.makedirs(os.path.join(matrices, "scales"))
+    exact = set()
+    for name, kernel in kernels.items():
+        weights = np.ascontiguousarray(keras.ops.convert_to_numpy(kernel).T, np.float32)  # (units, in)
+        blocks = gguf_int4_blocks(weights) if quantize == "int4" else None
+        if blocks is not None:
+            exact.add(name)
+            weights = blocks[0]  # its shape is what `bind_kernels` reads of it
+            np.save(os.path.join(matrices, "scales", f"{name}.npy"), blocks[1])
+            np.save(os.path.join(matrices, f"{offsets_name(name)}.npy"), blocks[2])
+        np.save(os.path.join(matrices, f"{name}.npy"), weights)
+    table = np.asarray(keras.ops.convert_to_numpy(task.token_embedding.embeddings), np.float32)  # (V, D)
+    np.save(os.path.join(matrices, f"{TABLE}.npy"), table)
+    del table
+    archive = keras.export.ExportArchive()
+    dynamic = kv_cache == "dynamic"
+    lengths = [None] if dynamic else list(prefill_lengths)
+    names = ["prefill"] if dynamic else [f"prefill_{length}" for length in prefill_lengths]
+    names.append("decode")
+    for name, length in zip(names, lengths + [1]):
+        fn, specs = _step_function(task, length, context_length, kernels, exact, dynamic)
+        archive.add_endpoint(name, fn, input_signature=specs)
+    archive.write_out(os.path.join(directory, "steps"), verbose=False)
+    return names
+
+
+def _convert_and_bind(directory, names, quantize, path):
+    """The TFLite file at `path` from `_save_steps_and_matrices`'s `directory`: the converter's file of the signatures
+    `names`, its matrix inputs bound (`bind_kernels`) from the saved files, which are mapped, not read into memory."""
+    release_freed_memory()  # the traced steps, and a model nothing refers to any more
+    converter = tf.lite.TFLiteConverter.from_saved_model(os.path.join(directory, "steps"), signature_keys=names)
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    content = converter.convert()
+    del converter
     release_freed_memory()  # the converter's: about 0.4 GB that the binding below would otherwise add to
-    arrays.update({name: filter_of(kernel) for name, kernel in kernels.items() if name not in exact})
-    arrays[TABLE] = np.asarray(keras.ops.convert_to_numpy(task.token_embedding.embeddings), np.float32)  # (V, D)
+
+    def load(folder):
+        return {entry.name[:-len(".npy")]: np.load(entry.path, mmap_mode="r") for entry in os.scandir(folder)
+                if entry.name.endswith(".npy")}
+
+    matrices = os.path.join(directory, "matrices")
+    arrays = load(matrices)
+    exact = {name: (arrays[name], scales) for name, scales in load(os.path.join(matrices, "scales")).items()}
     return write_atomic(path, bind_kernels(content, arrays, quantize, exact, tables=[TABLE]))
 
 
