@@ -20,7 +20,8 @@ def tensorflow_environment(argv, environ=os.environ):
     oneDNN, TensorFlow's CPU allocator is a pool that never gives memory back, so a model the export has dropped
     would stay resident under the converter's peak (`tfformer.export.litertlm`). Measured for `tfformer export
     smollm2-135m-instruct --format litertlm`, Intel Xeon model 207: 2,965 MB peak with oneDNN, 2,319 without,
-    before the export dropped the model. The export computes little in TensorFlow; the files are the same."""
+    before the export dropped the model. The export computes little in TensorFlow; that bundle was the same, byte
+    for byte but for its timestamp and uuid."""
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command == "export" and "TF_ENABLE_ONEDNN_OPTS" not in environ:
         environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
