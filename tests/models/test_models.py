@@ -87,8 +87,8 @@ def test_a_deleted_model_leaves_no_graph_behind(rng, name):
     """Keras traces each layer of a functional model in a scratch graph that captures its variables: a graph that
     outlives the model keeps every weight resident. TensorFlow's `tf.nn.silu` is a `tf.custom_gradient`, whose
     graph-mode form registers its gradient function for the life of the process, and with it the graph: a deleted
-    SmolLM2-135M kept 0.7 GB resident (RSS 837 MB after the imports, 1,613 loaded, 1,574 after `del` and
-    `gc.collect()`, Intel Xeon model 207)."""
+    SmolLM2-135M kept its weights (RSS with oneDNN off: 830 MB after the imports, 1,573 loaded, 1,362 after `del`
+    and `gc.collect()`, 906 with tfformer's own SiLU; Intel Xeon model 207)."""
 
     def build_and_predict():
         model = models.build_model(CONFIGS[name])

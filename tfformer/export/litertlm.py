@@ -124,15 +124,15 @@ def litertlm(task, path, quantize="none", context_length=None, prefill_lengths=N
     loader = callable(task) and not isinstance(task, keras.Layer)
     with tempfile.TemporaryDirectory() as tmp:
         # A model `task()` returns is an argument only: nothing refers to it once `_save_bundle_parts` returns.
-        names, tokenizer = _save_bundle_parts(task() if loader else task, tmp, quantize, context_length,
-                                              prefill_lengths, kv_cache)
+        names, tokenizer_file = _save_bundle_parts(task() if loader else task, tmp, quantize, context_length,
+                                                   prefill_lengths, kv_cache)
         model_path = _convert_and_bind(tmp, names, quantize, os.path.join(tmp, "model.tflite"))
         builder = litertlm_builder.LitertLmFileBuilder()
         builder.add_tflite_model(model_path, litertlm_builder.TfLiteModelType.PREFILL_DECODE)
-        if tokenizer.endswith(".model"):  # a SubwordTokenizer's SentencePiece model
-            builder.add_sentencepiece_tokenizer(tokenizer)
+        if tokenizer_file.endswith(".model"):  # a SubwordTokenizer's SentencePiece model
+            builder.add_sentencepiece_tokenizer(tokenizer_file)
         else:
-            builder.add_hf_tokenizer(tokenizer)
+            builder.add_hf_tokenizer(tokenizer_file)
         builder.add_llm_metadata(os.path.join(tmp, "llm_metadata.pb"))
         with atomic_path(path) as out, open(out, "wb") as stream:
             builder.build(stream)

@@ -26,8 +26,9 @@ def silu(x):
     """`x * sigmoid(x)`: what `tf.nn.silu` (`keras.ops.silu`) computes, without its `tf.custom_gradient`. In a
     graph, a custom gradient registers its gradient function for the life of the process, and with it the graph
     and the variables it captured: every model built with `ops.silu` (Keras traces a functional model's layers in
-    graphs) kept its weights resident after it was deleted, 0.7 GB for SmolLM2-135M. Autodiff of the product gives
-    the same gradient."""
+    graphs) kept its weights after it was deleted. SmolLM2-135M with oneDNN off (whose allocator gives nothing
+    back): RSS 1,573 MB loaded, 1,362 after `del`, against 906 with this form. Autodiff of the product gives the
+    same gradient."""
     return x * ops.sigmoid(x)
 
 
