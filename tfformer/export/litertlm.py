@@ -365,9 +365,8 @@ def _save_steps_and_matrices(task, directory, context_length, prefill_lengths, q
             np.save(os.path.join(matrices, "scales", f"{name}.npy"), blocks[1])
             np.save(os.path.join(matrices, f"{offsets_name(name)}.npy"), blocks[2])
         np.save(os.path.join(matrices, f"{name}.npy"), weights)
-    table = np.asarray(keras.ops.convert_to_numpy(task.token_embedding.embeddings), np.float32)  # (V, D)
-    np.save(os.path.join(matrices, f"{TABLE}.npy"), table)
-    del table
+    np.save(os.path.join(matrices, f"{TABLE}.npy"),
+            np.asarray(keras.ops.convert_to_numpy(task.token_embedding.embeddings), np.float32))  # (V, D)
     archive = keras.export.ExportArchive()
     dynamic = kv_cache == "dynamic"
     lengths = [None] if dynamic else list(prefill_lengths)

@@ -94,7 +94,7 @@ class DecodeForms(PlainForms):
     # === bfloat16 in the graph runtime ===
     def silu(self, x):
         if self.native_bfloat16 and x.dtype == "bfloat16":
-            return silu(x)  # oneDNN's bfloat16 sigmoid: float32 inside, the casts' numbers in one pass
+            return silu(x)  # oneDNN's bfloat16 SiLU: float32 inside, the casts' numbers in one pass
         return super().silu(x)
 
     def softmax(self, scores):
