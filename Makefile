@@ -29,10 +29,9 @@ demo: $(STAMP)
 # workers that ran the whole suite would hold most of the machine's memory by its end. The tests that load
 # pretrained models or start benchmark runs get workers of their own, a module on one worker (`--dist loadfile`:
 # its module fixtures, such as a 135M-parameter conversion, run once), and the modules among them that peak at
-# several GB run one at a time (tests/harness.py's ONE_AT_A_TIME). xdist hands modules out by their test count,
-# not their duration; measured, the two workers still end within seconds of each other (2,872 worker-seconds in
-# 1,449 s), and longest-first would save about 13 s. The notebooks run on two workers, each kernel a process of its
-# own.
+# several GB run one at a time (tests/harness.py's ONE_AT_A_TIME), as one unit of work on one worker
+# (tests/conftest.py's scheduler), so that the other worker never waits for their lock. xdist hands units out by
+# their test count, not their duration. The notebooks run on two workers, each kernel a process of its own.
 # Every run runs even when one before it failed; any failure (exit code 5, no tests, included) fails `make test`.
 # Two malloc arenas per process keep resident memory from growing with TensorFlow's threads.
 PYTEST := MALLOC_ARENA_MAX=2 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest

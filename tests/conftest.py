@@ -1,3 +1,4 @@
+import functools
 import gc
 import os
 
@@ -7,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.harness import alone
+from tests.harness import alone, takes_the_one_at_a_time_lock
 
 # The Whisper fixtures (manifest, asr, waveforms); pytest takes `pytest_plugins` only in the root conftest.
 pytest_plugins = ["tests.speech"]
@@ -37,6 +38,26 @@ def one_at_a_time(tmp_path_factory):
     takes it."""
     with alone(tmp_path_factory):
         yield
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with every module that takes the `ONE_AT_A_TIME` lock in one unit of work: one worker runs
+    them one after another while the other worker runs the rest. Handed out one by one, two of them could reach the
+    two workers at once, and one worker then waited for the other's lock: the asr smoke's first test waited 39 s
+    (Intel Xeon model 207, the pretrained run). Other `--dist` modes are xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    locks = functools.lru_cache(maxsize=None)(lambda module: takes_the_one_at_a_time_lock(config.rootpath / module))
+
+    class OneAtATimeTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid):  # LoadFileScheduling's own override point: a test's unit of work
+            module = super()._split_scope(nodeid)
+            return "modules taking the one-at-a-time lock" if locks(module) else module
+
+    return OneAtATimeTogether(config, log)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import fcntl
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # which pytest 9 no longer reads.)
 # A module whose peak is one step (a subprocess that converts the 135M model) holds the same lock for that step
 # only, with `alone(tmp_path_factory)`.
+# tests/conftest.py's scheduler hands all these modules to one worker as a single unit, so a worker never waits for
+# the lock while the other holds it (measured: a 39-s wait before the asr smoke's first test).
 ONE_AT_A_TIME = pytest.mark.usefixtures("one_at_a_time")
 ONE_AT_A_TIME_LOCK = "one-at-a-time.lock"
+
+
+def takes_the_one_at_a_time_lock(path):
+    """Whether the test module at `path` is marked `ONE_AT_A_TIME` or takes its lock for a step (`alone`)."""
+    with open(path, encoding="utf-8") as f:
+        return re.search(r"^pytestmark = .*ONE_AT_A_TIME|\balone\(tmp_path_factory\)", f.read(), re.M) is not None
 
 
 def session_directory(tmp_path_factory):
