@@ -50,7 +50,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    locks = functools.lru_cache(maxsize=None)(lambda module: takes_the_one_at_a_time_lock(config.rootpath / module))
+    locks = functools.cache(lambda module: takes_the_one_at_a_time_lock(config.rootpath / module))
 
     class OneAtATimeTogether(LoadFileScheduling):
         def _split_scope(self, nodeid):  # LoadFileScheduling's own override point: a test's unit of work

@@ -113,8 +113,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # which pytest 9 no longer reads.)
 # A module whose peak is one step (a subprocess that converts the 135M model) holds the same lock for that step
 # only, with `alone(tmp_path_factory)`.
-# tests/conftest.py's scheduler hands all these modules to one worker as a single unit, so a worker never waits for
-# the lock while the other holds it (measured: a 39-s wait before the asr smoke's first test).
+# tests/conftest.py's scheduler hands all these modules to one worker as a single unit.
 ONE_AT_A_TIME = pytest.mark.usefixtures("one_at_a_time")
 ONE_AT_A_TIME_LOCK = "one-at-a-time.lock"
 
