@@ -1,7 +1,7 @@
 """`tfformer transcribe`: one `path<TAB>text` line per WAV file, the fixture manifest's (CTranslate2's) texts; a
-missing or bad file exits 2 with a one-line error before the model loads. `tfformer export whisper-tiny-en`:
-the SavedModel that `tfformer serve` serves and the TFLite file that `tfformer.edge.Transcriber` runs, each
-transcribing a fixture clip as CTranslate2 (and `WhisperModel.transcribe`) does."""
+missing or bad file exits 2 with a one-line error before the model loads. `tfformer export whisper-tiny-en`
+refuses token shapes here; what it writes is served and run by tests/export/test_whisper_export.py, whose
+SavedModel and float32 TFLite file are the command's."""
 
 import importlib.util
 import json
@@ -72,34 +72,6 @@ def test_missing_and_bad_files_exit_2(tmp_path, capsys):
 def test_a_preset_that_is_not_speech_to_text_exits_2(capsys):
     assert cli.main(["transcribe", str(SPEECH / "clip_00.wav"), "--preset", "transformer-tiny"]) == 2
     assert "`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'" in capsys.readouterr().err
-
-
-@needs_wheel
-def test_export_whisper_writes_what_serve_and_the_transcriber_run(tmp_path, capsys):
-    """The export tests check the files' numbers; this checks that the command writes them: one clip through
-    the served SavedModel (REST) and through the TFLite file, the manifest's (CTranslate2's) text and ids."""
-    from tests.serving.conftest import http_request
-    from tfformer import edge, serving
-    from tfformer.data import audio
-
-    clip = json.loads((SPEECH / "manifest.json").read_text())["clips"][4]
-    waveform = audio.read_wav(str(SPEECH / clip["file"]))
-    out = tmp_path / "asr"
-    assert cli.main(["export", "whisper-tiny-en", "--format", "all", "--out", str(out), "--max-length", "64"]) == 0
-    printed = capsys.readouterr().out
-    assert f"SavedModel: {out / '1'}" in printed and f"TFLite: {out / 'model.tflite'}" in printed, printed
-
-    with serving.Server(model_name="asr", model_base_path=str(out), file_system_poll_wait_seconds=0) as server:
-        request = {"instances": [{"waveform": waveform.tolist(), "lengths": len(waveform)}]}
-        status, _, body = http_request(server.rest_url, "POST", "/v1/models/asr:predict",
-                                       json.dumps(request).encode())
-    assert status == 200, body[:500]
-    assert json.loads(body)["predictions"] == [clip["transcript"]]
-
-    transcriber = edge.Transcriber(str(out / "model.tflite"))
-    assert transcriber.max_length == 64  # --max-length reached the file
-    ids = transcriber.transcribe_ids(transcriber.features(waveform))
-    assert ids == clip["token_ids"] + [transcriber.end_id]
 
 
 def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):

@@ -8,9 +8,13 @@ faster-whisper/CTranslate2 in float32 (tools/make_whisper_fixture.py); the Keras
 (`data.audio.log_mel_spectrogram`) for the host's numpy features; faster-whisper's segments recorded on the same
 weights (tests/fixtures/speech/segments.json, tools/make_whisper_segments_fixture.py) and the Keras path's
 `transcribe(..., timestamps=True)` for the `segments` signature. The TFLite files hold a cache of `MAX_LENGTH`
-positions (every fixture transcript fits), converted once per module.
+positions (every fixture transcript fits), converted once per module. The SavedModel and the float32 file are the
+ones `tfformer export whisper-tiny-en --format all` writes: the command is what users run, and exporting the same
+model again through the API would only repeat a minute of tracing and converting.
 """
 
+import contextlib
+import io
 import json
 import os
 
@@ -26,10 +30,22 @@ MAX_LENGTH = 128  # cache positions of the TFLite files: the prompt plus up to 1
 
 
 @pytest.fixture(scope="module")
-def exported(asr, tmp_path_factory):
-    from tfformer import export
+def command(tmp_path_factory):
+    """`tfformer export whisper-tiny-en --format all --max-length MAX_LENGTH`: its directory and what it printed."""
+    from tfformer import cli
 
-    return export.saved_model(asr, str(tmp_path_factory.mktemp("whisper") / "asr"))
+    out = tmp_path_factory.mktemp("whisper") / "asr"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = cli.main(["export", "whisper-tiny-en", "--format", "all", "--out", str(out),
+                         "--max-length", str(MAX_LENGTH)])
+    assert code == 0, printed.getvalue()
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exported(command):
+    return str(command[0] / "1")
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +61,12 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def tflite_files(asr, tmp_path_factory):
+def tflite_files(asr, command, tmp_path_factory):
     from tfformer import export
 
-    root = tmp_path_factory.mktemp("whisper_tflite")
-    return {quantize or "float32": export.tflite_decoder(asr, str(root / f"{quantize or 'float32'}.tflite"),
-                                                         max_length=MAX_LENGTH, quantize=quantize)
-            for quantize in (None, "dynamic")}
+    path = str(tmp_path_factory.mktemp("whisper_tflite") / "dynamic.tflite")
+    return {"float32": str(command[0] / "model.tflite"),
+            "dynamic": export.tflite_decoder(asr, path, max_length=MAX_LENGTH, quantize="dynamic")}
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +273,16 @@ def test_saved_model_argument_errors(asr, tmp_path):
     with pytest.raises(ValueError, match="`model` must be a tfformer task"):
         export.saved_model(keras.Sequential([keras.layers.Dense(2)]), str(tmp_path / "c"))
     assert not any(name.isdigit() for name in os.listdir(tmp_path / "a"))  # nothing published
+
+
+def test_export_command_writes_what_serve_and_the_transcriber_run(command, transcribers, edge_ids, manifest, asr):
+    """`tfformer export whisper-tiny-en --format all` says where it wrote the SavedModel and the TFLite file (the
+    files this module serves and runs), `--max-length` reached the file (the default is 446), and the file reads a
+    clip with CTranslate2's ids (the fixture manifest's)."""
+    out, printed = command
+    assert f"SavedModel: {out / '1'}" in printed and f"TFLite: {out / 'model.tflite'}" in printed, printed
+    assert transcribers["float32"].max_length == MAX_LENGTH
+    assert edge_ids["float32"][4] == manifest["clips"][4]["token_ids"] + [asr.end_id]
 
 
 # === TFLite ===
