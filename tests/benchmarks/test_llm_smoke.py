@@ -23,7 +23,7 @@ def smoke_parameters(s):
 
 
 def test_llm_benchmark_smoke(peers):
-    stdout, records = run_smoke("benchmarks.llm", peers.path)
+    stdout, records = run_smoke("benchmarks.llm", peers.path, light_xla=True)
     # A worker that exists but fails is an error, not a skip.
     assert "worker failed" not in stdout and "worker did not start" not in stdout
     with_torch = with_llama = peers.kind != "none"

@@ -25,8 +25,8 @@ def test_runner_smoke(peers):
     every_system = peers.kind != "stand-in"
     workloads = ["training", "generation", *(["tflite"] if tflite else [])]
     options = [] if every_system else ["--systems", "peers"]
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "run", *workloads, "--smoke", *options],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=smoke_env(peers.path))
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "run", *workloads, "--smoke", *options], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900, env=smoke_env(peers.path, light_xla=True))
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     benches = {r["bench"] for r in records}

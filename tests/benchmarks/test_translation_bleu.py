@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
+from tests.benchmarks.smoke import light_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", XLA_FLAGS=light_xla_flags())
 
 
 def _bleu_bench(*args):

@@ -7,7 +7,7 @@ from tests.benchmarks.smoke import run_smoke
 
 
 def test_warmup_benchmark_smoke(tmp_path):
-    stdout, records = run_smoke("benchmarks.warmup", str(tmp_path))  # no peers: none is used
+    stdout, records = run_smoke("benchmarks.warmup", str(tmp_path), light_xla=True)  # no peers: none is used
     rows = [r for r in records if r["bench"] == "warmup"]
     assert sorted((r["model"], r["condition"]) for r in rows) == [
         (model, condition) for model in ("smollm2", "translator") for condition in ("no warm-up", "warm-up")]
