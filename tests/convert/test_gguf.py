@@ -214,7 +214,7 @@ def test_smollm2_tensors_equal_gguf_package(smollm2, name):
     import gguf
 
     ours = smollm2.tensor(name)
-    theirs = gguf.quants.dequantize(smollm2.raw(name), smollm2.tensors[name].tensor_type)
+    theirs = gguf.quants.dequantize(smollm2.raw(name), gguf.GGMLQuantizationType(smollm2.tensors[name].ggml_type))
     assert ours.dtype == np.float32 and ours.shape == smollm2.tensor_shape(name)
     np.testing.assert_array_equal(ours, theirs.reshape(ours.shape))
     assert np.all(np.isfinite(ours)) and np.std(ours) > 0
@@ -244,3 +244,89 @@ def test_smollm2_row_slices_need_whole_rows(smollm2):
     with pytest.raises(ValueError, match="`start`/`stop` select rows of a 2-D"):
         smollm2.tensor("output_norm.weight", 0, 16)
     np.testing.assert_array_equal(smollm2.tensor("output_norm.weight", 0, None), smollm2.tensor("output_norm.weight"))
+
+
+def _reader_view(path):
+    """What the `gguf` package's `GGUFReader` reads: {key: contents()} without its own GGUF.* fields, and
+    {name: (type, ne, first byte, bytes, data)}."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r")
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.data_offset), int(t.n_bytes),
+                        t.data) for t in reader.tensors}
+    return metadata, tensors
+
+
+def _assert_header_is_the_readers(path):
+    metadata, tensors = _reader_view(path)
+    ours = gguf_reader.GGUFFile(path)
+    assert list(ours.metadata) == list(metadata)
+    for key, value in metadata.items():  # the same Python values: ints stay ints, float32 values equal
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+        if isinstance(value, list) and value:
+            assert {type(v) for v in ours.metadata[key]} == {type(v) for v in value}, key
+    assert list(ours.tensors) == list(tensors)
+    for name, (ggml_type, dims, offset, size, data) in tensors.items():
+        record = ours.tensors[name]
+        assert (record.ggml_type, record.dims, record.offset, ours.tensor_bytes(name)) == (ggml_type, dims, offset,
+                                                                                           size), name
+        raw = ours.raw(name)
+        assert raw.dtype == data.dtype and raw.shape == data.shape, name
+        np.testing.assert_array_equal(raw, data, err_msg=name)
+    return ours
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package (setup.py's extras)")
+def test_header_of_a_written_file_is_the_gguf_readers(tmp_path):
+    """Every value type (arrays of numbers, of strings, of bools, a one-element one), a non-default
+    alignment and tensors of three types, written by the `gguf` package's writer: `GGUFFile` reads what its
+    reader reads. A truncated header, a file that is not GGUF and a big-endian file are named."""
+    import gguf
+
+    path = str(tmp_path / "all.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)  # general.alignment, and the writer pads to it
+    for kind, value in [("uint8", 200), ("int8", -100), ("uint16", 60000), ("int16", -30000), ("uint32", 4000000000),
+                        ("int32", -2000000000), ("uint64", 2**63 + 5), ("int64", -2**62), ("float32", 1e-5),
+                        ("float64", 0.1), ("bool", True), ("string", "héllo")]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.ints", [3, -1, 7])
+    writer.add_array("test.floats", [0.5, 1e-7])
+    writer.add_array("test.strings", ["a", "", "ß€"])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.one", [42])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.normal(size=(3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.normal(size=(7,)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.normal(size=(2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # bytes (2, 68)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = _assert_header_is_the_readers(path)
+    assert ours.metadata["test.strings"] == ["a", "", "ß€"]
+    assert ours.tensors["q8"].offset % 64 == 0 and ours.tensor_shape("q8") == (2, 64)
+    np.testing.assert_array_equal(ours.tensor("q8"), gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0))
+
+    content = open(path, "rb").read()
+    with open(tmp_path / "cut.gguf", "wb") as f:
+        f.write(content[:200])
+    with pytest.raises(ValueError, match="cut.gguf ends inside its GGUF header .* truncated"):
+        gguf_reader.GGUFFile(str(tmp_path / "cut.gguf"))
+    with open(tmp_path / "not.gguf", "wb") as f:
+        f.write(b"PK\x03\x04" + content[4:])
+    with pytest.raises(ValueError, match="`path` must be a GGUF file"):
+        gguf_reader.GGUFFile(str(tmp_path / "not.gguf"))
+    with open(tmp_path / "big.gguf", "wb") as f:
+        f.write(content[:4] + content[4:8][::-1] + content[8:])
+    with pytest.raises(ValueError, match="big-endian GGUF file"):
+        gguf_reader.GGUFFile(str(tmp_path / "big.gguf"))
+
+
+@needs_wheel
+def test_smollm2_header_is_the_gguf_readers():
+    """SmolLM2's 49,152 tokens, their scores and types, 48,900 merges, the chat template and 272 tensor records."""
+    _assert_header_is_the_readers(PATH)

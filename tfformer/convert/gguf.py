@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format): metadata, and tensors dequantized to float32 exactly as llama.cpp does.
 
-The `gguf` package (pure numpy) parses the file; the dequantization is ours, a line-by-line translation of
+`tfformer.data.gguf_header` reads the header (metadata and tensor records; the `gguf` package names the types and
+their block sizes); the dequantization is ours, a line-by-line translation of
 `dequantize_row_q4_1` / `dequantize_row_q8_0` in llama.cpp's `ggml/src/ggml-quants.c`:
 
     Q4_1 block (20 bytes, 32 weights): d: fp16, m: fp16, qs: 16 bytes.
@@ -27,6 +28,8 @@ import importlib.util
 import os
 
 import numpy as np
+
+from tfformer.data.gguf_header import read_header
 
 QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
 Q4_1_BLOCK_BYTES = 20
@@ -152,7 +155,7 @@ class GGUFFile:
     """A GGUF file: `metadata` (dict of Python values) and float32 tensors by name.
 
     Args:
-        path: str. Path of a `.gguf` file (memory-mapped for the metadata; tensors are read and dequantized one at
+        path: str. Path of a `.gguf` file (its header read at once; tensors are read and dequantized one at
             a time on request).
 
     Example:
@@ -162,17 +165,12 @@ class GGUFFile:
     """
 
     def __init__(self, path):
-        import gguf  # the parser only; not needed to import tfformer.convert
-
         if not os.path.exists(path):
             raise ValueError(f"`path` must be an existing .gguf file; received {path!r}.")
         self.path = path
-        reader = gguf.GGUFReader(path, "r")
-        self.metadata = {
-            name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
-        }
-        # Not the reader: its fields hold a numpy view per vocabulary entry, far more memory than their contents.
-        self.tensors = {t.name: t for t in reader.tensors}
+        header = read_header(path)  # not the `gguf` package's reader: 4.2 s for SmolLM2's header
+        self.metadata = header.metadata
+        self.tensors = header.tensors  # {name: TensorRecord}
 
     @property
     def tensor_names(self):
@@ -180,15 +178,34 @@ class GGUFFile:
 
     def tensor_type(self, name):
         """The ggml type of tensor `name` as a string ("Q4_1", "Q8_0", "F32", ...)."""
-        return self._tensor(name).tensor_type.name
+        import gguf
+
+        return gguf.GGMLQuantizationType(self._tensor(name).ggml_type).name
 
     def tensor_shape(self, name):
         """The numpy shape of tensor `name`: ggml's `ne` reversed, e.g. `(out_features, in_features)`."""
-        return tuple(int(n) for n in reversed(self._tensor(name).shape))
+        return tuple(reversed(self._tensor(name).dims))
+
+    def tensor_bytes(self, name):
+        """The number of bytes tensor `name` takes in the file."""
+        import gguf
+
+        t = self._tensor(name)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        return int(np.prod(t.dims)) * type_size // block_size
 
     def raw(self, name):
-        """The stored bytes (or values, for F32/F16) of tensor `name`, as the `gguf` package returns them."""
-        return self._tensor(name).data
+        """The stored bytes (or values, for F32/F16) of tensor `name`, as the `gguf` package returns them: a
+        read-only memory map, values `tensor_shape(name)`, bytes `(rows, bytes per row)`."""
+        import gguf
+
+        t = self._tensor(name)
+        ggml_type = gguf.GGMLQuantizationType(t.ggml_type)
+        shape = self.tensor_shape(name)
+        values = {F32: np.float32, F16: np.float16}.get(t.ggml_type)
+        if values is None:
+            values, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, ggml_type)
+        return np.memmap(self.path, dtype=values, mode="r", offset=t.offset, shape=shape)
 
     def tensor(self, name, start=None, stop=None):
         """Tensor `name` as float32, dequantized as llama.cpp does, shape `tensor_shape(name)`; with `start`/`stop`,
@@ -200,7 +217,7 @@ class GGUFFile:
         t = self._tensor(name)
         shape = self.tensor_shape(name)
         rows = range(shape[0])[slice(start, stop)]
-        offset, size = int(t.data_offset), int(t.n_bytes)
+        offset, size = t.offset, self.tensor_bytes(name)
         if len(rows) != shape[0]:
             row_bytes = size // shape[0]
             if len(shape) < 2 or row_bytes * shape[0] != size:
@@ -212,7 +229,7 @@ class GGUFFile:
             handle.seek(offset)
             if handle.readinto(raw) != raw.size:
                 raise ValueError(f"{self.path} ends inside tensor {name!r}: the file is truncated.")
-        return dequantize(raw, int(t.tensor_type), (len(rows),) + shape[1:])
+        return dequantize(raw, t.ggml_type, (len(rows),) + shape[1:])
 
     def config(self):
         """The architecture from the metadata, in tfformer's names (a llama-architecture file).

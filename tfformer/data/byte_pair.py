@@ -233,11 +233,10 @@ class BytePairTokenizer(tf.Module):
 
     @classmethod
     def from_gguf(cls, path, name="byte_pair_tokenizer"):
-        """From a `.gguf` file's tokenizer metadata (read with the `gguf` package)."""
-        import gguf
+        """From a `.gguf` file's tokenizer metadata (`tfformer.data.gguf_header`)."""
+        from tfformer.data.gguf_header import read_header
 
-        reader = gguf.GGUFReader(path, "r")
-        metadata = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        metadata = {k: v for k, v in read_header(path).metadata.items() if k.startswith("tokenizer.")}
         return cls.from_gguf_metadata(metadata, name=name)
 
     @classmethod
