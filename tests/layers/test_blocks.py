@@ -102,3 +102,40 @@ def test_harnesses(rng):
 def test_hidden_dim_not_divisible_by_heads(rng):
     with pytest.raises(ValueError, match="hidden_dim.*num_heads"):
         EncoderBlock(num_heads=3, intermediate_dim=16)(rng.normal(size=(1, 2, 8)).astype("float32"))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("kind", ["encoder", "cross", "causal gated rms grouped"])
+def test_symbolic_output_is_what_tracing_call_gives(kind, policy):
+    """The blocks state their output spec (a functional model is built without tracing `call`): the shape and
+    dtype Keras' traced spec gives, with masks, scores and caches; every weight is made by the symbolic call."""
+    import keras
+
+    block = {"encoder": lambda: EncoderBlock(num_heads=2, intermediate_dim=16, dtype=policy),
+             "cross": lambda: DecoderBlock(num_heads=2, intermediate_dim=16, dtype=policy),
+             "causal gated rms grouped": lambda: DecoderBlock(
+                 num_heads=4, intermediate_dim=16, num_key_value_heads=2, cross_attention=False, use_bias=False,
+                 activation="swiglu", normalization="rms", rope_max_wavelength=10000, dtype=policy)}[kind]
+    x = keras.KerasTensor((None, T, D), dtype=keras.mixed_precision.DTypePolicy(policy).compute_dtype)
+    memory = keras.KerasTensor((None, S, D), dtype=x.dtype)
+    padding = keras.KerasTensor((None, T), dtype="bool")
+    calls = [dict(), dict(padding_mask=padding), dict(return_attention_scores=True)]
+    if kind == "cross":
+        calls = [dict(c, encoder_outputs=memory) for c in calls]
+    if kind != "encoder":
+        head_dim = D // (4 if "grouped" in kind else 2)
+        cache = keras.KerasTensor((None, 2, 2, T, head_dim), dtype=x.dtype)  # (B, 2, K, T, H)
+        calls.append(dict(calls[0], cache=cache, cache_index=0))
+    layer = block()
+    layer.build(x.shape, memory.shape) if kind == "cross" else layer.build(x.shape)
+    for kwargs in calls:
+        ours = layer.compute_output_spec(x, **kwargs)
+        traced = keras.layers.Layer.compute_output_spec(layer, x, **kwargs)
+        assert keras.tree.map_structure(lambda t: (t.shape, t.dtype), ours) == keras.tree.map_structure(
+            lambda t: (t.shape, t.dtype), traced), kwargs
+    layer = block()
+    layer(x, **calls[0])  # symbolic: builds, no `call`
+    count = len(layer.weights)
+    inputs = {"encoder_outputs": np.zeros((1, S, D), "float32")} if kind == "cross" else {}
+    layer(np.zeros((1, T, D), "float32"), **inputs)
+    assert len(layer.weights) == count > 0

@@ -195,6 +195,19 @@ class DecoderBlock(EncoderBlock):
             result += (cache,)
         return result[0] if len(result) == 1 else result
 
+    def compute_output_spec(self, inputs, encoder_outputs=None, padding_mask=None, encoder_padding_mask=None,
+                            attention_mask=None, use_causal_mask=True, cache=None, cache_index=None,
+                            cross_attention_cache=None, training=None, return_attention_scores=False, plan=None):
+        # As EncoderBlock's: the residual stream keeps the input's shape; scores and caches are traced.
+        if return_attention_scores or cache is not None:
+            return super(EncoderBlock, self).compute_output_spec(
+                inputs, encoder_outputs=encoder_outputs, padding_mask=padding_mask,
+                encoder_padding_mask=encoder_padding_mask, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask, cache=cache, cache_index=cache_index,
+                cross_attention_cache=cross_attention_cache, training=training,
+                return_attention_scores=return_attention_scores, plan=plan)
+        return keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+
     def get_config(self):
         config = super().get_config()
         config.update({"cross_attention": self.cross_attention, "normalization": self.normalization,
