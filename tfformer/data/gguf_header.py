@@ -32,24 +32,23 @@ GGUFHeader.__doc__ = """`metadata`: {key: Python value} (int, float, bool, str, 
 
 
 class _Cursor:
-    def __init__(self, buffer, path):
-        self.buffer, self.path, self.at = buffer, path, 0
+    def __init__(self, buffer, path, at):
+        self.buffer, self.path, self.at = buffer, path, at
 
-    def unpack(self, fmt):
-        size = struct.calcsize(fmt)
+    def _take(self, size):
+        """The offset of the next `size` bytes, which the cursor moves past."""
         if self.at + size > len(self.buffer):
             raise ValueError(f"{self.path} ends inside its GGUF header (at byte {self.at}): the file is truncated.")
-        value = struct.unpack_from(fmt, self.buffer, self.at)
         self.at += size
-        return value[0] if len(value) == 1 else value
+        return self.at - size
+
+    def unpack(self, fmt):
+        return struct.unpack_from(fmt, self.buffer, self._take(struct.calcsize(fmt)))[0]
 
     def string(self):
         length = self.unpack("<Q")
-        if self.at + length > len(self.buffer):
-            raise ValueError(f"{self.path} ends inside its GGUF header (at byte {self.at}): the file is truncated.")
-        text = bytes(self.buffer[self.at:self.at + length]).decode("utf-8")
-        self.at += length
-        return text
+        start = self._take(length)
+        return bytes(self.buffer[start:start + length]).decode("utf-8")
 
     def value(self, value_type, key):
         if value_type == STRING:
@@ -57,8 +56,8 @@ class _Cursor:
         if value_type == ARRAY:
             element_type, count = self.unpack("<I"), self.unpack("<Q")
             if element_type in SCALARS:  # one unpack for the whole array
-                fmt = SCALARS[element_type]
-                return list(self.unpack(f"<{count}{fmt[1]}")) if count != 1 else [self.unpack(fmt)]
+                fmt = f"<{count}{SCALARS[element_type][1]}"
+                return list(struct.unpack_from(fmt, self.buffer, self._take(struct.calcsize(fmt))))
             return [self.value(element_type, key) for _ in range(count)]
         if value_type not in SCALARS:
             raise ValueError(f"{self.path}: metadata {key!r} has the unknown GGUF value type {value_type}.")
@@ -71,8 +70,7 @@ def read_header(path):
         if handle.read(4) != MAGIC:
             raise ValueError(f"`path` must be a GGUF file (starting with b'GGUF'); {path!r} is not.")
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            cursor = _Cursor(buffer, path)
-            cursor.at = 4
+            cursor = _Cursor(buffer, path, at=len(MAGIC))
             version = cursor.unpack("<I")
             if version & 0xFFFF == 0:  # a version written big-endian
                 raise ValueError(f"{path} is a big-endian GGUF file; only little-endian files are read.")
