@@ -42,8 +42,11 @@ class _Cursor:
         self.at += size
         return self.at - size
 
+    def unpack_all(self, fmt):
+        return struct.unpack_from(fmt, self.buffer, self._take(struct.calcsize(fmt)))
+
     def unpack(self, fmt):
-        return struct.unpack_from(fmt, self.buffer, self._take(struct.calcsize(fmt)))[0]
+        return self.unpack_all(fmt)[0]
 
     def string(self):
         length = self.unpack("<Q")
@@ -56,8 +59,7 @@ class _Cursor:
         if value_type == ARRAY:
             element_type, count = self.unpack("<I"), self.unpack("<Q")
             if element_type in SCALARS:  # one unpack for the whole array
-                fmt = f"<{count}{SCALARS[element_type][1]}"
-                return list(struct.unpack_from(fmt, self.buffer, self._take(struct.calcsize(fmt))))
+                return list(self.unpack_all(f"<{count}{SCALARS[element_type][1]}"))
             return [self.value(element_type, key) for _ in range(count)]
         if value_type not in SCALARS:
             raise ValueError(f"{self.path}: metadata {key!r} has the unknown GGUF value type {value_type}.")
