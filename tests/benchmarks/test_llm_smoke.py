@@ -166,3 +166,22 @@ def test_chunk_log_probs_score_the_second_half_as_llama_perplexity_does():
     expected = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits.astype("float64"), axis=-1))
     scores = llm.chunk_log_probs(logits, chunk)
     np.testing.assert_allclose(scores, [expected[i, chunk[i + 1]] for i in range(4, 7)], rtol=1e-12)
+
+
+def test_llama_rounds_take_each_tests_median_and_keep_every_round():
+    """Rounds of `llama-bench -r 1`, each run after one of LiteRT-LM's, as one row per test: the median tokens/s
+    and seconds of the rounds, each round's tokens/s in order; a failed round's reason instead of rows."""
+    def row(bench, prompt, new, tokens_per_s):
+        return {"bench": bench, "system": llm.LLAMA, "prompt_length": prompt, "new_tokens": new,
+                "tokens_per_s": tokens_per_s, "tokens_per_s_stdev": 0.0, "seconds": (prompt + new) / tokens_per_s}
+
+    rounds = [[row("llm_prefill", 512, 0, p), row("llm_decode_only", 0, 128, d)]
+              for p, d in ((400.0, 90.0), (200.0, 130.0), (300.0, 60.0))]
+    combined = {r["bench"]: r for r in llm.llama_rounds(rounds)}
+    assert combined["llm_prefill"]["tokens_per_s"] == 300.0 and combined["llm_decode_only"]["tokens_per_s"] == 90.0
+    assert combined["llm_decode_only"]["tokens_per_s_rounds"] == [90.0, 130.0, 60.0]
+    assert combined["llm_prefill"]["seconds"] == pytest.approx(512 / 300.0, rel=1e-3)
+    assert combined["llm_decode_only"]["tokens_per_s_stdev"] == pytest.approx(np.std([90.0, 130.0, 60.0]), abs=0.01)
+    assert all(r["rounds"] == 3 and "-r 1" in r["reading"] for r in combined.values())
+    assert llm.llama_rounds([rounds[0], "llama-bench failed (1): oops"]) == "llama-bench failed (1): oops"
+    assert llm.llama_rounds([]) == "llama-bench ran no rounds"
