@@ -66,8 +66,8 @@ import json
 import os
 import re
 import resource
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -315,7 +315,7 @@ def litert_lm(model, prompt_len, new_tokens, prefill_len, threads, context, roun
 def llama_bench(binary, prompt_len, new_tokens, prefill_len, threads, repeats):
     """llama.cpp's own rows on the same GGUF (Q4_1, its quantized CPU kernels), from its `llama-bench` (`binary`,
     else the peers'), or the reason there are none. `-pg prompt,new`: the decode call's shape; `-n`: decode alone;
-    `-p`: the prefill; `-r repeats` (each after llama-bench's own warm-up run)."""
+    `-p`: the prefill; `-r repeats`, after llama-bench's own warm-up run."""
     from tfformer.convert import gguf
 
     binary = binary or peers.binary("llama-bench")
@@ -680,7 +680,8 @@ def main(argv=None):
                                           f"pp{prefill_len}")):
             if bench in llama_rows and litert[key]:
                 theirs_rounds = llama_rows[bench].get("tokens_per_s_rounds", [])
-                per_round = ([round(a / b, 3) for a, b in zip(litert[f"{key}_rounds"], theirs_rounds)]
+                per_round = ([common.significant(x) for x in common.paired_ratio(theirs_rounds,
+                                                                                 litert[f"{key}_rounds"])]
                              if len(theirs_rounds) == litert["rounds"] else None)  # None: llama-bench ran alone
                 goals.append(common.goal(f"llm int4 bundle {ours} >= {LLAMA_SPEEDUP_TARGET}x llama.cpp's {theirs}",
                                          litert[key] / llama_rows[bench]["tokens_per_s"], LLAMA_SPEEDUP_TARGET,
