@@ -1,6 +1,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 from tests.harness import check_layer, matmuls_fed_by
@@ -525,3 +526,56 @@ def test_cross_attention_gradients_match_keras(rng, value_dim):
     np.testing.assert_allclose(ours_grads[3], np.concatenate([flat(g) for g in ref_grads[5:8]]), atol=1e-4)
     kinds = [n.op for n in grads.get_concrete_function(query, value).graph.as_graph_def().node]
     assert "StridedSliceGrad" not in kinds
+
+
+def _softmaxes(function, *args):
+    """How many Softmax ops the graph of `function` traced on `args` runs: one per piece of queries attended."""
+    graph = tf.function(function).get_concrete_function(*args).graph
+    return sum(op.type == "Softmax" for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("case", ["self", "self_causal_padding", "cross_padding", "cross_key_padding",
+                                  "gqa_rotary_causal", "additive"])
+def test_query_chunks_give_the_numbers_of_one_piece(rng, case):
+    # T = 10 queries in chunks of 4: pieces of 4, 4 and 2, each with its rows of the (B, 1, T, S) mask.
+    t = 10
+    query = rng.normal(size=(B, t, D)).astype("float32")
+    value = rng.normal(size=(B, S, D)).astype("float32") if case.startswith("cross") else query
+    options = dict(num_key_value_heads=2, rope_max_wavelength=10000.0) if case.startswith("gqa") else {}
+    layer = MultiHeadAttention(num_heads=N, key_dim=H, score="additive" if case == "additive" else "scaled_dot",
+                               **options)
+    layer(query, value)
+    for weight in layer.weights:  # larger than the initializers': weights that differ visibly between keys
+        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
+    kwargs = {"use_causal_mask": "causal" in case}
+    if "padding" in case:
+        keep = np.arange(value.shape[1])[None, :] < np.array([value.shape[1] - 3, value.shape[1]])[:, None]  # (B, S)
+        kwargs["attention_mask"] = np.repeat(keep[:, None, :], t, axis=1)  # (B, T, S)
+    if case == "cross_key_padding":  # a mask with one row for every query: (B, 1, 1, S)
+        kwargs["value_mask"] = np.arange(S)[None, :] < np.array([S - 3, S])[:, None]  # (B, S)
+    whole, whole_weights = layer(query, value, return_attention_scores=True, **kwargs)
+    chunked, chunked_weights = layer(query, value, return_attention_scores=True, query_chunk_size=4, **kwargs)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chunked_weights, whole_weights, rtol=1e-5, atol=1e-7)
+    assert ops.shape(chunked_weights) == (B, N, t, value.shape[1])
+    np.testing.assert_allclose(layer(query, value, query_chunk_size=4, **kwargs), whole, rtol=1e-5, atol=1e-6)
+    if case != "additive":  # the additive score's masked softmax is no Softmax op
+        assert _softmaxes(lambda q, v: layer(q, v, query_chunk_size=4, **kwargs), query, value) == 3
+        assert _softmaxes(lambda q, v: layer(q, v, query_chunk_size=t, **kwargs), query, value) == 1
+
+
+def test_query_chunks_in_a_prefill_with_a_cache_equal_one_piece(rng):
+    x = rng.normal(size=(B, 6, D)).astype("float32")
+    layer = MultiHeadAttention(num_heads=N, key_dim=H)
+    cache = np.zeros((B, 2, N, 9, H), "float32")
+    whole, whole_cache = layer(x, x, use_causal_mask=True, cache=cache, cache_index=0)
+    chunked, chunked_cache = layer(x, x, use_causal_mask=True, cache=cache, cache_index=0, query_chunk_size=4)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(chunked_cache, whole_cache)
+
+
+@pytest.mark.parametrize("size", [0, 2.5, "4"])
+def test_query_chunk_size_must_be_a_positive_int(rng, size):
+    x = rng.normal(size=(1, 5, D)).astype("float32")
+    with pytest.raises(ValueError, match="query_chunk_size"):
+        MultiHeadAttention(num_heads=N, key_dim=H)(x, x, query_chunk_size=size)

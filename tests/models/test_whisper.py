@@ -176,6 +176,19 @@ def test_no_future_leakage(model, features):
     assert np.abs(a[:, 0] - c[:, 0]).max() > 1e-3
 
 
+def test_encoder_in_query_chunks_equals_the_functional_models_encoder(model, features):
+    # The functional model's encoder attends all 10 frames at once; `encode` by default in chunks of
+    # ENCODER_QUERY_CHUNK (over 10 here: one piece), and in pieces of 4, 4 and 2 with query_chunk_size=4.
+    full = keras.Model(model.inputs, model.get_layer("encoder_block_1").output)  # before the final norm
+    reference = np.asarray(full({"input_features": features, "decoder_token_ids": np.zeros((2, 1), "int32")}))
+    norm = model.encoder_norm
+    for size in (None, 4):
+        encoded, _ = model.encode(features, query_chunk_size=size)
+        np.testing.assert_allclose(encoded, norm(reference), rtol=1e-5, atol=1e-5)
+    graph = tf.function(lambda f: model.encode(f, query_chunk_size=4)[0]).get_concrete_function(features).graph
+    assert sum(op.type == "Softmax" for op in graph.get_operations()) == 3 * TINY["num_encoder_layers"]
+
+
 def test_cached_decoding_equals_the_full_pass(model, features):
     ids = np.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], "int32")
     full = np.asarray(model({"input_features": features, "decoder_token_ids": ids}))  # (B, 6, V)

@@ -8,7 +8,8 @@ from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import PLAIN, LowRankAdapters, LowRankProjections, check_dropout, check_lora_alpha
+from tfformer.layers.layer_utils import (PLAIN, LowRankAdapters, LowRankProjections, check_dropout, check_lora_alpha,
+                                         in_query_chunks)
 from tfformer.layers.rotary_embedding import RotaryEmbedding, check_rope_max_wavelength
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
@@ -92,6 +93,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         training: bool, enables dropout.
         plan: optional decode plan (`tfformer.generation.DecodePlan`): the forms of a step inside a compiled decode
             loop (`layer_utils`). Defaults to `None` (`layer_utils.PLAIN`, the plain forms).
+        query_chunk_size: int. Attend this many queries at a time (`layer_utils.in_query_chunks`). Defaults to `None`.
 
     Returns:
         `outputs` `(B, T, output_dim)`; `(outputs, scores)` with `return_attention_scores`; `(outputs, cache)` when
@@ -172,8 +174,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         elif self.score == "additive":
             self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h),
                                                    initializer=self.kernel_initializer)
-        # N heads out
-        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)
+        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)  # N heads
         if self.lora_rank:
             self._add_adapters()
         self.built = True
@@ -263,8 +264,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         return q, k, v
 
     def compute_cache(self, value, key=None):
-        """Keys/values of a fixed memory as a read-only cache `(B, 2, K, S, H)`: for cross-attention during
-        decoding, the encoder output projected once instead of at every step."""
+        """Keys/values of a fixed memory as a read-only cache `(B, 2, K, S, H)`, projected once (cross-attention)."""
         self._check_cacheable()
         _, k, v = self._project(value[:, :1], value, key, PLAIN)
         return ops.stack([k, v], axis=1)  # (B, 2, K, S, H)
@@ -272,7 +272,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     # === Attention ===
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
              use_causal_mask=False, return_attention_scores=False, cache=None, cache_index=None, training=None,
-             plan=None):
+             plan=None, query_chunk_size=None):
         plan = plan or PLAIN
         if cache is not None and cache_index is None:  # read-only: precomputed keys/values of a fixed memory
             q = self._split_heads(self._project_query(query, plan), self.num_heads, self.key_dim)
@@ -285,6 +285,23 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         k, v = (plan.shared_heads(x, q, self.num_heads // self._kv_heads) for x in (k, v))  # K -> N heads
         mask = plan.shared_mask((use_causal_mask, self.window), lambda: self._mask(
             query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache, cache_index))
+        x, weights = in_query_chunks(self._attend, q, mask, query_chunk_size, k, v, plan, training,
+                                     return_attention_scores)  # (B, N, T, Hv), (B, N, T, S) or None
+        # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
+        # Causal masks (and the cache's) leave key 0 to every query; only the others can empty a row.
+        may_empty_rows = any(m is not None for m in (self.window, attention_mask, query_mask, value_mask, key_mask))
+        if mask is not None and may_empty_rows:
+            row_has_key = masks_lib.has_visible_key(mask)  # (B|1, 1, T, 1)
+            x = x * ops.cast(row_has_key, x.dtype)
+            if weights is not None:
+                weights = weights * ops.cast(row_has_key, weights.dtype)
+        x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
+        x = ops.reshape(x, (ops.shape(x)[0], ops.shape(query)[1], self.num_heads * self._value_dim))  # (B, T, N*Hv)
+        outputs = plan.dense(x, self._kernel_of("output"), self.output_bias, 0, self.output_kernel.shape[-1])
+        result = (outputs,) + ((weights,) if return_attention_scores else ()) + ((cache,) if cache is not None else ())
+        return result[0] if len(result) == 1 else result
+
+    def _attend(self, q, mask, k, v, plan, training, keep_weights):
         scores = self._scores(q, k, plan)  # (B, N, T, S)
         # Dot-product scores take their scale and mask after the matmul: BatchMatMul + Mul + Add is one
         # oneDNN kernel on CPU, instead of a matmul, a float32 select and a scaled copy of q.
@@ -293,22 +310,8 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             scores = scores * ops.cast(1.0 / math.sqrt(self.key_dim), scores.dtype)
         if dot_scores and mask is not None:
             scores = scores + masks_lib.mask_bias(mask, scores.dtype)
-        # A query that sees no key is zeroed after the mixing, on (B, N, T, Hv), not on the larger weights.
         weights = plan.softmax(scores) if dot_scores else masks_lib.masked_softmax(scores, mask, zero_empty_rows=False)
-        x = plan.mix(self._dropout_layer(weights, training=training), v, q.dtype)  # (B, N, T, Hv)
-        # Causal masks (and the cache's) leave key 0 to every query; only the others can empty a row.
-        may_empty_rows = self.window is not None or any(
-            m is not None for m in (attention_mask, query_mask, value_mask, key_mask))
-        if mask is not None and may_empty_rows:
-            row_has_key = masks_lib.has_visible_key(mask)  # (B|1, 1, T, 1)
-            x = x * ops.cast(row_has_key, x.dtype)
-            if return_attention_scores:
-                weights = weights * ops.cast(row_has_key, weights.dtype)
-        x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, Hv)
-        x = ops.reshape(x, (ops.shape(x)[0], ops.shape(query)[1], self.num_heads * self._value_dim))  # (B, T, N*Hv)
-        outputs = plan.dense(x, self._kernel_of("output"), self.output_bias, 0, self.output_kernel.shape[-1])
-        result = (outputs,) + ((weights,) if return_attention_scores else ()) + ((cache,) if cache is not None else ())
-        return result[0] if len(result) == 1 else result
+        return plan.mix(self._dropout_layer(weights, training=training), v, q.dtype), weights if keep_weights else None
 
     def _scores(self, q, k, plan):
         # q (B, N, T, H), k (B, N, S, H) (or a split cache's) -> (B, N, T, S)
@@ -335,8 +338,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             masks_lib.window_mask(query_length, key_length, self.window, offset) if self.window is not None else None,
             # Cache slots past the ones written so far hold no keys yet (implied by the causal mask).
             masks_lib.causal_mask(1, key_length, offset + query_length - 1)
-            if cache_index is not None and not use_causal_mask
-            else None,
+            if cache_index is not None and not use_causal_mask else None,
         )
         return None if mask is None else ops.expand_dims(mask, 1)  # (B|1, 1, T, S)
 

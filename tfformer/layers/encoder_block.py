@@ -50,6 +50,8 @@ class EncoderBlock(keras.layers.Layer):
         attention_mask: optional bool `(B, T, T)`.
         training: bool.
         return_attention_scores: bool. Also return the weights `(B, N, T, T)`.
+        query_chunk_size: int. The self-attention's queries this many at a time (`MultiHeadAttention`'s).
+            Defaults to `None` (all at once).
 
     Returns:
         `(B, T, hidden_dim)`, or `(outputs, scores)`.
@@ -151,7 +153,7 @@ class EncoderBlock(keras.layers.Layer):
         return (x if self.norm_first else norm(x)), tuple(extra)
 
     def call(self, inputs, padding_mask=None, attention_mask=None, training=None, return_attention_scores=False,
-             mask=None):
+             mask=None, query_chunk_size=None):
         if padding_mask is None:
             padding_mask = mask
         self_mask = masks_lib.merge_masks(masks_lib.key_mask(padding_mask), attention_mask)
@@ -159,7 +161,8 @@ class EncoderBlock(keras.layers.Layer):
             inputs,
             self.self_attention_norm,
             lambda h: self.self_attention(
-                h, h, attention_mask=self_mask, return_attention_scores=return_attention_scores, training=training
+                h, h, attention_mask=self_mask, return_attention_scores=return_attention_scores, training=training,
+                query_chunk_size=query_chunk_size,
             ),
             training,
         )
@@ -167,12 +170,13 @@ class EncoderBlock(keras.layers.Layer):
         return (x, scores[0]) if return_attention_scores else x
 
     def compute_output_spec(self, inputs, padding_mask=None, attention_mask=None, training=None,
-                            return_attention_scores=False, mask=None):
+                            return_attention_scores=False, mask=None, query_chunk_size=None):
         # The residual stream keeps the input's shape. Said here, Keras need not trace `call` in a scratch graph
         # to find out, which was 70% of building transformer-tiny's functional model.
         if return_attention_scores:
             return super().compute_output_spec(inputs, padding_mask=padding_mask, attention_mask=attention_mask,
-                                               training=training, return_attention_scores=True, mask=mask)
+                                               training=training, return_attention_scores=True, mask=mask,
+                                               query_chunk_size=query_chunk_size)
         return keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
 
     def get_config(self):

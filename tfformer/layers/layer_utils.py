@@ -169,6 +169,24 @@ def check_stacked(cache, cache_index):
                          f"cache_index={cache_index!r}")
 
 
+def in_query_chunks(attend, q, mask, query_chunk_size, *args):
+    """`attend(q, mask, *args) -> (x (B, N, T, Hv), weights (B, N, T, S) or None)` over `query_chunk_size` queries
+    at a time, the parts joined along T: the same numbers, with `(B, N, query_chunk_size, S)` scores and weights in
+    memory at once instead of `(B, N, T, S)`: glibc maps a temporary over its mmap limit (at most 32 MB) afresh at
+    each call, and every page of it faults in; smaller ones it reuses (`models.whisper.ENCODER_QUERY_CHUNK`).
+    `q` `(B, N, T, H)`, `mask` `(B|1, 1, T|1, S)` or None. One piece when `query_chunk_size` is None or >= T, or T
+    is unknown when traced."""
+    length = q.shape[2]
+    check_int("query_chunk_size", query_chunk_size, allow_none=True)
+    if query_chunk_size is None or length is None or length <= query_chunk_size:
+        return attend(q, mask, *args)
+    parts = [attend(q[:, :, start:start + query_chunk_size],  # (B, N, C, H)
+                    mask if mask is None or mask.shape[2] == 1 else mask[:, :, start:start + query_chunk_size], *args)
+             for start in range(0, length, query_chunk_size)]
+    x = ops.concatenate([x for x, _ in parts], axis=2)  # (B, N, T, Hv)
+    return x, None if parts[0][1] is None else ops.concatenate([weights for _, weights in parts], axis=2)
+
+
 class PlainForms:
     """The forms of a layer's computation that a decode plan may replace, each in its plain form (`PLAIN`).
 
