@@ -40,10 +40,12 @@ def light_xla_flags():
     return " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 
 
-def smoke_env(peers, light_xla=False):
-    """The environment of a smoke run: CPU only, TensorFlow quiet, peers from `peers` (a `peers_dir`); with
-    `light_xla`, `light_xla_flags()`."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", TFFORMER_PEERS=peers)
+def smoke_env(peers=None, light_xla=False):
+    """The environment of a smoke run: CPU only, TensorFlow quiet, peers from `peers` (a `peers_dir`; None: this
+    process's `TFFORMER_PEERS`, if any, for a run without peers); with `light_xla`, `light_xla_flags()`."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    if peers is not None:
+        env["TFFORMER_PEERS"] = peers
     if light_xla:
         env["XLA_FLAGS"] = light_xla_flags()
     return env

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from tests.benchmarks.smoke import light_xla_flags
+from tests.benchmarks.smoke import smoke_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", XLA_FLAGS=light_xla_flags())
+ENV = smoke_env(light_xla=True)  # translation_bleu has no peers
 
 
 def _bleu_bench(*args):
