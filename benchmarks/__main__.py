@@ -35,6 +35,7 @@ import platform
 import subprocess
 import sys
 
+import tfformer_command
 from benchmarks import SYSTEMS
 
 WORKLOADS = {
@@ -50,6 +51,9 @@ WORKLOADS = {
     "warmup": "benchmarks.warmup",
 }
 DEFAULT = ["training", "generation", "encoder", "tflite"]
+# The workloads that time what a `tfformer` command runs, in that command's TensorFlow environment
+# (`workload_environment`): asr's tfformer rows are `tfformer transcribe`'s path, with oneDNN.
+COMMANDS = {"asr": "transcribe"}
 WITH_PYTORCH = {"training", "generation", "encoder", "llm"}
 WITH_SYSTEMS = ("training", "generation")  # the workloads that take `--systems`
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,9 +115,19 @@ def results_path(directory):
     return path
 
 
-def _run_workload(command, results):
-    """Run `command`, passing its output on as it comes; its JSON lines also go to `results` (a file or None)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1)
+def workload_environment(name, environ=None):
+    """The environment workload `name` runs in: `environ` (None: this process's), with the TensorFlow settings
+    (`tfformer_command.tensorflow_environment`) of the `tfformer` command it stands for (`COMMANDS`)."""
+    environ = dict(os.environ if environ is None else environ)
+    if name in COMMANDS:
+        tfformer_command.tensorflow_environment([COMMANDS[name]], environ)
+    return environ
+
+
+def _run_workload(command, results, environ):
+    """Run `command` in `environ`, passing its output on as it comes; its JSON lines also go to `results` (a file or
+    None)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=environ)
     with process.stdout:
         for line in process.stdout:
             sys.stdout.write(line)
@@ -178,7 +192,8 @@ def main(argv=None):
                 options += ["--llama-bench", args.llama_bench]
             if args.systems != "all":
                 options += ["--systems", args.systems]
-            code = _run_workload([sys.executable, "-m", WORKLOADS[name], *options], results)
+            code = _run_workload([sys.executable, "-m", WORKLOADS[name], *options], results,
+                                 workload_environment(name))
             if code:
                 return code
         return 0

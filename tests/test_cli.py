@@ -84,9 +84,11 @@ def test_tensorflow_log_level_is_the_users_else_quiet_on_a_cpu_machine(tmp_path)
         assert environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 
-def test_export_runs_tensorflow_without_onednn_unless_the_user_set_it():
+def test_export_runs_tensorflow_without_onednn_and_transcribe_with_it_unless_the_user_set_it():
     for argv, environ, expected in ((["export", "smollm2-135m-instruct", "--format", "litertlm"], {}, "0"),
                                     (["export", "run"], {"TF_ENABLE_ONEDNN_OPTS": "1"}, "1"),
+                                    (["transcribe", "a.wav", "--format", "srt"], {}, "1"),
+                                    (["transcribe", "a.wav"], {"TF_ENABLE_ONEDNN_OPTS": "0"}, "0"),
                                     (["train", "translation"], {}, None), ([], {}, None)):
         tfformer_command.tensorflow_environment(argv, environ)
         assert environ.get("TF_ENABLE_ONEDNN_OPTS") == expected

@@ -1,6 +1,10 @@
 """Each function of tfformer.compat against the installed Keras/TensorFlow: these fail when an upgrade moves
 what they reach."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -21,6 +25,20 @@ def test_gradient_recording_sees_a_tape_and_only_a_tape():
 
     traced(tf.constant(1.0))
     assert seen == [False]
+
+
+def test_onednn_enabled_is_what_the_command_environment_asked_for():
+    """In a fresh process (TensorFlow reads the setting once): on as `tfformer transcribe` sets it up, off when the
+    user said so, whatever TensorFlow would choose for this CPU."""
+    script = ("import os, tfformer_command; tfformer_command.tensorflow_environment(['transcribe']); "
+              "from tfformer import compat; print(compat.onednn_enabled())")
+    for user, expected in ((None, "True"), ("0", "False")):
+        env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+        env.update({} if user is None else {"TF_ENABLE_ONEDNN_OPTS": user})
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                             env=dict(env, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3"))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == expected
 
 
 def test_optimization_barrier_passes_tensors_through_under_xla():

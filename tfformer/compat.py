@@ -23,6 +23,18 @@ def gradient_recording():
     return bool(record.could_possibly_record())
 
 
+def onednn_enabled():
+    """Whether TensorFlow runs its oneDNN kernels in this process: `TF_ENABLE_ONEDNN_OPTS` as the process started,
+    else TensorFlow's choice by CPU (on with AVX-512 VNNI or BF16 or AMX).
+
+    Why: a benchmark row says which CPU kernels its time comes from (`tfformer transcribe` turns oneDNN on,
+    `tfformer_command`); TensorFlow has no public way to ask.
+    """
+    from tensorflow.python.util import _pywrap_util_port  # no public equivalent
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def optimization_barrier(*tensors):
     """XLA's OptimizationBarrier on `tensors`: they come out unchanged, but XLA may not move work across it.
 

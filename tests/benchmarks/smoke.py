@@ -53,8 +53,12 @@ def smoke_env(peers=None, light_xla=False):
 
 def run_smoke(module, peers, light_xla=False):
     """`python -m <module> --smoke` from the repository root, on CPU, with `peers` (a `peers_dir`) and
-    `smoke_env`'s `light_xla`: its stdout and the JSON records it printed. Fails the test on a non-zero exit."""
+    `smoke_env`'s `light_xla`, in the environment the runner gives its workload (`workload_environment`): its stdout
+    and the JSON records it printed. Fails the test on a non-zero exit."""
+    from benchmarks.__main__ import WORKLOADS, workload_environment
+
+    name = {module_name: name for name, module_name in WORKLOADS.items()}[module]
     out = subprocess.run([sys.executable, "-m", module, "--smoke"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=smoke_env(peers, light_xla))
+                         timeout=600, env=workload_environment(name, smoke_env(peers, light_xla)))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
