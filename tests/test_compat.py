@@ -30,7 +30,7 @@ def test_gradient_recording_sees_a_tape_and_only_a_tape():
 def test_onednn_enabled_is_what_the_command_environment_asked_for():
     """In a fresh process (TensorFlow reads the setting once): on as `tfformer transcribe` sets it up, off when the
     user said so, whatever TensorFlow would choose for this CPU."""
-    script = ("import os, tfformer_command; tfformer_command.tensorflow_environment(['transcribe']); "
+    script = ("import tfformer_command; tfformer_command.tensorflow_environment(['transcribe']); "
               "from tfformer import compat; print(compat.onednn_enabled())")
     for user, expected in ((None, "True"), ("0", "False")):
         env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
