@@ -101,14 +101,20 @@ def boundary_agreement(found, expected, tolerance=0.5):
     return hits / max(len(expected), 1)
 
 
+def this_process(load_peak):
+    """What the tfformer rows say of this process: its peak memory so far and after loading (`load_peak`, MB), and
+    whether TensorFlow runs its oneDNN kernels here."""
+    return {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak),
+            "onednn": compat.onednn_enabled()}
+
+
 def long_form_rows(times, texts, segments, spoken, audio_seconds, worker, load_peak):
     """The `asr_long` rows of the long recording: speed, word error rate against `spoken`, and (with the worker)
     how many of faster-whisper's segment boundaries ours match within 0.5 s."""
     rows = []
     for name in (n for n in LONG if n in times):
         seconds = common.median(times[name])
-        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak),
-                 "onednn": compat.onednn_enabled()}
+        extra = this_process(load_peak)
         if name == LONG[1]:
             extra = {"peak_rss_mb": worker.peak_rss_mb, "load_peak_rss_mb": worker.info["load_peak_rss_mb"]}
         elif LONG[1] in segments:
@@ -217,8 +223,7 @@ def main(argv=None):
         if name in LONG:
             continue
         seconds = common.median(values)
-        extra = {"peak_rss_mb": round(common.peak_rss_mb()), "load_peak_rss_mb": round(load_peak),
-                 "onednn": compat.onednn_enabled()}
+        extra = this_process(load_peak)
         if name == TFLITE:  # the edge worker's process
             extra = {"peak_rss_mb": tflite.peak_rss_mb, "load_peak_rss_mb": tflite.info["load_peak_rss_mb"],
                      "litert_in_benchmark_process": litert_here}

@@ -104,10 +104,10 @@ def matmuls_fed_by(op, fn, *args):
                and any(ops_by_name.get(i.split(":")[0].lstrip("^")) == op for i in n.input) for n in nodes)
 
 
-
 def count_ops(op, fn, *args):
     """How many `op` nodes (e.g. "Softmax") `fn`'s graph traced on `args` holds (`fn` a `tf.function`)."""
     return sum(n.op == op for n in fn.get_concrete_function(*args).graph.as_graph_def().node)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # The modules whose tests peak at several GB (a 135M-parameter conversion, Whisper's exports, benchmark runs that
