@@ -2,6 +2,8 @@
 TensorFlow (importing `tfformer` does): TensorFlow reads its C++ log level once, when it loads. Then it runs
 `tfformer.cli.main`, where the commands are."""
 
+import atexit
+import gc
 import os
 import sys
 
@@ -37,7 +39,25 @@ def tensorflow_environment(argv, environ=os.environ):
         environ["TF_ENABLE_ONEDNN_OPTS"] = ONEDNN[command]
 
 
+def collect_once_at_exit():
+    """Makes this process's exit one collection of its cyclic garbage, then `gc.freeze()`, after every other exit
+    handler (registered first, it runs last). The interpreter's shutdown collects several times more as it clears
+    the modules, each time walking every object TensorFlow and Keras hold (about 330,000 after `import
+    tensorflow, keras`); frozen, they are skipped and freed as their modules go. Garbage left at exit is still
+    collected, its finalizers run; what is alive at exit is freed without a collection, as Python allows (it does
+    not promise `__del__` at exit). Measured on an AMD EPYC Zen 3: `import tensorflow, keras` and exit 3.3-3.9 s
+    against 4.0-4.4 s (6 processes each, alternating); a pytest process exits 0.1 s after its last exit handler
+    against 1.0 s."""
+
+    def collect_then_freeze():
+        gc.collect()
+        gc.freeze()
+
+    atexit.register(collect_then_freeze)
+
+
 def main(argv=None):
+    collect_once_at_exit()
     quiet_tensorflow_logs()
     tensorflow_environment(sys.argv[1:] if argv is None else argv)
     from tfformer import cli

@@ -8,7 +8,10 @@ import keras
 import numpy as np
 import pytest
 
+import tfformer_command
 from tests.harness import alone, takes_the_one_at_a_time_lock
+
+tfformer_command.collect_once_at_exit()  # pytest's processes (xdist's workers too) exit as `tfformer` does
 
 # The Whisper fixtures (manifest, asr, waveforms); pytest takes `pytest_plugins` only in the root conftest.
 pytest_plugins = ["tests.speech"]

@@ -94,6 +94,33 @@ def test_export_runs_tensorflow_without_onednn_and_transcribe_with_it_unless_the
         assert environ.get("TF_ENABLE_ONEDNN_OPTS") == expected
 
 
+def test_exit_collects_the_garbage_once_and_then_freezes_what_is_alive(tmp_path):
+    """`collect_once_at_exit`, in a fresh process: a cycle that is garbage at exit is still collected (its finalizer
+    writes a file: no data lost; a freeze without that collection would skip it), and then every object still alive
+    is frozen, before the exit handlers registered ahead of it run."""
+    flushed = tmp_path / "flushed.txt"
+    script = f"""
+import atexit, gc, sys
+import tfformer_command
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        open({str(flushed)!r}, "w").write("flushed")
+
+atexit.register(lambda: sys.stdout.write(f"frozen {{gc.get_freeze_count()}}\\n"))  # registered first: runs last
+tfformer_command.collect_once_at_exit()
+alive = [[i] for i in range(1000)]
+Cycle()
+gc.disable()  # only the exit's collection may find the cycle
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert flushed.read_text() == "flushed"
+    assert int(out.stdout.split()[-1]) > 1000  # `alive` and its lists, at least
+
+
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
