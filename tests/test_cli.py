@@ -42,7 +42,7 @@ def _cli(*args, timeout=600, newcomer=False):
 def _here(capsys, *args):
     """`tfformer ARGS` in this process (`cli.main`, as the tests above call it), its exit code and output as `_cli`
     gives them: the commands after a run's training share this process's TensorFlow instead of importing it again
-    each (about 5 s a command). A fresh process's output is what `_cli(..., newcomer=True)` checks."""
+    each (about 4 s a command). A fresh process's output is what `_cli(..., newcomer=True)` checks."""
     capsys.readouterr()
     try:
         code = cli.main(list(args))

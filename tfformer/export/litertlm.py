@@ -449,8 +449,7 @@ def bind_kernels(content, arrays, quantize="none", exact=None, tables=()):
         signature.inputs = [item for item in signature.inputs if item.tensorIndex not in bound]
     if quantize != "none":
         matrices = {entry[0] for name, entry in stored.items() if name not in tables}  # their buffers, as stored
-        _quantize_constant_filters(schema, model, quantize, _quantize_lookup_tables(schema, model, quantize),
-                                   matrices)
+        _quantize_constant_filters(schema, model, quantize, _quantize_lookup_tables(schema, model), matrices)
     kept = sum(len(buffer.data) for buffer in model.buffers if buffer.data is not None)
     builder = flatbuffers.Builder(kept + len(content) + (1 << 20))  # the whole file: the builder never grows
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
@@ -469,10 +468,10 @@ def _set_filter(schema, graph, tensor, stored):
         graph.tensors.append(scale_tensor)
 
 
-def _quantize_lookup_tables(schema, model, quantize):
+def _quantize_lookup_tables(schema, model):
     """Replace each `GATHER` of rows (axis 0) from a constant float32 table `(V, D)`, the embedding lookup, with an
     `EMBEDDING_LOOKUP` of the same rows from the table quantized as a `FULLY_CONNECTED` filter `(units=V, in=D)`
-    (`_store`: int4 in blocks of 32 inputs, or int8 per row; the kernel dequantizes the rows it reads), between
+    (`_store`'s int8 per row whatever the file's `quantize`; the kernel dequantizes the rows it reads), between
     `RESHAPE`s of the ids to `(N,)` and of the rows back to the `GATHER`'s shape. One buffer per table for every
     graph. Returns `{float32 table buffer: stored}` for `_quantize_constant_filters`; the float32 tables
     themselves stay for it to empty."""
