@@ -1,11 +1,15 @@
 """The `tfformer` command's entry point. It lives outside the package so that it runs before anything imports
-TensorFlow (importing `tfformer` does): TensorFlow reads its C++ log level once, when it loads. Then it runs
-`tfformer.cli.main`, where the commands are."""
+TensorFlow (importing `tfformer` does): TensorFlow reads its C++ log level once, when it loads, and writes lines
+no level hides while it does (`import_tensorflow_quietly`). Then it runs `tfformer.cli.main`, where the commands
+are."""
 
 import atexit
 import gc
+import importlib
 import os
+import re
 import sys
+import tempfile
 
 
 def quiet_tensorflow_logs(environ=os.environ, nvidia_driver="/proc/driver/nvidia/version"):
@@ -39,6 +43,40 @@ def tensorflow_environment(argv, environ=os.environ):
         environ["TF_ENABLE_ONEDNN_OPTS"] = ONEDNN[command]
 
 
+# What the full `tensorflow` wheel writes to stderr as it loads on a machine without CUDA, before any log level
+# applies (absl writes every line until it is initialized), twice: four lines before a command's first own line.
+LOAD_NOISE = re.compile(rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR\n"
+                        rb"|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU "
+                        rb"will not be used\.\n")
+
+
+def without_load_noise(data):
+    """`data` (bytes written to stderr) without the whole lines `LOAD_NOISE` matches."""
+    return b"".join(line for line in data.splitlines(keepends=True) if not LOAD_NOISE.fullmatch(line))
+
+
+def import_tensorflow_quietly(environ=os.environ):
+    """Imports TensorFlow with the process's stderr (file descriptor 2) captured, then writes back all of it but the
+    `LOAD_NOISE` lines; unless the user asked for TensorFlow's info lines (`TF_CPP_MIN_LOG_LEVEL` unset or 0).
+    What else TensorFlow writes while it loads, an error included, reaches stderr, in order, once it has loaded
+    or failed to."""
+    if environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+        importlib.import_module("tensorflow")
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            importlib.import_module("tensorflow")
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            sys.stderr.buffer.write(without_load_noise(captured.read()))
+            sys.stderr.flush()
+
+
 def collect_once_at_exit():
     """Makes this process's exit one collection of its cyclic garbage, then `gc.freeze()`, after every other exit
     handler (registered first, it runs last). The interpreter's shutdown collects several times more as it clears
@@ -60,6 +98,7 @@ def main(argv=None):
     collect_once_at_exit()
     quiet_tensorflow_logs()
     tensorflow_environment(sys.argv[1:] if argv is None else argv)
+    import_tensorflow_quietly()
     from tfformer import cli
 
     return cli.main(argv)

@@ -94,6 +94,36 @@ def test_export_runs_tensorflow_without_onednn_and_transcribe_with_it_unless_the
         assert environ.get("TF_ENABLE_ONEDNN_OPTS") == expected
 
 
+NOISE = (b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+         b"I0000 00:00:1796443199.673849   14725 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU "
+         b"will not be used.\n")
+
+
+def test_tensorflow_load_lines_are_dropped_and_every_other_line_kept():
+    error = b"E0000 00:00:1796443199.700000   14725 cuda_executor.cc:1] some real error\n"
+    assert tfformer_command.without_load_noise(NOISE + error + NOISE + b"last, no newline") == (
+        error + b"last, no newline")
+    first = NOISE[: NOISE.index(b"\n") + 1]
+    assert tfformer_command.without_load_noise(b"x" + NOISE) == b"x" + first  # whole lines only
+
+
+def test_a_failing_tensorflow_import_keeps_its_error_output(tmp_path):
+    """A stand-in `tensorflow` that writes the load noise and an error to file descriptor 2, then fails: the error and
+    the traceback reach stderr, the noise does not; with `TF_CPP_MIN_LOG_LEVEL=0` the noise does too."""
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text(
+        f"import os\nos.write(2, {NOISE!r} + b'broken library\\n')\nraise ImportError('no tensorflow here')\n")
+    script = "import tfformer_command; tfformer_command.import_tensorflow_quietly()"
+    for level, noisy in (("3", False), ("0", True)):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+                   TF_CPP_MIN_LOG_LEVEL=level)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60, env=env)
+        assert out.returncode == 1
+        assert b"broken library\n" in out.stderr and b"ImportError: no tensorflow here" in out.stderr
+        assert (b"cudart_stub" in out.stderr) == noisy and (b"InitializeLog" in out.stderr) == noisy
+        assert out.stderr.index(b"broken library") < out.stderr.index(b"Traceback")  # in the order written
+
+
 def test_exit_collects_the_garbage_once_and_then_freezes_what_is_alive(tmp_path):
     """`collect_once_at_exit`, in a fresh process: a cycle that is garbage at exit is still collected (its finalizer
     writes a file: no data lost; a freeze without that collection would skip it), and then every object still alive
@@ -174,6 +204,7 @@ def test_train_translate_export_from_the_command_line(resumed_run, tmp_path, cap
     # No TensorFlow error line on a machine without a GPU, and no Keras warning at the end of an epoch or of an
     # evaluation (the datasets state their length), from scratch or resumed.
     assert "cuInit" not in trained.stderr
+    assert "cudart_stub" not in trained.stderr and "InitializeLog" not in trained.stderr  # TensorFlow's load lines
     assert "ran out of data" not in trained.stderr + trained.stdout + killed_output
     translated = _here(capsys, "translate", "--run", str(out), "--max-new-tokens", "8", "open the file 3",
                        "save a folder 9")
