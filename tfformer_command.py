@@ -78,14 +78,14 @@ def import_tensorflow_quietly(environ=os.environ):
 
 
 def collect_once_at_exit():
-    """Makes this process's exit one collection of its cyclic garbage, then `gc.freeze()`, after every other exit
-    handler (registered first, it runs last). The interpreter's shutdown collects several times more as it clears
-    the modules, each time walking every object TensorFlow and Keras hold (about 330,000 after `import
-    tensorflow, keras`); frozen, they are skipped and freed as their modules go. Garbage left at exit is still
-    collected, its finalizers run; what is alive at exit is freed without a collection, as Python allows (it does
-    not promise `__del__` at exit). Measured on an AMD EPYC Zen 3: `import tensorflow, keras` and exit 3.3-3.9 s
-    against 4.0-4.4 s (6 processes each, alternating); a pytest process exits 0.1 s after its last exit handler
-    against 1.0 s."""
+    """Makes this process's exit one collection of its cyclic garbage, then `gc.freeze()`, after the exit handlers
+    registered after this call (they run last in, first out: `main` calls it first). The interpreter's shutdown
+    collects several times more as it clears the modules, each time walking every object TensorFlow and Keras hold
+    (about 330,000 after `import tensorflow, keras`); frozen, they are skipped. Garbage left at exit is still
+    collected, its finalizers run; a cycle still alive at exit is not collected again and its memory goes back
+    with the process, as Python allows (it does not promise `__del__` at exit). Measured on an AMD EPYC Zen 3:
+    `import tensorflow, keras` and exit 3.3-3.9 s against 4.0-4.4 s (6 processes each, alternating); a pytest
+    process exits 0.1 s after its last exit handler against 1.0 s."""
 
     def collect_then_freeze():
         gc.collect()
