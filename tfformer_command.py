@@ -4,6 +4,7 @@ no level hides while it does (`import_tensorflow_quietly`). Then it runs `tfform
 are."""
 
 import atexit
+import contextlib
 import gc
 import importlib
 import os
@@ -59,12 +60,16 @@ def import_tensorflow_quietly(environ=os.environ):
     """Imports TensorFlow with the process's stderr (file descriptor 2) captured, then writes back all of it but the
     `LOAD_NOISE` lines; unless the user asked for TensorFlow's info lines (`TF_CPP_MIN_LOG_LEVEL` unset or 0).
     What else TensorFlow writes while it loads, an error included, reaches stderr, in order, once it has loaded
-    or failed to."""
-    if environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+    or failed to. Without a usable stderr (fd 2 closed, as a daemon's may be) there is nothing to filter, as in
+    `tfformer.edge.compiled`'s `_runtime_log_dropped`, which this command cannot import before TensorFlow."""
+    saved = None
+    if environ.get("TF_CPP_MIN_LOG_LEVEL", "0") != "0" and sys.stderr is not None:
+        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            saved = os.dup(2)
+    if saved is None:
         importlib.import_module("tensorflow")
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:

@@ -124,6 +124,19 @@ def test_a_failing_tensorflow_import_keeps_its_error_output(tmp_path):
         assert out.stderr.index(b"broken library") < out.stderr.index(b"Traceback")  # in the order written
 
 
+def test_tensorflow_loads_when_stderr_is_closed(tmp_path):
+    """A process whose file descriptor 2 is closed (a daemon's) has no stderr to filter: TensorFlow (a stand-in
+    here) still loads."""
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text("LOADED = True\n")
+    script = ("import os, sys; os.close(2); import tfformer_command; tfformer_command.import_tensorflow_quietly(); "
+              "print(sys.modules['tensorflow'].LOADED)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert (out.returncode, out.stdout) == (0, "True\n")
+
+
 def test_exit_collects_the_garbage_once_and_then_freezes_what_is_alive(tmp_path):
     """`collect_once_at_exit`, in a fresh process: a cycle that is garbage at exit is still collected (its finalizer
     writes a file: no data lost; a freeze without that collection would skip it), and then every object still alive
