@@ -518,16 +518,28 @@ def test_135m_bundles_answer_in_litert_lm(tmp_path):
     assert sizes["int4"] <= 0.2 * sizes["none"]  # issue 55: int4 weights, the tied table once
 
 
-def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):
+RUNTIME_LINES = ("litert_lm_loader.cc", "accelerator_registry.cc", "environment.cc")  # written as a bundle loads
+
+
+def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capfd):
     """`tfformer.edge.Chat` and `tfformer chat --litertlm`: LiteRT-LM renders the bundle's chat template and decodes
-    greedily, giving `CausalLM.chat`'s reply (the history included), streamed or whole."""
+    greedily, giving `CausalLM.chat`'s reply (the history included), streamed or whole, and the runtime writes
+    nothing to stderr unless `verbose`."""
     from tfformer import cli, edge
 
     bundle = export.litertlm(lm, str(tmp_path / "model.litertlm"), context_length=60)
+    capfd.readouterr()
+    edge.Chat(bundle, verbose=True).close()
+    err = capfd.readouterr().err
+    assert all(name in err for name in RUNTIME_LINES), err  # what the default leaves out
+    with pytest.raises(ValueError, match="`verbose` must be True or False"):
+        edge.Chat(bundle, verbose="yes")
     turn = {"role": "user", "content": "open the file"}
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": " the"},
                {"role": "user", "content": "and"}]  # 48 tokens with the template: 6 more fit the context of 60
     with edge.Chat(bundle) as chat:
+        err = capfd.readouterr().err
+        assert not any(name in err for name in RUNTIME_LINES), err
         for messages in ([turn], [{"role": "system", "content": "a"}, turn], history):
             reply = lm.chat(messages, max_new_tokens=6, jit_compile=False)
             assert chat.chat(messages, max_new_tokens=6) == reply, messages
@@ -548,6 +560,8 @@ def test_edge_chat_replies_as_tfformer_chat(tmp_path, lm, capsys):
                for path in (bundle, static)}
     assert replies[bundle] == replies[static] and len(replies[bundle]) == 2, replies
     assert replies[bundle][0] == lm.chat([{"role": "user", "content": turns[0]}], max_new_tokens=6, jit_compile=False)
-    capsys.readouterr()
+    capfd.readouterr()
     assert cli.main(["chat", "--litertlm", bundle, "--message", "open the file", "--max-new-tokens", "6"]) == 0
-    assert capsys.readouterr().out == lm.chat([turn], max_new_tokens=6, jit_compile=False) + "\n"
+    out, err = capfd.readouterr()
+    assert out == lm.chat([turn], max_new_tokens=6, jit_compile=False) + "\n"
+    assert not any(name in err for name in RUNTIME_LINES), err
