@@ -44,11 +44,15 @@ def tensorflow_environment(argv, environ=os.environ):
         environ["TF_ENABLE_ONEDNN_OPTS"] = ONEDNN[command]
 
 
-# What the full `tensorflow` wheel writes to stderr as it loads on a machine without CUDA, before any log level
-# applies (absl writes every line until it is initialized), twice: four lines before a command's first own line.
+# What the full `tensorflow` wheel writes to stderr as it loads, before any log level applies (absl writes every
+# line until it is initialized), twice: on a machine without CUDA four lines before a command's first own line, and
+# two more with oneDNN on (`tfformer transcribe`, or any command on a CPU with AVX-512 VNNI or BF16 or AMX), whose
+# info line says how to turn it off.
 LOAD_NOISE = re.compile(rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR\n"
                         rb"|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU "
-                        rb"will not be used\.\n")
+                        rb"will not be used\.\n"
+                        rb"|I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\. [^\n]*"
+                        rb"`TF_ENABLE_ONEDNN_OPTS=0`\.\n")
 
 
 def without_load_noise(data):

@@ -95,6 +95,9 @@ def test_export_runs_tensorflow_without_onednn_and_transcribe_with_it_unless_the
 
 
 NOISE = (b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+         b"I0000 00:00:1796449896.764932   13003 port.cc:153] oneDNN custom operations are on. You may see slightly "
+         b"different numerical results due to floating-point round-off errors from different computation orders. To "
+         b"turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.\n"
          b"I0000 00:00:1796443199.673849   14725 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU "
          b"will not be used.\n")
 
@@ -121,6 +124,7 @@ def test_a_failing_tensorflow_import_keeps_its_error_output(tmp_path):
         assert out.returncode == 1
         assert b"broken library\n" in out.stderr and b"ImportError: no tensorflow here" in out.stderr
         assert (b"cudart_stub" in out.stderr) == noisy and (b"InitializeLog" in out.stderr) == noisy
+        assert (b"oneDNN custom operations" in out.stderr) == noisy
         assert out.stderr.index(b"broken library") < out.stderr.index(b"Traceback")  # in the order written
 
 
