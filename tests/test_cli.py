@@ -9,7 +9,7 @@ import time
 import pytest
 
 import tfformer_command
-from tfformer import cli
+from tfformer import cli, models
 
 TINY = ["--set", "hidden_dim=16", "--set", "num_heads=2", "--set", "intermediate_dim=32",
         "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1", "--batch-size", "8"]
@@ -269,3 +269,33 @@ def test_train_translate_export_from_the_command_line(resumed_run, tmp_path, cap
     assert bad.returncode == 2 and "--warmup-batch-sizes" in bad.stderr and not (tmp_path / "bad").exists()
     blank = _here(capsys, "translate", "--run", str(out), "   ")
     assert blank.returncode == 2 and "whitespace-only" in blank.stderr
+
+
+def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
+    """`tfformer generate` streams each prompt's greedy continuation, the library's `generate` (its graph loop), one
+    prompt a line; `tfformer chat --run` replies as `CausalLM.chat`; a model that is not a causal LM is refused by
+    name, for both commands."""
+    from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
+
+    tokenizer = byte_pair_tokenizer(ascii_only=True)  # any ids decode to text that compares token for token
+    lm = llama_lm(tokenizer.vocabulary_size)
+    lm.preprocessor = tokenizer
+    run = str(tmp_path / "lm")
+    lm.save_to_preset(run)
+    prompts = ["open the", "close a folder and"]
+    generated = _here(capsys, "generate", "--run", run, "--max-new-tokens", "6", *prompts)
+    assert generated.returncode == 0, generated.stderr
+    expected = lm.generate(prompts, max_new_tokens=6, jit_compile=False)
+    assert all(expected) and generated.stdout == "".join(f"{text}\n" for text in expected)
+    chatted = _here(capsys, "chat", "--run", run, "--message", "open the file", "--max-new-tokens", "6")
+    assert chatted.returncode == 0, chatted.stderr
+    assert chatted.stdout == lm.chat([{"role": "user", "content": "open the file"}], max_new_tokens=6,
+                                     jit_compile=False) + "\n"
+    encoder = models.build_encoder(models.TransformerConfig(vocabulary_size=16, hidden_dim=8, num_heads=2,
+                                                            intermediate_dim=8, num_encoder_layers=1))
+    encoder.save_to_preset(str(tmp_path / "encoder"))
+    for command in (["generate", "--run", str(tmp_path / "encoder"), "x"],
+                    ["chat", "--run", str(tmp_path / "encoder"), "--message", "x"]):
+        refused = _here(capsys, *command)
+        assert refused.returncode == 2 and f"--run {tmp_path / 'encoder'} is a " in refused.stderr, refused.stderr
+        assert "not a causal LM" in refused.stderr

@@ -87,12 +87,27 @@ def _translate(args):
     return 0
 
 
-def _generate(args):
+def _causal_lm(args):
+    """The causal LM of `--run` or `--preset` (`generate`, `chat`)."""
     from tfformer import models
 
-    lm = models.from_preset(args.run or args.preset)
-    for line in lm.generate(args.prompts, max_new_tokens=args.max_new_tokens):
-        print(line)
+    flag, name = ("--run", args.run) if args.run else ("--preset", args.preset)
+    lm = models.from_preset(name)
+    if not isinstance(lm, models.CausalLM):
+        raise ValueError(f"{flag} {name} is a {type(lm).__name__}, not a causal LM: `tfformer {args.command}` "
+                         "continues text with one, e.g. --preset smollm2-135m-instruct, or a run of `tfformer train "
+                         "lm` or `tfformer finetune`.")
+    return lm
+
+
+def _generate(args):
+    lm = _causal_lm(args)
+    # One prompt at a time, streamed: `stream`'s step is traced once, where `generate`'s XLA loop compiles first
+    # (SmolLM2-135M-Instruct, 8 new tokens: 8.5 s against 35 s before any text; AMD EPYC Zen 3).
+    for prompt in args.prompts:
+        for piece in lm.stream(prompt, max_new_tokens=args.max_new_tokens):
+            print(piece, end="", flush=True)
+        print(flush=True)
     return 0
 
 
@@ -109,9 +124,9 @@ def _finetune(args):
 
 
 def _chat(args):
-    from tfformer import edge, models
+    from tfformer import edge
 
-    lm = edge.Chat(args.litertlm) if args.litertlm else models.from_preset(args.run or args.preset)
+    lm = edge.Chat(args.litertlm) if args.litertlm else _causal_lm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = not args.message and sys.stdin.isatty()
     lines = iter(args.message or sys.stdin)
