@@ -96,3 +96,25 @@ def test_tfformer_predict_command(urls, protocol, capsys):
     assert json.loads(capsys.readouterr().out) == {"upper_bytes": "HELLO WORLD", "words": 2, "version": 2}
     assert cli.main(["predict", "--server", url, "--model", "nope", "x"]) == 1
     assert "Servable not found for request: Latest(nope)" in capsys.readouterr().err
+
+
+def test_no_reply_is_a_status_on_both_transports(capsys):
+    """A server that cannot be reached is UNAVAILABLE, one that never answers DEADLINE_EXCEEDED after `timeout`, on
+    REST as gRPC reports them: a `ServingError`, and `tfformer predict` exits 1 with one line."""
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            refused = closed.getsockname()[1]  # nothing listens on it once closed
+        for scheme in ("http", "grpc"):
+            for port, code in ((refused, serving.Code.UNAVAILABLE), (silent.getsockname()[1],
+                                                                      serving.Code.DEADLINE_EXCEEDED)):
+                with serving.Client(f"{scheme}://127.0.0.1:{port}", timeout=0.5) as client:
+                    with pytest.raises(serving.ServingError) as raised:
+                        client.predict("text", ["a"])
+                assert raised.value.code == code, (scheme, raised.value)
+            assert cli.main(["predict", "--server", f"{scheme}://127.0.0.1:{refused}", "--model", "text", "x"]) == 1
+            assert capsys.readouterr().err.startswith("tfformer: error: UNAVAILABLE: ")

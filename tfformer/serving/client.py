@@ -102,7 +102,8 @@ class _RestTransport:
         return connection
 
     def request(self, method, path, body=None):
-        """Returns the parsed JSON reply; raises ServingError for an error status."""
+        """Returns the parsed JSON reply; raises ServingError for an error status, and as the gRPC transport does
+        when no reply comes: UNAVAILABLE for a server that cannot be reached, DEADLINE_EXCEEDED after `timeout`."""
         headers = {"Content-Type": "application/json"} if body is not None else {}
         for attempt in range(2):  # one retry on a keep-alive connection the server closed
             connection = self._connection()
@@ -111,11 +112,15 @@ class _RestTransport:
                 response = connection.getresponse()
                 data = response.read()
                 break
-            except (ConnectionError, http.client.BadStatusLine, http.client.CannotSendRequest):
+            except (OSError, http.client.HTTPException) as error:
                 connection.close()
                 self._local.connection = None
-                if attempt:
-                    raise
+                if isinstance(error, TimeoutError):
+                    raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from error
+                if attempt or not isinstance(error, (ConnectionError, http.client.BadStatusLine,
+                                                     http.client.CannotSendRequest)):
+                    raise ServingError(Code.UNAVAILABLE, f"failed to connect to {self.host}:{self.port}: "
+                                                         f"{getattr(error, 'strerror', None) or error}") from error
         if response.status == 200:
             return _json_loads(data)
         try:
