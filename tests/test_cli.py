@@ -61,6 +61,7 @@ def _here(capsys, *args):
         (["train", "translation", "--time-budget", "soon", "--data", "{tsv}", "--out", "{tmp}/r"], "time budget"),
         (["train", "translation", "--data", "{empty}", "--out", "{tmp}/r"], "no source<TAB>target"),
         (["train", "translation", "--data", "{notab}", "--out", "{tmp}/r"], "notab.tsv:1: .*no tab"),
+        (["chat", "--litertlm", "{tmp}/missing.litertlm", "--message", "x"], "must be a .litertlm file"),
     ],
 )
 def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):

@@ -628,7 +628,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:  # bad input; a missing file is one (`chat --litertlm`)
         print(f"tfformer: error: {error}", file=sys.stderr)
         return 2
 
