@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -63,15 +64,20 @@ def test_missing_and_bad_files_exit_2(tmp_path, capsys):
     flac = tmp_path / "speech.flac"
     soundfile.write(flac, np.zeros(1600), 16000)
     good = str(SPEECH / "clip_00.wav")
+    (tmp_path / "again").mkdir()
+    namesake = shutil.copy(good, tmp_path / "again")  # another clip_00.wav: its transcript would replace the first's
+    out = tmp_path / "out"
     for argv, message in (
         ([good, str(tmp_path / "missing.wav")], r"missing.wav: no such file"),
         ([good, str(text)], r"notes.wav is not a readable WAV file"),
         ([str(flac)], r"speech.flac is a FLAC file .*only WAV files are supported"),
+        ([good, str(namesake), "--out", str(out)], r"one transcript 'clip_00.txt' for 2 different files"),
     ):
         assert cli.main(["transcribe", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1, err
         assert re.search(message, err), err
+    assert not out.exists()  # refused before anything was written
 
 
 def test_a_preset_that_is_not_speech_to_text_exits_2(capsys):

@@ -81,7 +81,8 @@ def _translate(args):
         raise ValueError("`texts` holds an empty or whitespace-only string; there is nothing to translate.")
     translator = translation.load_run(args.run)
     beam_size = translation.BEAM_SIZE if args.beam_size is None else args.beam_size  # as the run was evaluated
-    for line in translator.translate(args.texts, max_new_tokens=args.max_new_tokens or 64, beam_size=beam_size,
+    max_new_tokens = 64 if args.max_new_tokens is None else args.max_new_tokens  # 0 is an error, not the default
+    for line in translator.translate(args.texts, max_new_tokens=max_new_tokens, beam_size=beam_size,
                                      length_penalty=translation.LENGTH_PENALTY):
         print(line)
     return 0
@@ -243,6 +244,9 @@ def _evaluate(args):
     from tfformer.recipes import rundir, translation
 
     translator = translation.load_run(args.run)
+    if not os.path.exists(os.path.join(args.run, translation.RUN_FILE)):
+        raise ValueError(f"--run {args.run} has no {translation.RUN_FILE}: `tfformer evaluate` scores a run of "
+                         "`tfformer train translation` on its own data's split.")
     run = rundir.read_json(os.path.join(args.run, translation.RUN_FILE))
     splits = translation.load_pairs(run["target_language"], run["data_file"])
     pairs = translation.filter_by_length(splits[args.split], translator.preprocessor, run["max_length"])
@@ -387,9 +391,25 @@ def _transcribe_files(asr, args, sources):
         if args.out is None:
             print(text, end="")
             continue
-        name = os.path.splitext(os.path.basename(path))[0] + "." + args.format
-        print(write_atomic(os.path.join(args.out, name), text))
+        print(write_atomic(os.path.join(args.out, _transcript_name(path, args.format)), text))
     return 0
+
+
+def _transcript_name(path, format):
+    """The file name of `path`'s transcript in `--out`: its own name with `format`'s extension."""
+    return os.path.splitext(os.path.basename(path))[0] + "." + format
+
+
+def _check_transcript_names(files, out, format):
+    """A ValueError when two different input files would write the same transcript in `--out`."""
+    sources = collections.defaultdict(set)  # transcript name -> the input files it would come from
+    for path in files:
+        sources[_transcript_name(path, format)].add(os.path.realpath(path))
+    clashes = {name: sorted(paths) for name, paths in sources.items() if len(paths) > 1}
+    if clashes:
+        name, paths = next(iter(clashes.items()))
+        raise ValueError(f"`--out` {out!r} would get one transcript {name!r} for {len(paths)} different files "
+                         f"({', '.join(paths)}): transcribe them into separate --out directories.")
 
 
 def _transcribe(args):
@@ -411,6 +431,7 @@ def _transcribe(args):
             raise ValueError(f"{path}: no such file.")
         waveforms.append(audio.read_wav(path) if args.format is None else audio.open_wav(path))
     if args.out is not None:
+        _check_transcript_names(args.files, args.out, args.format)
         _output_directory(args.out)
     asr = models.from_preset(args.preset)
     if not isinstance(asr, models.WhisperModel):
