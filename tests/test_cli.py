@@ -275,7 +275,7 @@ def test_train_translate_export_from_the_command_line(resumed_run, tmp_path, cap
 def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
     """`tfformer generate` streams each prompt's greedy continuation, the library's `generate` (its graph loop), one
     prompt a line; `tfformer chat --run` replies as `CausalLM.chat`; a model that is not a causal LM is refused by
-    name, for both commands."""
+    name, for both commands, and `translate` and `evaluate` refuse the LM run."""
     from tests.export.byte_pair_lm import byte_pair_tokenizer, llama_lm
 
     tokenizer = byte_pair_tokenizer(ascii_only=True)  # any ids decode to text that compares token for token
@@ -292,6 +292,9 @@ def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
     assert chatted.returncode == 0, chatted.stderr
     assert chatted.stdout == lm.chat([{"role": "user", "content": "open the file"}], max_new_tokens=6,
                                      jit_compile=False) + "\n"
+    for command in (["translate", "--run", run, "x"], ["evaluate", "--run", run]):
+        refused = _here(capsys, *command)
+        assert refused.returncode == 2 and "holds a CausalLM, not a translator" in refused.stderr, refused.stderr
     encoder = models.build_encoder(models.TransformerConfig(vocabulary_size=16, hidden_dim=8, num_heads=2,
                                                             intermediate_dim=8, num_encoder_layers=1))
     encoder.save_to_preset(str(tmp_path / "encoder"))

@@ -119,6 +119,22 @@ def test_nothing_to_translate_exits_0_and_writes_nothing(template, run, tmp_path
     assert "already translated" in capsys.readouterr().err and not os.path.exists(again)
 
 
+def test_bad_outputs_and_lengths_are_refused_before_translating(template, run, tmp_path, capsys):
+    """An `--out` that is a directory or in a missing one, and `--max-new-tokens 0`, exit 2 with one line naming
+    them, before any work (0 is not the default length)."""
+    (tmp_path / "folder").mkdir()
+    for argv, message in (
+        (["--po", template, "--out", str(tmp_path / "folder"), "--overwrite"], "Received a directory"),
+        (["--po", template, "--out", str(tmp_path / "missing" / "de.po")], "is not a writable directory"),
+        (["--po", template, "--out", str(tmp_path / "de.po"), "--max-new-tokens", "0"], "`max_new_tokens` must be"),
+        (["--max-new-tokens", "0", "open the file"], "`max_new_tokens` must be"),
+    ):
+        assert cli.main(["translate", "--run", run, *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1 and message in err, err
+    assert sorted(os.listdir(tmp_path)) == ["folder"]
+
+
 def test_existing_output_needs_overwrite(template, run, tmp_path, capsys):
     out = tmp_path / "de.po"
     out.write_text("keep me")

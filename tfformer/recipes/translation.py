@@ -254,6 +254,9 @@ def load_run(run_dir):
     if not os.path.exists(path):
         raise ValueError(f"No trained model in {run_dir!r} (expected {MODEL_FILE}); train one with `tfformer train`.")
     translator = models.from_preset(run_dir)
+    if not isinstance(translator, models.Seq2SeqTransformer):
+        raise ValueError(f"The run in {run_dir!r} holds a {type(translator).__name__}, not a translator (the "
+                         "Seq2SeqTransformer of `tfformer train translation`).")
     tokenizer = translator.require_preprocessor("translate")
     if data.UNK_ID in tokenizer.tokenize([placeholders.RESERVED_SYMBOLS[0]]).flat_values.numpy():
         # Translation masks placeholders; a model that never saw the masked pieces translates much worse.
@@ -367,9 +370,15 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
         beam_size: beam search (1: greedy); None decodes as the recipe's evaluation does (`BEAM_SIZE`).
     """
     out = os.fspath(out)
+    if os.path.isdir(out):
+        raise ValueError(f"`out` must be the path of a .po file to write. Received a directory: {out!r}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out!r} cannot be written: {folder!r} is not a writable directory.")
     if os.path.exists(out) and not overwrite:
         raise ValueError(f"{out}: the output file exists; pass --overwrite (overwrite=True) to replace it.")
     check_int("batch_size", batch_size)
+    check_int("max_new_tokens", max_new_tokens, allow_none=True)
     catalog = read_catalog(po)
     todo = catalog.untranslated_entries()
     if not todo:
@@ -388,7 +397,7 @@ def translate_catalog(run, po, out, overwrite=False, batch_size=32, max_new_toke
         catalog.metadata["Content-Transfer-Encoding"] = "8bit"
     if not catalog.metadata.get("Language") and target_language:
         catalog.metadata["Language"] = target_language
-    max_new_tokens = max_new_tokens or translator.config.max_sequence_length
+    max_new_tokens = translator.config.max_sequence_length if max_new_tokens is None else max_new_tokens
     beam_size = BEAM_SIZE if beam_size is None else beam_size
 
     texts = list(dict.fromkeys(t for e in todo for t in ([e.msgid, e.msgid_plural] if e.msgid_plural else [e.msgid])))
