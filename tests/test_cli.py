@@ -62,6 +62,12 @@ def _here(capsys, *args):
         (["train", "translation", "--data", "{empty}", "--out", "{tmp}/r"], "no source<TAB>target"),
         (["train", "translation", "--data", "{notab}", "--out", "{tmp}/r"], "notab.tsv:1: .*no tab"),
         (["chat", "--litertlm", "{tmp}/missing.litertlm", "--message", "x"], "must be a .litertlm file"),
+        (["export", "gpt-mini", "--format", "tflite", "--version", "3", "--out", "{tmp}/x"],
+         "--version is for --format saved_model. Received: --format tflite"),
+        (["export", "gpt-mini", "--quantize", "dynamic", "--out", "{tmp}/x"],
+         "--quantize is for --format litertlm or tflite. Received: --format saved_model"),
+        (["export", "gpt-mini", "--format", "all", "--kv-cache", "static", "--out", "{tmp}/x"], "--kv-cache is for"),
+        (["export", "gpt-mini", "--out", "{notab}"], "is not a writable directory \\(it is a file\\)"),
     ],
 )
 def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):

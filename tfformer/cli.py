@@ -163,7 +163,6 @@ def _export_speech(args, model):
               f"segment_start, segment_end, num_segments; `tfformer serve --model_name NAME --model_base_path "
               f"{args.out}`)")
     if args.format in ("tflite", "all"):
-        os.makedirs(args.out, exist_ok=True)
         path = export.tflite_decoder(model, os.path.join(args.out, "model.tflite"), max_length=args.max_length,
                                      quantize=args.quantize)
         print(f"TFLite: {path} (encoder + single-step decoder: tfformer.edge.Transcriber(path, tokenizer="
@@ -187,18 +186,27 @@ def _export_litertlm(args):
     return 0
 
 
+# The formats each `tfformer export` option is for: one given for another --format is refused, not ignored.
+EXPORT_OPTIONS = {"version": {"saved_model"}, "max_new_tokens": {"saved_model"}, "beam_size": {"saved_model"},
+                  "warmup_batch_sizes": {"saved_model"}, "sequence_length": {"tflite"}, "batch_size": {"tflite"},
+                  "max_length": {"tflite", "litertlm"}, "kv_cache": {"litertlm"}, "quantize": {"tflite", "litertlm"}}
+
+
 def _export(args):
     from tfformer import export, models
 
     litert_lm = args.format == "litertlm"
     tflite_quantize = ("dynamic", "float16", "gguf")
-    if args.kv_cache is not None and not litert_lm:
-        raise ValueError(f"--kv-cache is for --format litertlm. Received: --format {args.format}")
+    formats = {"saved_model", "tflite"} if args.format == "all" else {args.format}
+    for name, allowed in EXPORT_OPTIONS.items():
+        if getattr(args, name) is not None and not allowed & formats:
+            raise ValueError(f"--{name.replace('_', '-')} is for --format {' or '.join(sorted(allowed))}. Received: "
+                             f"--format {args.format}")
     if args.quantize is not None and (args.quantize in tflite_quantize) == litert_lm:
         allowed = ("none", "int8", "int4") if litert_lm else tflite_quantize
         raise ValueError(f"--quantize {args.quantize} is not for --format {args.format}; use one of {allowed}.")
+    _output_directory(args.out)
     if litert_lm:
-        os.makedirs(args.out, exist_ok=True)
         return _export_litertlm(args)
     # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
     model = models.from_preset(args.run)
@@ -211,7 +219,6 @@ def _export(args):
                                       warmup_batch_sizes=args.warmup_batch_sizes)
             print(f"SavedModel: {path}  (serving_default: text -> embedding; predict_ids: token_ids, padding_mask)")
         if args.format in ("tflite", "all"):
-            os.makedirs(args.out, exist_ok=True)
             ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize,
                                 sequence_length=args.sequence_length, batch_size=args.batch_size)
             print(f"TFLite: {ids} (token_ids, padding_mask -> embedding; tokenize on the host)")
@@ -228,7 +235,6 @@ def _export(args):
         print(f"SavedModel: {path}  (serve: docker run ... tensorflow/serving, or `tfformer serve "
               f"--model_name NAME --model_base_path {args.out}`)")
     if args.format in ("tflite", "all"):
-        os.makedirs(args.out, exist_ok=True)
         ids = export.tflite(model, os.path.join(args.out, "model.tflite"), quantize=args.quantize,
                             sequence_length=args.sequence_length, batch_size=args.batch_size)
         # A tokenizer with TF-Text TFLite ops goes into the file; a byte-pair one stays on the host (edge.Generator).
