@@ -227,3 +227,15 @@ def test_generator_refuses_files_of_the_older_layout(tmp_path):
     path.write_bytes(tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["decode_step"]).convert())
     with pytest.raises(ValueError, match="older layout .*write it again with tfformer.export.tflite_decoder"):
         edge.Generator(str(path))
+
+
+def test_edge_loops_name_a_path_that_is_not_a_tflite_file(tmp_path):
+    """A missing path, a directory and a file of another kind get errors that name it (LiteRT's own, "Failed to
+    build flatbuffer model", does not)."""
+    (tmp_path / "notes.tflite").write_text("not a model")
+    for cls in (edge.Generator, edge.Transcriber):
+        for path in (tmp_path / "missing.tflite", tmp_path):
+            with pytest.raises(FileNotFoundError, match=f"`path` must be a .tflite file. Received: path='{path}'"):
+                cls(str(path))
+        with pytest.raises(ValueError, match=f"`path` '{tmp_path / 'notes.tflite'}' is not a TFLite file LiteRT"):
+            cls(str(tmp_path / "notes.tflite"))

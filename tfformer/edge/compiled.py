@@ -52,7 +52,11 @@ _ENVIRONMENT = []  # the LiteRT environment every model shares, made once (its a
 
 
 def compiled_model(path, num_threads):
-    """`path` as a CPU `ai_edge_litert.compiled_model.CompiledModel` on `num_threads` threads (XNNPACK)."""
+    """`path` as a CPU `ai_edge_litert.compiled_model.CompiledModel` on `num_threads` threads (XNNPACK). A missing
+    `path` is a FileNotFoundError and a file LiteRT cannot load a ValueError, both naming it (LiteRT's own error
+    names neither)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise FileNotFoundError(f"`path` must be a .tflite file. Received: path={path!r}")
     import ai_edge_litert
     from ai_edge_litert.compiled_model import CompiledModel
     from ai_edge_litert.cpu_options import CpuOptions
@@ -63,8 +67,11 @@ def compiled_model(path, num_threads):
         if not _ENVIRONMENT:
             runtime = os.path.dirname(os.path.abspath(ai_edge_litert.__file__))
             _ENVIRONMENT.append(Environment.create(options=EnvironmentOptions(runtime_path=runtime)))
-        return CompiledModel.from_file(path, environment=_ENVIRONMENT[0],
-                                       options=Options(cpu_options=CpuOptions(num_threads=num_threads)))
+        try:
+            return CompiledModel.from_file(os.fspath(path), environment=_ENVIRONMENT[0],
+                                           options=Options(cpu_options=CpuOptions(num_threads=num_threads)))
+        except RuntimeError as error:
+            raise ValueError(f"`path` {os.fspath(path)!r} is not a TFLite file LiteRT can load: {error}") from None
 
 
 class Signature:
