@@ -184,6 +184,8 @@ def test_finetune_command_trains_adapters_and_saves_the_merged_preset(tmp_path, 
     for argv, message in [
         (["--run", base_dir, "--lora-rank", "-1", "--out", fresh], "`lora_rank` must be an integer >= 0"),
         (["--run", base_dir, "--steps", "0", "--out", fresh], "`steps` must be a positive integer"),
+        (["--run", base_dir, "--learning-rate", "-0.05", "--out", fresh], "`learning_rate` must be a number > 0"),
+        (["--run", base_dir, "--learning-rate", "0", "--out", fresh], "`learning_rate` must be a number > 0"),
         (["--preset", "transformer-tiny", "--steps", "1", "--out", fresh], "`preset` must be a causal LM with a "
                                                                            "tokenizer"),
         (["--run", base_dir, "--steps", "1", "--out", out], "already holds a preset"),  # before any training

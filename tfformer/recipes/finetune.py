@@ -3,7 +3,7 @@
 import keras
 
 from tfformer import data, models, training
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_number
 from tfformer.models.task import check_preset_target
 
 
@@ -24,6 +24,9 @@ def finetune_lm(out, preset="smollm2-135m-instruct", chat=None, text=None, lora_
                          f"Received: chat={chat!r}, text={text!r}")
     check_int("lora_rank", lora_rank, minimum=0, expected="an integer >= 0 (0: every weight trains)")
     check_int("steps", steps)
+    check_int("batch_size", batch_size)
+    check_int("sequence_length", sequence_length, minimum=2, expected="an integer >= 2 (a token and its next)")
+    check_number("learning_rate", learning_rate, above=0)  # a negative one climbs the loss, and saves that
     check_preset_target(out, overwrite)  # before the training, not after it
     strategy = training.get_strategy(replicas)
     with strategy.scope():
