@@ -335,6 +335,10 @@ def _serve(args):
 
     if bool(args.model_config_file) == bool(args.model_base_path):
         raise ValueError("Give --model_base_path (with --model_name) or --model_config_file.")
+    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--rest_api_port", args.rest_api_port, 0, 65535),
+                                   ("--rest_api_num_threads", args.rest_api_num_threads, 1, None)):
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{flag} must be an integer in [{low}, {high or 'inf'}]. Received: {flag} {value}")
     options = dict(
         model_name=args.model_name, model_base_path=args.model_base_path, model_config_file=args.model_config_file,
         host=args.host, port=args.port, rest_api_port=args.rest_api_port or None,

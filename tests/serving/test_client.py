@@ -118,3 +118,20 @@ def test_no_reply_is_a_status_on_both_transports(capsys):
                 assert raised.value.code == code, (scheme, raised.value)
             assert cli.main(["predict", "--server", f"{scheme}://127.0.0.1:{refused}", "--model", "text", "x"]) == 1
             assert capsys.readouterr().err.startswith("tfformer: error: UNAVAILABLE: ")
+            for timeout in ("0", "-1"):  # not a connection error, nor gRPC's "Timeout value out of range"
+                assert cli.main(["predict", "--server", f"{scheme}://127.0.0.1:{refused}", "--model", "text",
+                                 "--timeout", timeout, "x"]) == 2
+                assert "`timeout` must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_server_ports_and_workers_out_of_range_are_refused(tmp_path, capsys):
+    """A port outside [0, 65535] (socket libraries wrap 70000 to 4464) and no worker threads are refused by name,
+    before the server binds or loads anything, in Python and on the command line."""
+    for kwargs, message in (({"port": 70000}, "`port` must be a port in [0, 65535]"),
+                            ({"rest_api_port": -1}, "`rest_api_port` must be a port in [0, 65535]"),
+                            ({"num_workers": 0}, "`num_workers` must be a positive integer")):
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            serving.Server(model_name="m", model_base_path=str(tmp_path), **kwargs)
+    for flag, value in (("--port", "-5"), ("--rest_api_port", "70000"), ("--rest_api_num_threads", "0")):
+        assert cli.main(["serve", "--model_base_path", str(tmp_path), flag, value]) == 2
+        assert f"{flag} must be an integer in [" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import urllib.parse
 
 import numpy as np
 
+from tfformer.checks import check_number
 from tfformer.serving.status import CODE_FOR_HTTP_STATUS, Code, ServingError
 
 _JSON_DTYPES = {"DT_FLOAT": np.float32, "DT_DOUBLE": np.float64, "DT_INT32": np.int32, "DT_INT64": np.int64,
@@ -156,6 +157,7 @@ class Client:
     """
 
     def __init__(self, url, timeout=30.0):
+        check_number("timeout", timeout, above=0, expected="a number of seconds > 0")
         scheme = urllib.parse.urlsplit(url).scheme
         self.url = url
         self.timeout = timeout

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import uvicorn
 
+from tfformer.checks import check_int
 from tfformer.serving import batching, monitoring
 from tfformer.serving import config as config_lib
 from tfformer.serving.grpc_service import add_servicers
@@ -165,6 +166,11 @@ class Server:
                  max_num_load_retries=5, load_retry_interval_micros=60_000_000, enable_batching=False,
                  batching_parameters_file=None, batching_parameters=None, monitoring_config_file=None,
                  enable_model_warmup=True, num_request_iterations_for_warmup=0):
+        for name, value in (("port", port), ("rest_api_port", rest_api_port)):
+            check_int(name, value, minimum=0, maximum=65535, allow_none=True,
+                      expected="a port in [0, 65535] (0: a free one)")
+        check_int("num_workers", num_workers)
+        check_int("max_request_bytes", max_request_bytes)
         given = sum(item is not None for item in (model_base_path, model_config_file, config))
         if given != 1:
             raise ValueError("Give exactly one of `model_base_path` (with `model_name`), `model_config_file` or "
