@@ -61,6 +61,15 @@ def _here(capsys, *args):
         (["train", "translation", "--time-budget", "soon", "--data", "{tsv}", "--out", "{tmp}/r"], "time budget"),
         (["train", "translation", "--data", "{empty}", "--out", "{tmp}/r"], "no source<TAB>target"),
         (["train", "translation", "--data", "{notab}", "--out", "{tmp}/r"], "notab.tsv:1: .*no tab"),
+        (["train", "translation", "--set", "bogus=1", "--data", "{tsv}", "--out", "{tmp}/r"], "bogus"),
+        (["train", "translation", "--preset", "gpt-mini", "--data", "{tsv}", "--out", "{tmp}/r"],
+         "Translation needs a seq2seq preset"),
+        (["train", "translation", "--batch-size", "0", "--data", "{tsv}", "--out", "{tmp}/r"], "`batch_size` must"),
+        (["train", "translation", "--eval-every", "0", "--data", "{tsv}", "--out", "{tmp}/r"], "`eval_every` must"),
+        (["train", "lm", "--set", "batch_size=4", "--text", "{tsv}", "--out", "{tmp}/r"],
+         "give batch_size with --batch-size"),
+        (["train", "lm", "--preset", "transformer-tiny", "--text", "{tsv}", "--out", "{tmp}/r"],
+         "Language modelling needs a causal_lm preset"),
         (["chat", "--litertlm", "{tmp}/missing.litertlm", "--message", "x"], "must be a .litertlm file"),
         (["export", "gpt-mini", "--format", "tflite", "--version", "3", "--out", "{tmp}/x"],
          "--version is for --format saved_model. Received: --format tflite"),
@@ -80,6 +89,7 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):
     assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1
     import re
     assert re.search(message, err), err
+    assert not (tmp_path / "r").exists()  # refused before the run directory was written: a retry can use it
 
 
 def test_tensorflow_log_level_is_the_users_else_quiet_on_a_cpu_machine(tmp_path):

@@ -45,8 +45,11 @@ def _train(args):
     from tfformer.recipes import language_model, translation
 
     common = dict(time_budget=args.time_budget, overwrite=args.overwrite, replicas=args.replicas,
-                  mixed_precision=args.mixed_precision, batch_size=args.batch_size, eval_every=args.eval_every,
-                  **_overrides(args.set))
+                  mixed_precision=args.mixed_precision, batch_size=args.batch_size, eval_every=args.eval_every)
+    overrides = _overrides(args.set)
+    for name in sorted(set(overrides) & set(common)):  # the command's own options
+        raise ValueError(f"--set {name}=...: give {name} with --{name.replace('_', '-')} instead.")
+    common.update(overrides)
     if args.task == "translation":
         translation.train_translation(args.out, preset=args.preset or "transformer-tiny",
                                       target_language=args.target_language, data_file=args.data, **common)

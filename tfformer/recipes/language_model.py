@@ -64,8 +64,12 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     alone). `max_steps`: end this call's training after this many steps (None: the time budget alone).
     """
     check_int("max_steps", max_steps, allow_none=True)
+    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("eval_every", eval_every)):
+        check_int(name, value)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
+    # Refused before the run directory is written (a corrected retry would find a run there).
+    rundir.check_preset(preset, "causal_lm", "Language modelling", vocabulary_size, sequence_length, overrides)
 
     def default_for(replica_count):
         tokens_per_replica = batch_size // replica_count * sequence_length
@@ -89,8 +93,6 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
             + f"; vocabulary {tokenizer.vocabulary_size}")
     config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
                                max_sequence_length=max(sequence_length, 64), **overrides)
-    if config.architecture != "causal_lm":
-        raise ValueError(f"Language modelling needs a causal_lm preset; {preset!r} is {config.architecture!r}.")
     rundir.write_json(os.path.join(out, CONFIG_FILE), config.to_dict())
     train_ds = data.make_lm_dataset(splits["train"], tokenizer, sequence_length, batch_size, seed=seed)
     val_ds = data.make_lm_dataset(splits["validation"] or splits["train"][:50], tokenizer, sequence_length,

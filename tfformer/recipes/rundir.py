@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+from tfformer import models
 from tfformer.files import write_json  # noqa: F401 (the recipes' rundir.write_json)
 
 FINISHED_MARKER = "metrics.json"
@@ -44,6 +45,15 @@ def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
     keras.utils.set_random_seed(seed)
     dtype = keras.DTypePolicy(training.mixed_precision_policy() if mixed_precision else "float32")
     return state, strategy, dtype
+
+
+def check_preset(preset, architecture, task, vocabulary_size, length, overrides):
+    """A ValueError unless `preset` with `overrides` is a valid config of `architecture`, before a run begins (the
+    run's own vocabulary size comes later, from its tokenizer)."""
+    config = models.get_preset(preset, vocabulary_size=vocabulary_size, max_sequence_length=max(length, 64),
+                               **overrides)
+    if config.architecture != architecture:
+        raise ValueError(f"{task} needs a {architecture} preset; {preset!r} is {config.architecture!r}.")
 
 
 def read_json(path):

@@ -190,10 +190,14 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     """
     check_int("max_steps", max_steps, allow_none=True)
     check_int("average_last", average_last, minimum=0)
+    for name, value in (("batch_size", batch_size), ("max_length", max_length), ("eval_every", eval_every)):
+        check_int(name, value)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
-    state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
+    # Everything that can be refused is, before the run directory is written (a corrected retry would find a run).
+    rundir.check_preset(preset, "seq2seq", "Translation", vocabulary_size, max_length, overrides)
     splits = load_pairs(target_language, data_file)
+    state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     # The model learns on masked text (placeholders as reserved pieces it copies); BLEU is measured on the
     # restored translations of the raw test sources.
     splits = {name: pairs if name == "test" else mask_pairs(pairs) for name, pairs in splits.items()}
@@ -205,8 +209,6 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
 
     config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
                                max_sequence_length=max(max_length, 64), **overrides)
-    if config.architecture != "seq2seq":
-        raise ValueError(f"Translation needs a seq2seq preset; {preset!r} is {config.architecture!r}.")
     rundir.write_json(os.path.join(out, CONFIG_FILE), config.to_dict())
     rundir.write_json(os.path.join(out, RUN_FILE), dict(preset=preset, target_language=target_language,
                                                         data_file=data_file, max_length=max_length, seed=seed))
