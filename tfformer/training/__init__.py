@@ -8,7 +8,7 @@ from tfformer.training.metrics import (MaskedAccuracy, Perplexity, TokenStatisti
                                        word_error_rate)
 from tfformer.training.optimizers import FusedAdam, FusedAdamW
 from tfformer.training.schedules import TransformerSchedule, WarmupCosine, transformer_optimizer
-from tfformer.training.strategy import configure_cpu_threads, get_strategy, mixed_precision_policy
+from tfformer.training.strategy import configure_cpu_threads, evenly_split, get_strategy, mixed_precision_policy
 
 __all__ = [
     "AtomicBackupAndRestore",
@@ -28,6 +28,7 @@ __all__ = [
     "TransformerSchedule",
     "WarmupCosine",
     "configure_cpu_threads",
+    "evenly_split",
     "corpus_bleu",
     "normalize_transcript",
     "word_error_rate",

@@ -5,8 +5,9 @@ import time
 
 import keras
 
-from tfformer.checks import is_number
+from tfformer.checks import check_int, is_number
 from tfformer.files import atomic_path, write_atomic
+from tfformer.training.strategy import evenly_split
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -68,6 +69,7 @@ class EvaluateEvery(keras.callbacks.Callback):
 
     def __init__(self, validation_data, every=200, steps=None, printer=print):
         super().__init__()
+        check_int("every", every)
         self.validation_data = validation_data
         self.every = every
         self.steps = steps
@@ -89,6 +91,7 @@ class EvaluateEvery(keras.callbacks.Callback):
             self._evaluate(logs)
 
     def _evaluate(self, logs):
+        self.validation_data = evenly_split(self.validation_data, self.model.distribute_strategy)  # once: then even
         val = self.model.evaluate(self.validation_data, steps=self.steps, verbose=0, return_dict=True)
         row = {"step": self._step, "seconds": round(time.monotonic() - self._start, 1)}
         row.update({k: float(v) for k, v in (logs or {}).items()})

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfformer import compat
 from tfformer.training.callbacks import AtomicBackupAndRestore, TimeBudget
+from tfformer.training.strategy import evenly_split
 
 
 def default_callbacks(run_dir=None, time_budget=None, early_stopping_patience=None, backup_every=None, chief=True):
@@ -57,6 +58,7 @@ def fit(model, train_data, validation_data=None, epochs=1, steps_per_epoch=None,
     if not _is_multi_worker(strategy):
         # Keras can't shuffle a tf.data.Dataset (the pipeline does) and warns on every fit if asked to, as by default.
         shuffle = not isinstance(train_data, tf.data.Dataset)
+        validation_data = evenly_split(validation_data, strategy)
         history = model.fit(train_data, validation_data=validation_data, epochs=epochs, shuffle=shuffle,
                             steps_per_epoch=steps_per_epoch, callbacks=all_callbacks, verbose=verbose)
         return history.history

@@ -92,3 +92,30 @@ def configure_cpu_threads(micro_batches, replicas=1):
 def mixed_precision_policy():
     """`mixed_float16` on GPU (with loss scaling by Keras), `mixed_bfloat16` on CPU."""
     return "mixed_float16" if tf.config.list_physical_devices("GPU") else "mixed_bfloat16"
+
+
+def evenly_split(dataset, strategy):
+    """A batched `dataset` whose first batch `strategy`'s replicas split evenly. Keras 3.15's `fit` and `evaluate`
+    under `MirroredStrategy` reduce the first batch across the replicas before they run (`_maybe_symbolic_build`),
+    which fails ("Inputs to operation AddN ... must have the same size") when replicas get different numbers of
+    rows: a validation split of 3 rows on 2 replicas, a length bucket of 1 row first, a batch of 7. Such a dataset
+    is rebatched in batches of a multiple of the replica count (the largest within its first batch, at least the
+    count; padded as a padded batch is, with zeros; every row kept); any other input is returned as it is. A
+    dataset that still cannot give every replica a row is a ValueError."""
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1 or not isinstance(dataset, tf.data.Dataset):
+        return dataset
+
+    def first_rows(data):
+        first = next(iter(data.take(1)), None)
+        return None if first is None else int(tf.shape(tf.nest.flatten(first)[0])[0])
+
+    rows = first_rows(dataset)
+    if rows is None or rows % replicas == 0:
+        return dataset
+    dataset = dataset.unbatch().padded_batch(max(replicas, rows - rows % replicas))
+    rows = first_rows(dataset)
+    if rows % replicas:
+        raise ValueError(f"The dataset holds {rows} row(s), fewer than the {replicas} replicas that each need one: "
+                         "give more validation data or fewer replicas.")
+    return dataset
