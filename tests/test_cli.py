@@ -304,6 +304,8 @@ def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
     assert generated.returncode == 0, generated.stderr
     expected = lm.generate(prompts, max_new_tokens=6, jit_compile=False)
     assert all(expected) and generated.stdout == "".join(f"{text}\n" for text in expected)
+    with pytest.raises(ValueError, match="`prompt` must be one string: `stream` continues one prompt"):
+        next(lm.stream(prompts))  # was "too many values to unpack"
     chatted = _here(capsys, "chat", "--run", run, "--message", "open the file", "--max-new-tokens", "6")
     assert chatted.returncode == 0, chatted.stderr
     assert chatted.stdout == lm.chat([{"role": "user", "content": "open the file"}], max_new_tokens=6,

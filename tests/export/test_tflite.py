@@ -62,6 +62,9 @@ def test_static_shape_tflite_matches_keras_without_shape_ops(tmp_path, rng, arch
         assert not ops & {"SHAPE", "PACK", "REDUCE_PROD"}, ops  # (GATHER stays: the embedding lookup)
     with pytest.raises(ValueError, match="batch_size"):
         export.tflite(model, str(tmp_path / "x.tflite"), batch_size=0)
+    limit = model.config.max_sequence_length
+    with pytest.raises(ValueError, match=rf"`sequence_length` must be an integer in \[1, {limit}\] \(the model's"):
+        export.tflite(model, str(tmp_path / "x.tflite"), sequence_length=limit + 1)  # not Keras' error from inside
 
 @pytest.fixture(scope="module")
 def trained_lm():
@@ -123,6 +126,9 @@ def test_edge_generator_equals_cached_keras_decoding(tmp_path, causal_lm, seq2se
         gen.translate([5, 6, 7])
     with pytest.raises(ValueError, match="`source_ids` is required for a seq2seq file and refused"):
         gen.next_logits([5], source_ids=[4])
+    for ids, shape in (([5.7, 6.0], r"shape \(2,\), dtype float64"), ([[5, 6, 7]], r"shape \(1, 3\), dtype int")):
+        with pytest.raises(ValueError, match=r"`prompt_ids` must be one sequence of integer token ids.*" + shape):
+            gen.generate(ids)  # not silently 5, nor a TypeError from deep inside
 
     s2s_path = export.tflite_decoder(seq2seq, str(tmp_path / "s2s.tflite"), max_length=16, source_length=12,
                                      tokenizer=tokenizer)

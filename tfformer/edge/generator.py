@@ -101,6 +101,10 @@ class Generator:
     def _check(self, ids, limit, what, max_new_tokens=None):
         if max_new_tokens is not None:
             check_int("max_new_tokens", max_new_tokens, numpy=True)
+        array = np.asarray(ids)
+        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise ValueError(f"{what} must be one sequence of integer token ids, shape (n,). Received: shape "
+                             f"{array.shape}, dtype {array.dtype}")
         if not len(ids):
             raise ValueError(f"{what} is empty.")
         if len(ids) > limit:

@@ -110,7 +110,9 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
     """
     if quantize not in QUANTIZE + ("gguf",):
         raise ValueError(f"`quantize` must be one of {QUANTIZE + ('gguf',)}. Received: quantize={quantize!r}")
-    check_int("sequence_length", sequence_length, allow_none=True)
+    limit = getattr(getattr(model, "config", None), "max_sequence_length", None)
+    check_int("sequence_length", sequence_length, allow_none=True, maximum=limit,
+              expected=None if limit is None else f"an integer in [1, {limit}] (the model's max_sequence_length)")
     check_int("batch_size", batch_size, allow_none=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()

@@ -127,7 +127,11 @@ class CausalLM(base.TransformerModel):
         `decode_step` in one pass, then one compiled step per token on the key/value cache. A piece is yielded when
         its bytes form whole characters; generation stops at the end token or after `max_new_tokens`.
         """
-        (prompt,), _ = task.as_texts([prompt] if isinstance(prompt, str) else prompt, "prompt")
+        prompts, _ = task.as_texts([prompt] if isinstance(prompt, str) else prompt, "prompt")
+        if len(prompts) != 1:
+            raise ValueError(f"`prompt` must be one string: `stream` continues one prompt (`generate` takes several). "
+                             f"Received {len(prompts)} prompts.")
+        (prompt,) = prompts
         sampler = generation.samplers.get(sampler)
         ids = self.tokenize([prompt])  # (1, L)
         length = ids.shape[1]
