@@ -1,7 +1,8 @@
 """Files written whole or not at all; this module imports nothing from tfformer.
 
-A file is written under a temporary name beside it, then `os.replace` swaps it in: a reader never sees half a file,
-and a crash leaves the old file (or none) and a stray `.tmp-<pid>-<name>`.
+A file is written under a temporary name beside it, then `os.replace` swaps it in: a reader never sees half a file.
+A write that fails leaves the old file (or none) and removes its temporary; a killed process leaves the old file and a
+stray `.tmp-<pid>-<name>`.
 """
 
 import contextlib
@@ -12,11 +13,16 @@ import os
 @contextlib.contextmanager
 def atomic_path(path):
     """A temporary path to write instead of `path` (same directory and extension), moved onto `path` when the block
-    ends without an error."""
+    ends without an error; removed when the block or the move fails (`path` is then as it was)."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".tmp-{os.getpid()}-{name}")
-    yield tmp
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_atomic(path, content):
