@@ -68,6 +68,7 @@ def _here(capsys, *args):
         (["train", "translation", "--eval-every", "0", "--data", "{tsv}", "--out", "{tmp}/r"], "`eval_every` must"),
         (["train", "lm", "--set", "batch_size=4", "--text", "{tsv}", "--out", "{tmp}/r"],
          "give batch_size with --batch-size"),
+        (["train", "translation", "--set", "data_file=x.tsv", "--out", "{tmp}/r"], "give data_file with --data"),
         (["train", "lm", "--preset", "transformer-tiny", "--text", "{tsv}", "--out", "{tmp}/r"],
          "Language modelling needs a causal_lm preset"),
         (["chat", "--litertlm", "{tmp}/missing.litertlm", "--message", "x"], "must be a .litertlm file"),
@@ -89,7 +90,8 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys, argv, message):
     assert err.startswith("tfformer: error:") and len(err.splitlines()) == 1
     import re
     assert re.search(message, err), err
-    assert not (tmp_path / "r").exists()  # refused before the run directory was written: a retry can use it
+    # Refused before anything was written (a run directory, an export's --out): a corrected retry can use them.
+    assert sorted(os.listdir(tmp_path)) == ["empty.tsv", "notab.tsv", "ok.tsv"]
 
 
 def test_tensorflow_log_level_is_the_users_else_quiet_on_a_cpu_machine(tmp_path):
@@ -192,6 +194,13 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert cli.main(["train", "translation", "--data", _tsv(tmp_path / "d.tsv", 20), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert (out / "precious.txt").read_text() == "keep me"
+    # --overwrite replaces a run only once the command's options are good: a bad one keeps it.
+    for argv, message in ((["translation", "--data", str(tmp_path / "d.tsv"), "--replicas", "0"], "`replicas`"),
+                          (["lm", "--text", str(tmp_path / "missing.txt")], "does not exist"),
+                          (["lm", "--text", str(tmp_path / "d.tsv"), "--set", "bogus=1"], "bogus")):
+        assert cli.main(["train", *argv, "--out", str(out), "--overwrite"]) == 2
+        assert message in capsys.readouterr().err
+        assert (out / "precious.txt").read_text() == "keep me"
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +314,9 @@ def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
     expected = lm.generate(prompts, max_new_tokens=6, jit_compile=False)
     assert all(expected) and generated.stdout == "".join(f"{text}\n" for text in expected)
     with pytest.raises(ValueError, match="`prompt` must be one string: `stream` continues one prompt"):
-        next(lm.stream(prompts))  # was "too many values to unpack"
+        lm.stream(prompts)  # checked when called; was "too many values to unpack" at the first piece
+    refused = _here(capsys, "generate", "--run", run, "--max-new-tokens", "6", "open the", " ")
+    assert refused.returncode == 2 and refused.stdout == "" and "whitespace-only" in refused.stderr  # no part-output
     chatted = _here(capsys, "chat", "--run", run, "--message", "open the file", "--max-new-tokens", "6")
     assert chatted.returncode == 0, chatted.stderr
     assert chatted.stdout == lm.chat([{"role": "user", "content": "open the file"}], max_new_tokens=6,

@@ -85,7 +85,7 @@ def test_a_preset_that_is_not_speech_to_text_exits_2(capsys):
     assert "`--preset` must be a speech-to-text preset such as 'whisper-tiny-en'" in capsys.readouterr().err
 
 
-def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):
+def test_export_whisper_refuses_token_shapes(tmp_path, capsys, monkeypatch):
     """--sequence-length and --batch-size shape text models' token ids; a Whisper export says so (exit 2)."""
     from tfformer import models
 
@@ -95,9 +95,11 @@ def test_export_whisper_refuses_token_shapes(capsys, monkeypatch):
     monkeypatch.setattr(models, "WhisperModel", Whisper)
     monkeypatch.setattr(models, "from_preset", lambda name: Whisper())
     for option in ("--sequence-length", "--batch-size"):
-        assert cli.main(["export", "whisper-tiny-en", "--format", "tflite", "--out", "unused", option, "1"]) == 2
+        assert cli.main(["export", "whisper-tiny-en", "--format", "tflite", "--out", str(tmp_path / "unused"),
+                         option, "1"]) == 2
         err = capsys.readouterr().err
         assert f"{option} fixes model.tflite's token ids; a Whisper TFLite file takes one 30-second window" in err
+    assert not (tmp_path / "unused").exists()  # nothing made for a refused export
 
 
 @needs_wheel

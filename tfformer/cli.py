@@ -47,8 +47,12 @@ def _train(args):
     common = dict(time_budget=args.time_budget, overwrite=args.overwrite, replicas=args.replicas,
                   mixed_precision=args.mixed_precision, batch_size=args.batch_size, eval_every=args.eval_every)
     overrides = _overrides(args.set)
-    for name in sorted(set(overrides) & set(common)):  # the command's own options
-        raise ValueError(f"--set {name}=...: give {name} with --{name.replace('_', '-')} instead.")
+    # The command's own options, which go to the recipe by these names too.
+    own = {**{name: f"--{name.replace('_', '-')}" for name in common}, "out": "--out", "preset": "--preset",
+           "target_language": "--target-language", "data_file": "--data", "text_files": "--text",
+           "cpu_threads": "the command (it sets it)"}
+    for name in sorted(set(overrides) & set(own)):
+        raise ValueError(f"--set {name}=...: give {name} with {own[name]} instead.")
     common.update(overrides)
     if args.task == "translation":
         translation.train_translation(args.out, preset=args.preset or "transformer-tiny",
@@ -108,8 +112,9 @@ def _generate(args):
     lm = _causal_lm(args)
     # One prompt at a time, streamed: `stream`'s step is traced once, where `generate`'s XLA loop compiles first
     # (SmolLM2-135M-Instruct, 8 new tokens: 8.5 s against 35 s before any text; AMD EPYC Zen 3).
-    for prompt in args.prompts:
-        for piece in lm.stream(prompt, max_new_tokens=args.max_new_tokens):
+    streams = [lm.stream(prompt, max_new_tokens=args.max_new_tokens) for prompt in args.prompts]  # all checked
+    for pieces in streams:
+        for piece in pieces:
             print(piece, end="", flush=True)
         print(flush=True)
     return 0
@@ -159,6 +164,7 @@ def _export_speech(args, model):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} fixes model.tflite's token ids; a Whisper TFLite file "
                              "takes one 30-second window of log-mel frames (batch 1): leave it out.")
+    _output_directory(args.out)
     if args.format in ("saved_model", "all"):
         path = export.saved_model(model, args.out, version=args.version, max_new_tokens=args.max_new_tokens,
                                   beam_size=args.beam_size, warmup_batch_sizes=args.warmup_batch_sizes)
@@ -181,6 +187,7 @@ def _export_litertlm(args):
 
     held = [models.from_preset(args.run)]
     quantize, kv_cache = args.quantize or default_quantize(held[0]), args.kv_cache or "dynamic"
+    _output_directory(args.out)
     # `held.pop` hands the model over: the export drops it before the converter runs (`export.litertlm`).
     path = export.litertlm(held.pop, os.path.join(args.out, "model.litertlm"), quantize=quantize,
                            context_length=args.max_length, kv_cache=kv_cache)
@@ -208,13 +215,14 @@ def _export(args):
     if args.quantize is not None and (args.quantize in tflite_quantize) == litert_lm:
         allowed = ("none", "int8", "int4") if litert_lm else tflite_quantize
         raise ValueError(f"--quantize {args.quantize} is not for --format {args.format}; use one of {allowed}.")
-    _output_directory(args.out)
+    _output_directory(args.out, make=False)  # made once the model has loaded and the options passed
     if litert_lm:
         return _export_litertlm(args)
     # A run directory or a pretrained preset, e.g. all-minilm-l6-v2 or whisper-tiny-en.
     model = models.from_preset(args.run)
     if isinstance(model, models.WhisperModel):  # speech in, text out
         return _export_speech(args, model)
+    _output_directory(args.out)
     tokenizer = model.preprocessor
     if isinstance(model, models.SentenceEncoder):  # text -> embedding; no decoder
         if args.format in ("saved_model", "all"):
@@ -377,10 +385,16 @@ def _serving_predict(args):
     return 0
 
 
-def _output_directory(out):
-    """`--out` made if needed and checked writable, before the model loads."""
+def _output_directory(out, make=True):
+    """`--out` made if needed and checked writable, before the model loads; with `make=False` only checked: a file
+    is refused, and a directory still to be made needs a writable parent."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"`--out` {out!r} is not a writable directory (it is a file).")
+    if not make:
+        parent = next(p for p in _parents(os.path.abspath(out)) if os.path.exists(p))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"`--out` {out!r} cannot be made: {parent!r} is not a writable directory.")
+        return out
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as error:
@@ -457,6 +471,16 @@ def _transcribe(args):
     for path, text in zip(args.files, texts):
         print(f"{path}\t{' '.join(text.split())}")  # one line per file, whatever whitespace the text holds
     return 0
+
+
+def _parents(path):
+    """`path` and the directories above it, nearest first."""
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 _OneOf = collections.namedtuple("_OneOf", "arguments required")

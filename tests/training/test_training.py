@@ -413,7 +413,7 @@ def test_mirrored_fit_and_evaluate_take_a_validation_set_smaller_than_a_batch():
     from tests.harness import run_in_fresh_interpreter
 
     out = run_in_fresh_interpreter(EVENLY_SPLIT)
-    assert out["raw"].startswith("Inputs to operation AddN") or "AddN" in out["raw"], out["raw"]  # Keras' own bug
+    assert out["raw"] == "ran" or "AddN" in out["raw"], out["raw"]  # Keras 3.15's own failure, or a fixed Keras
     assert out["sizes"] == [2, 1]
     assert len(out["val_loss"]) == 1
     np.testing.assert_allclose([out["evaluated"], out["every"]], out["expected"], rtol=1e-5)

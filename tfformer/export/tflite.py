@@ -110,9 +110,11 @@ def tflite(model, path, quantize=None, representative_data=None, sequence_length
     """
     if quantize not in QUANTIZE + ("gguf",):
         raise ValueError(f"`quantize` must be one of {QUANTIZE + ('gguf',)}. Received: quantize={quantize!r}")
-    limit = getattr(getattr(model, "config", None), "max_sequence_length", None)
+    config = getattr(model, "config", None)
+    # Learned positions end at max_sequence_length (sinusoidal and rotary ones go on).
+    limit = config.max_sequence_length if getattr(config, "position", None) == "learned" else None
     check_int("sequence_length", sequence_length, allow_none=True, maximum=limit,
-              expected=None if limit is None else f"an integer in [1, {limit}] (the model's max_sequence_length)")
+              expected=None if limit is None else f"an integer in [1, {limit}] (the model's learned positions)")
     check_int("batch_size", batch_size, allow_none=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = keras.export.ExportArchive()

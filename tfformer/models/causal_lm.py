@@ -125,7 +125,8 @@ class CausalLM(base.TransformerModel):
 
         The same tokens as `generate(prompt, jit_compile=False)` with the same sampler: the prompt goes through
         `decode_step` in one pass, then one compiled step per token on the key/value cache. A piece is yielded when
-        its bytes form whole characters; generation stops at the end token or after `max_new_tokens`.
+        its bytes form whole characters; generation stops at the end token or after `max_new_tokens`. The arguments
+        are checked when it is called, before the first piece is asked for.
         """
         prompts, _ = task.as_texts([prompt] if isinstance(prompt, str) else prompt, "prompt")
         if len(prompts) != 1:
@@ -140,6 +141,11 @@ class CausalLM(base.TransformerModel):
             raise ValueError(f"Prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_sequence_length={self.config.max_sequence_length}; shorten the prompt or ask for "
                              "fewer tokens.")
+        return self._pieces(ids, max_new_tokens, sampler)
+
+    def _pieces(self, ids, max_new_tokens, sampler):
+        """`stream`'s generator of text pieces for the prompt ids `(1, L)`."""
+        length = ids.shape[1]
         step = self._stream_step()
         cache = self.empty_cache(1, length + max_new_tokens, self.compute_dtype)  # (L, 1, 2, K, T, H)
         logits, cache = step(ids, cache, tf.constant(0))  # (1, L, V): the whole prompt

@@ -66,10 +66,12 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     check_int("max_steps", max_steps, allow_none=True)
     for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("eval_every", eval_every)):
         check_int(name, value)
+    check_int("replicas", replicas, allow_none=True)  # before `begin`, whose overwrite deletes a finished run
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     # Refused before the run directory is written (a corrected retry would find a run there).
     rundir.check_preset(preset, "causal_lm", "Language modelling", vocabulary_size, sequence_length, overrides)
+    lines = data.text_corpus(text_files)
 
     def default_for(replica_count):
         tokens_per_replica = batch_size // replica_count * sequence_length
@@ -81,7 +83,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
         training.configure_cpu_threads(micro_batches, replicas=replicas or 1)
     state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     splits = {"train": [], "validation": [], "test": []}
-    for line in data.text_corpus(text_files):
+    for line in lines:
         splits[data.split_of(line)].append(line)
     tokenizer_path = os.path.join(out, TOKENIZER_FILE)
     if state == "resume" and os.path.exists(tokenizer_path):

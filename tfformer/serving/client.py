@@ -15,6 +15,7 @@ Serving's status code and message.
 import base64
 import http.client
 import json
+import socket
 import threading
 import urllib.parse
 
@@ -120,7 +121,9 @@ class _RestTransport:
                     raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from error
                 if attempt or not isinstance(error, (ConnectionError, http.client.BadStatusLine,
                                                      http.client.CannotSendRequest)):
-                    raise ServingError(Code.UNAVAILABLE, f"failed to connect to {self.host}:{self.port}: "
+                    unreached = isinstance(error, (ConnectionRefusedError, socket.gaierror))
+                    raise ServingError(Code.UNAVAILABLE, f"{'failed to connect to' if unreached else 'no reply from'} "
+                                                         f"{self.host}:{self.port}: "
                                                          f"{getattr(error, 'strerror', None) or error}") from error
         if response.status == 200:
             return _json_loads(data)
