@@ -64,9 +64,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     alone). `max_steps`: end this call's training after this many steps (None: the time budget alone).
     """
     check_int("max_steps", max_steps, allow_none=True)
-    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("eval_every", eval_every)):
-        check_int(name, value)
-    check_int("replicas", replicas, allow_none=True)  # before `begin`, whose overwrite deletes a finished run
+    # Before `begin`, whose overwrite deletes a finished run.
+    rundir.check_options(replicas, batch_size=batch_size, sequence_length=sequence_length, eval_every=eval_every)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     # Refused before the run directory is written (a corrected retry would find a run there).

@@ -5,6 +5,7 @@ import os
 import shutil
 
 from tfformer import models
+from tfformer.checks import check_int
 from tfformer.files import write_json  # noqa: F401 (the recipes' rundir.write_json)
 
 FINISHED_MARKER = "metrics.json"
@@ -45,6 +46,14 @@ def begin(out, overwrite=False, replicas=None, mixed_precision=False, seed=0):
     keras.utils.set_random_seed(seed)
     dtype = keras.DTypePolicy(training.mixed_precision_policy() if mixed_precision else "float32")
     return state, strategy, dtype
+
+
+def check_options(replicas, **positive):
+    """A ValueError naming the first bad one of a recipe's options, before its run begins: `replicas` a positive
+    integer or None, each of `positive` a positive integer."""
+    check_int("replicas", replicas, allow_none=True)
+    for name, value in positive.items():
+        check_int(name, value)
 
 
 def check_preset(preset, architecture, task, vocabulary_size, length, overrides):

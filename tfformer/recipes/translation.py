@@ -190,9 +190,8 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     """
     check_int("max_steps", max_steps, allow_none=True)
     check_int("average_last", average_last, minimum=0)
-    for name, value in (("batch_size", batch_size), ("max_length", max_length), ("eval_every", eval_every)):
-        check_int(name, value)
-    check_int("replicas", replicas, allow_none=True)  # before `begin`, whose overwrite deletes a finished run
+    # Before `begin`, whose overwrite deletes a finished run.
+    rundir.check_options(replicas, batch_size=batch_size, max_length=max_length, eval_every=eval_every)
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     # Everything that can be refused is, before the run directory is written (a corrected retry would find a run).
