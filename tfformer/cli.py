@@ -261,10 +261,11 @@ def _evaluate(args):
     from tfformer.recipes import rundir, translation
 
     translator = translation.load_run(args.run)
-    if not os.path.exists(os.path.join(args.run, translation.RUN_FILE)):
+    run_file = os.path.join(args.run, translation.RUN_FILE)
+    if not os.path.exists(run_file):
         raise ValueError(f"--run {args.run} has no {translation.RUN_FILE}: `tfformer evaluate` scores a run of "
                          "`tfformer train translation` on its own data's split.")
-    run = rundir.read_json(os.path.join(args.run, translation.RUN_FILE))
+    run = rundir.read_json(run_file)
     splits = translation.load_pairs(run["target_language"], run["data_file"])
     pairs = translation.filter_by_length(splits[args.split], translator.preprocessor, run["max_length"])
     bleu, _ = translation.evaluate_bleu(translator, pairs, max_new_tokens=run["max_length"])
@@ -391,7 +392,9 @@ def _output_directory(out, make=True):
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"`--out` {out!r} is not a writable directory (it is a file).")
     if not make:
-        parent = next(p for p in _parents(os.path.abspath(out)) if os.path.exists(p))
+        parent = os.path.abspath(out)
+        while not os.path.exists(parent):  # the nearest directory that exists: makedirs makes the rest in it
+            parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             raise ValueError(f"`--out` {out!r} cannot be made: {parent!r} is not a writable directory.")
         return out
@@ -471,16 +474,6 @@ def _transcribe(args):
     for path, text in zip(args.files, texts):
         print(f"{path}\t{' '.join(text.split())}")  # one line per file, whatever whitespace the text holds
     return 0
-
-
-def _parents(path):
-    """`path` and the directories above it, nearest first."""
-    while True:
-        yield path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
 
 
 _OneOf = collections.namedtuple("_OneOf", "arguments required")

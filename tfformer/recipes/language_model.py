@@ -69,7 +69,8 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     # Refused before the run directory is written (a corrected retry would find a run there).
-    rundir.check_preset(preset, "causal_lm", "Language modelling", vocabulary_size, sequence_length, overrides)
+    config = rundir.preset_config(preset, "causal_lm", "Language modelling", vocabulary_size, sequence_length,
+                                  overrides)
     lines = data.text_corpus(text_files)
 
     def default_for(replica_count):
@@ -92,8 +93,7 @@ def train_lm(out, preset="gpt-mini", text_files=None, time_budget="10m", batch_s
         tokenizer.save(tokenizer_path)
     printer("lines: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
             + f"; vocabulary {tokenizer.vocabulary_size}")
-    config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
-                               max_sequence_length=max(sequence_length, 64), **overrides)
+    config = config.replace(vocabulary_size=tokenizer.vocabulary_size)
     rundir.write_json(os.path.join(out, CONFIG_FILE), config.to_dict())
     train_ds = data.make_lm_dataset(splits["train"], tokenizer, sequence_length, batch_size, seed=seed)
     val_ds = data.make_lm_dataset(splits["validation"] or splits["train"][:50], tokenizer, sequence_length,

@@ -56,13 +56,15 @@ def check_options(replicas, **positive):
         check_int(name, value)
 
 
-def check_preset(preset, architecture, task, vocabulary_size, length, overrides):
-    """A ValueError unless `preset` with `overrides` is a valid config of `architecture`, before a run begins (the
-    run's own vocabulary size comes later, from its tokenizer)."""
+def preset_config(preset, architecture, task, vocabulary_size, length, overrides):
+    """The run's config: `preset` with `overrides`, at least 64 positions and `vocabulary_size` (until the run's
+    tokenizer gives its own); a ValueError unless it is a valid config of `architecture`. Made before a run
+    begins, so that a bad one writes nothing."""
     config = models.get_preset(preset, vocabulary_size=vocabulary_size, max_sequence_length=max(length, 64),
                                **overrides)
     if config.architecture != architecture:
         raise ValueError(f"{task} needs a {architecture} preset; {preset!r} is {config.architecture!r}.")
+    return config
 
 
 def read_json(path):

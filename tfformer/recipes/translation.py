@@ -195,7 +195,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     budget = training.parse_duration(time_budget)
     start = time.monotonic()
     # Everything that can be refused is, before the run directory is written (a corrected retry would find a run).
-    rundir.check_preset(preset, "seq2seq", "Translation", vocabulary_size, max_length, overrides)
+    config = rundir.preset_config(preset, "seq2seq", "Translation", vocabulary_size, max_length, overrides)
     splits = load_pairs(target_language, data_file)
     state, strategy, dtype = rundir.begin(out, overwrite, replicas, mixed_precision, seed)
     # The model learns on masked text (placeholders as reserved pieces it copies); BLEU is measured on the
@@ -207,8 +207,7 @@ def train_translation(out, preset="transformer-tiny", target_language="de", data
     splits = {name: filter_by_length(pairs, tokenizer, max_length) for name, pairs in splits.items()}
     printer(f"pairs that fit in {max_length} tokens: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
 
-    config = models.get_preset(preset, vocabulary_size=tokenizer.vocabulary_size,
-                               max_sequence_length=max(max_length, 64), **overrides)
+    config = config.replace(vocabulary_size=tokenizer.vocabulary_size)
     rundir.write_json(os.path.join(out, CONFIG_FILE), config.to_dict())
     rundir.write_json(os.path.join(out, RUN_FILE), dict(preset=preset, target_language=target_language,
                                                         data_file=data_file, max_length=max_length, seed=seed))

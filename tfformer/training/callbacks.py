@@ -77,10 +77,10 @@ class EvaluateEvery(keras.callbacks.Callback):
         self.rows = []
         self._step = 0
         self._start = None
-        self._split = False  # `validation_data` checked for the model's replicas (`evenly_split`)
 
     def on_train_begin(self, logs=None):
         self._start = time.monotonic()
+        self.validation_data = evenly_split(self.validation_data, self.model.distribute_strategy)
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
@@ -92,9 +92,6 @@ class EvaluateEvery(keras.callbacks.Callback):
             self._evaluate(logs)
 
     def _evaluate(self, logs):
-        if not self._split:  # once: the rebatched dataset's first batch is even
-            self.validation_data = evenly_split(self.validation_data, self.model.distribute_strategy)
-            self._split = True
         val = self.model.evaluate(self.validation_data, steps=self.steps, verbose=0, return_dict=True)
         row = {"step": self._step, "seconds": round(time.monotonic() - self._start, 1)}
         row.update({k: float(v) for k, v in (logs or {}).items()})
