@@ -9,7 +9,7 @@ from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.layer_utils import (PLAIN, LowRankAdapters, LowRankProjections, check_dropout, check_lora_alpha,
-                                         in_query_chunks)
+                                         check_sequences, clone_initializer, in_query_chunks)
 from tfformer.layers.rotary_embedding import RotaryEmbedding, check_rope_max_wavelength
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
@@ -47,10 +47,10 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     `merge_lora` folds them into the kernels. A decode plan lays out the plain kernels only: with adapters, a decode
     step takes the plain matmuls (the same numbers, slower); merge before generating at speed.
 
-    Masking: every mask is boolean with True = may attend. `attention_mask` `(B, T, S)`, `use_causal_mask`, the
-    restricted window and Keras' implicit masks (`query_mask` `(B, T)`, `value_mask`/`key_mask` `(B, S)`, filled in
-    by Keras from `Embedding(mask_zero=True)` and friends) are ANDed. The softmax runs in float32 with a finite mask
-    value; a query that sees no key gets all-zero weights, so its output is the output bias, never NaN.
+    Masking: every mask is boolean with True = may attend. `attention_mask` `(B, T, S)` (an axis of size 1
+    broadcasts), `use_causal_mask`, the restricted window and Keras' implicit masks (`query_mask` `(B, T)`,
+    `value_mask`/`key_mask` `(B, S)`, from `Embedding(mask_zero=True)` and friends) are ANDed. The softmax runs in
+    float32 with a finite mask value; a query that sees no key gets all-zero weights (its output: the output bias).
 
     Args:
         num_heads: int. Number of query heads `N`.
@@ -107,8 +107,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     ```
 
     Reference:
-        Vaswani et al., "Attention Is All You Need", 2017; Luong et al., 2015 (general score); Bahdanau et al., 2015
-        (additive score).
+        Vaswani et al., 2017, "Attention Is All You Need"; Luong et al., 2015; Bahdanau et al., 2015
     """
 
     def __init__(self, num_heads, key_dim, value_dim=None, dropout=0.0, use_bias=True, output_dim=None,
@@ -150,11 +149,12 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, "
                              f"value_dim={self.value_dim}")
 
+    def _weight(self, name, shape, initializer):  # each weight draws from a copy of the initializer
+        return self.add_weight(name=name, shape=shape, initializer=clone_initializer(initializer))
+
     def _kernel(self, name, input_dim, units):
-        kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
-        bias = (self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer)
-                if self.use_bias else None)
-        return kernel, bias
+        kernel = self._weight(f"{name}_kernel", (input_dim, units), self.kernel_initializer)
+        return kernel, self._weight(f"{name}_bias", (units,), self.bias_initializer) if self.use_bias else None
 
     def build(self, query_shape, value_shape, key_shape=None):
         query_dim, value_dim = query_shape[-1], value_shape[-1]
@@ -169,11 +169,9 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             self.key_kernel, self.key_bias = self._kernel("key", key_dim, kv * h)
             self.value_kernel, self.value_bias = self._kernel("value", value_dim, kv * hv)
         if self.score == "general":
-            self.general_kernel = self.add_weight(name="general_kernel", shape=(n, h, h),
-                                                  initializer=self.kernel_initializer)
+            self.general_kernel = self._weight("general_kernel", (n, h, h), self.kernel_initializer)
         elif self.score == "additive":
-            self.additive_vector = self.add_weight(name="additive_vector", shape=(n, 1, h),
-                                                   initializer=self.kernel_initializer)
+            self.additive_vector = self._weight("additive_vector", (n, 1, h), self.kernel_initializer)
         self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)  # N heads
         if self.lora_rank:
             self._add_adapters()
@@ -274,6 +272,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
              use_causal_mask=False, return_attention_scores=False, cache=None, cache_index=None, training=None,
              plan=None, query_chunk_size=None):
         plan = plan or PLAIN
+        check_sequences(query=query, value=value, key=key)
         if cache is not None and cache_index is None:  # read-only: precomputed keys/values of a fixed memory
             q = self._split_heads(self._project_query(query, plan), self.num_heads, self.key_dim)
             k, v = plan.read_cache(cache, q.dtype)
@@ -328,6 +327,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
     def _mask(self, query, k, query_mask, value_mask, key_mask, attention_mask, use_causal_mask, cache, cache_index):
         """Every mask ANDed, `(B|1, 1, T, S)` bool, or None."""
         query_length, key_length = ops.shape(query)[1], ops.shape(k)[-2]
+        masks_lib.check_mask("attention_mask", attention_mask, "(B, T, S)", (*query.shape[:2], k.shape[-2]))
         offset = 0 if cache_index is None else cache_index
         mask = masks_lib.merge_masks(
             attention_mask,

@@ -4,6 +4,7 @@ from tfformer.layers import masks as masks_lib
 from tfformer.layers.encoder_block import EncoderBlock
 from tfformer.layers.gated_feedforward import GatedFeedForward
 from tfformer.layers.layer_norm import LayerNorm
+from tfformer.layers.layer_utils import check_sequences
 from tfformer.layers.rms_norm import RMSNorm
 from tfformer.layers.rotary_embedding import check_rope_max_wavelength
 
@@ -94,8 +95,10 @@ class DecoderBlock(EncoderBlock):
         self.rope_max_wavelength = rope_max_wavelength
 
     def _attention(self, hidden_dim, name):
-        rope = self.rope_max_wavelength if name == "self_attention" else None
-        return super()._attention(hidden_dim, name, use_bias=self.use_bias, rope_max_wavelength=rope)
+        # Rotary positions and the window are the self-attention's: cross-attention sees the whole memory.
+        own = name == "self_attention"
+        return super()._attention(hidden_dim, name, use_bias=self.use_bias, window=self.window if own else None,
+                                  rope_max_wavelength=self.rope_max_wavelength if own else None)
 
     def _norm(self, name):
         if self.normalization == "rms":
@@ -137,11 +140,8 @@ class DecoderBlock(EncoderBlock):
         return_attention_scores=False,
         plan=None,
     ):
-        if self.cross_attention and encoder_outputs is None and cross_attention_cache is None:
-            raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or "
-                             "`cross_attention_cache`).")
-        if cache is not None and cache_index is None:
-            raise ValueError("`cache_index` is required with `cache` (the position of the first new token).")
+        self._check_call(inputs, encoder_outputs, padding_mask, encoder_padding_mask, attention_mask, cache,
+                         cache_index, cross_attention_cache)
 
         # Causal self-attention block.
         self_mask = masks_lib.merge_masks(masks_lib.key_mask(padding_mask), attention_mask)
@@ -194,6 +194,22 @@ class DecoderBlock(EncoderBlock):
         if cache is not None:
             result += (cache,)
         return result[0] if len(result) == 1 else result
+
+    def _check_call(self, inputs, encoder_outputs, padding_mask, encoder_padding_mask, attention_mask, cache,
+                    cache_index, cross_attention_cache):
+        if self.cross_attention and encoder_outputs is None and cross_attention_cache is None:
+            raise ValueError("This DecoderBlock has cross_attention=True: pass `encoder_outputs` (or "
+                             "`cross_attention_cache`).")
+        if cache is not None and cache_index is None:
+            raise ValueError("`cache_index` is required with `cache` (the position of the first new token).")
+        check_sequences(inputs=inputs, encoder_outputs=encoder_outputs)
+        batch, length = inputs.shape[:2]
+        slots = length if cache is None else None  # with a cache: its slots
+        masks_lib.check_mask("padding_mask", padding_mask, "(B, T)" if cache is None else "(B, S_max)", (batch, slots),
+                             exact=(1,))
+        masks_lib.check_mask("attention_mask", attention_mask, "(B, T, T)", (batch, length, slots))
+        memory = None if encoder_outputs is None else encoder_outputs.shape[1]
+        masks_lib.check_mask("encoder_padding_mask", encoder_padding_mask, "(B, S)", (batch, memory), exact=(1,))
 
     def compute_output_spec(self, inputs, encoder_outputs=None, padding_mask=None, encoder_padding_mask=None,
                             attention_mask=None, use_causal_mask=True, cache=None, cache_index=None,

@@ -1,12 +1,12 @@
 import keras
 
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_number
 from tfformer.layers import masks as masks_lib
-from tfformer.layers.attention import MultiHeadAttention
+from tfformer.layers.attention import SCORES, MultiHeadAttention
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.feedforward import FeedForward
+from tfformer.layers.feedforward import ACTIVATIONS, FeedForward
 from tfformer.layers.layer_norm import LayerNorm
-from tfformer.layers.layer_utils import check_dropout
+from tfformer.layers.layer_utils import check_dropout, check_sequences
 
 
 def check_heads(hidden_dim, num_heads):
@@ -86,6 +86,12 @@ class EncoderBlock(keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. "
                 f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
             )
+        # Checked here too, not only when the sublayers are made at the first call.
+        for name, value, allowed in (("activation", activation, ACTIVATIONS), ("score", score, SCORES)):
+            if value not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
+        check_number("layer_norm_epsilon", layer_norm_epsilon, at_least=0, expected="a non-negative float")
+        check_int("window", window, minimum=0, allow_none=True)
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
@@ -100,19 +106,11 @@ class EncoderBlock(keras.layers.Layer):
         self.supports_masking = True
 
     def _attention(self, hidden_dim, name, **kwargs):
-        # Subclasses pass the arguments of their variants (DecoderBlock: use_bias, rope_max_wavelength).
-        return MultiHeadAttention(
-            self.num_heads,
-            check_heads(hidden_dim, self.num_heads),
-            dropout=self.dropout,
-            score=self.score,
-            window=self.window,
-            num_key_value_heads=self.num_key_value_heads,
-            kernel_initializer=self.kernel_initializer,
-            dtype=self.dtype_policy,
-            name=name,
-            **kwargs,
-        )
+        # Subclasses pass the arguments of their variants (DecoderBlock: use_bias, rope_max_wavelength, window).
+        options = dict(dropout=self.dropout, score=self.score, window=self.window,
+                       num_key_value_heads=self.num_key_value_heads, kernel_initializer=self.kernel_initializer)
+        return MultiHeadAttention(self.num_heads, check_heads(hidden_dim, self.num_heads), dtype=self.dtype_policy,
+                                  name=name, **{**options, **kwargs})
 
     def _feedforward(self, hidden_dim):
         return FeedForward(
@@ -156,6 +154,10 @@ class EncoderBlock(keras.layers.Layer):
              mask=None, query_chunk_size=None):
         if padding_mask is None:
             padding_mask = mask
+        check_sequences(inputs=inputs)
+        batch, length = inputs.shape[:2]
+        masks_lib.check_mask("padding_mask", padding_mask, "(B, T)", (batch, length), exact=(1,))
+        masks_lib.check_mask("attention_mask", attention_mask, "(B, T, T)", (batch, length, length))
         self_mask = masks_lib.merge_masks(masks_lib.key_mask(padding_mask), attention_mask)
         x, scores = self._sublayer(
             inputs,

@@ -7,7 +7,8 @@ from keras import ops
 from tfformer.checks import check_int
 from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import PLAIN, check_dropout, dense, matmul_bias, quantized, silu
+from tfformer.layers.layer_utils import (PLAIN, check_dropout, clone_initializer, dense, matmul_bias, quantized,
+                                         silu)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_approximate", "swiglu")
 
@@ -127,7 +128,7 @@ class FeedForward(keras.layers.Layer):
     def build(self, inputs_shape):
         inner = 2 * self.intermediate_dim if self.activation == "swiglu" else self.intermediate_dim
         make_dense = lambda units, name: keras.layers.Dense(  # noqa: E731
-            units, kernel_initializer=self.kernel_initializer, dtype=self.dtype_policy, name=name
+            units, kernel_initializer=clone_initializer(self.kernel_initializer), dtype=self.dtype_policy, name=name
         )
         self.intermediate_dense = make_dense(inner, "intermediate_dense")
         self.intermediate_dense.build(inputs_shape)

@@ -5,7 +5,7 @@ from keras import ops
 
 from tfformer.checks import check_int
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import PLAIN, check_dropout
+from tfformer.layers.layer_utils import PLAIN, check_dropout, clone_initializer
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -59,9 +59,10 @@ class GatedFeedForward(keras.layers.Layer):
         self.supports_masking = True
 
     def _kernel(self, name, input_dim, units):
-        kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units), initializer=self.kernel_initializer)
-        bias = (self.add_weight(name=f"{name}_bias", shape=(units,), initializer=self.bias_initializer)
-                if self.use_bias else None)
+        kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units),
+                                 initializer=clone_initializer(self.kernel_initializer))
+        bias = (self.add_weight(name=f"{name}_bias", shape=(units,),
+                                initializer=clone_initializer(self.bias_initializer)) if self.use_bias else None)
         return kernel, bias
 
     def build(self, inputs_shape):

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tfformer.checks import check_number
 from tfformer.compat import gradient_recording
 
 
@@ -40,6 +41,10 @@ class LayerNorm(keras.layers.LayerNormalization):
     y = norm(np.random.normal(size=(2, 3, 8)))  # (2, 3, 8), each row mean 0, variance ~1
     ```
     """
+
+    def __init__(self, axis=-1, epsilon=1e-3, **kwargs):  # Keras' signature
+        check_number("epsilon", epsilon, at_least=0, expected="a non-negative float")
+        super().__init__(axis=axis, epsilon=epsilon, **kwargs)
 
     def _fast_path(self, inputs):
         axis = self.axis if isinstance(self.axis, (list, tuple)) else [self.axis]

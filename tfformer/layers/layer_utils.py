@@ -9,6 +9,7 @@ loop, and `tfformer.generation.DecodePlan` (which layers never import) adds the 
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -20,6 +21,23 @@ from tfformer.layers.masks import masked_softmax
 def check_dropout(value, name="dropout"):
     """Raise a ValueError naming `name` unless `value` is a float in [0, 1)."""
     check_number(name, value, at_least=0, below=1, expected="a float in [0, 1)")
+
+
+def clone_initializer(initializer):
+    """A copy of `initializer` for one weight (keras-hub's `clone_initializer`; Keras' MultiHeadAttention clones
+    its initializers too). Keras 3's random initializers draw the same values at every call, so one instance shared
+    by several weights starts them equal, or as copies of each other's first values. The copy of an unseeded
+    initializer draws a seed of its own (from Keras' seed, so `keras.utils.set_random_seed` still repeats a model);
+    a seeded one's draws the same values, as in Keras."""
+    return initializer.__class__.from_config(initializer.get_config())
+
+
+def check_sequences(**tensors):
+    """Raise a ValueError naming the argument unless each tensor given (None passes) is `(B, T, D)`."""
+    for name, x in tensors.items():
+        shape = None if x is None else tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        if shape is not None and len(shape) != 3:
+            raise ValueError(f"`{name}` must be a batch of sequences (B, T, D), 3-D. Received: shape={shape}")
 
 
 def silu(x):
@@ -112,6 +130,10 @@ def write_cache(cache, new, index, in_place=False):
     cost does not grow with `S`.
     """
     axis = len(cache.shape) - 2
+    slots, length = cache.shape[axis], new.shape[axis]
+    if isinstance(index, (int, np.integer)) and None not in (slots, length) and not 0 <= index <= slots - length:
+        raise ValueError(f"The {length} new position(s) from `cache_index` must fit the cache's {slots} slots "
+                         f"(positions 0 to {slots - 1}). Received: cache_index={index}")
     if isinstance(index, int) and index == 0 and not in_place:
         # A prompt pass from slot 0 (a Python 0): the new slots, then the cache's own past them.
         rest = cache[(slice(None),) * axis + (slice(ops.shape(new)[axis], None),)]  # (..., S - T, H)
@@ -325,8 +347,8 @@ class LowRankAdapters(keras.layers.Layer):
         for name, (input_dim, units) in kernel_shapes.items():
             for part, shape, initializer in (("a", (input_dim, self.rank), self.a_initializer),
                                              ("b", (self.rank, units), self.b_initializer)):
-                weight = self.add_weight(name=f"{name}_lora_{part}", shape=shape, initializer=initializer,
-                                         dtype="float32")
+                weight = self.add_weight(name=f"{name}_lora_{part}", shape=shape,
+                                         initializer=clone_initializer(initializer), dtype="float32")
                 setattr(self, f"{name}_lora_{part}", weight)
         self.kernel_names = tuple(kernel_shapes)
         self.built = True

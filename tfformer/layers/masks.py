@@ -9,6 +9,7 @@ row with no visible key gives all-zero weights instead of NaN in float32,
 bfloat16 and float16 alike.
 """
 
+import numpy as np
 from keras import ops
 
 # Finite, and far below any real float32 score. Never `-inf`: `-inf - -inf`
@@ -50,6 +51,22 @@ def key_mask(mask):
 def query_mask(mask):
     """A `(B, T)` padding mask as an attention mask `(B, T, 1)`."""
     return None if mask is None else ops.expand_dims(ops.cast(mask, "bool"), 2)
+
+
+def check_mask(name, mask, axes, shape, exact=()):
+    """Raise a ValueError naming `name` unless `mask` (None passes) has one axis per entry of `shape` and each
+    static size is that entry (None: any) or 1, which broadcasts (not on the axes listed in `exact`). `axes` names
+    them for the message, e.g. `"(B, T, S)"`. Without it a `(B, S)` padding mask given as an `attention_mask`
+    would broadcast its batch over the heads: no error, and wrong weights when `B` equals the head count."""
+    if mask is None or getattr(getattr(mask, "shape", None), "rank", 0) is None:  # unknown rank: nothing to check
+        return
+    actual = tuple(mask.shape) if hasattr(mask, "shape") else np.shape(mask)
+    if len(actual) != len(shape) or not all(
+            size is None or want is None or size == want or (size == 1 and axis not in exact)
+            for axis, (size, want) in enumerate(zip(actual, shape))):
+        broadcast = [label for axis, label in enumerate(axes.strip("()").split(", ")) if axis not in exact]
+        raise ValueError(f"`{name}` must be {axes} = {tuple(shape)} (None: any size; 1 broadcasts on "
+                         f"{', '.join(broadcast)}). Received: shape={tuple(actual)}")
 
 
 def merge_masks(*masks):

@@ -46,6 +46,8 @@ class PositionEmbedding(keras.layers.Layer):
     def call(self, inputs, start_index=0):
         shape = ops.shape(inputs)
         length = shape[-2]
+        if isinstance(start_index, int) and start_index < 0:
+            raise ValueError(f"`start_index` must be >= 0 (the first position). Received: start_index={start_index}")
         if isinstance(length, int) and isinstance(start_index, int) and start_index + length > self.max_sequence_length:
             raise ValueError(
                 f"Sequence of length {length} starting at {start_index} exceeds "

@@ -82,6 +82,9 @@ class TokenEmbedding(keras.layers.Layer):
 
     def call(self, inputs, reverse=False, plan=None):
         if reverse:
+            if inputs.shape[-1] not in (None, self.hidden_dim):
+                raise ValueError(f"`inputs` with reverse=True must be hidden states (..., hidden_dim="
+                                 f"{self.hidden_dim}). Received: shape={tuple(inputs.shape)}")
             return self.attend(inputs, plan)
         check_token_ids(inputs, self.vocabulary_size)
         # Gather from the float32 table, then cast the (B, T, D) rows: not the whole (V, D) table.

@@ -83,6 +83,7 @@ class TransformerConfig:
                 f"Received: hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
             )
         check_dropout(self.dropout)
+        check_number("layer_norm_epsilon", self.layer_norm_epsilon, at_least=0, expected="a non-negative float")
 
     def _check_architecture(self):
         """What `architecture` needs, and the variants only some architectures build."""

@@ -17,30 +17,30 @@ class TransformerEncoder(base.TransformerModel):
     """
 
     def _build(self, config, dtype):
-        init = base.kernel_initializer(config)
+        init = base.kernel_initializer  # a new initializer for each layer: an instance repeats its values
         token_embedding = layers.TokenEmbedding(
             config.vocabulary_size,
             config.hidden_dim,
             scale=config.scale_embeddings,
-            initializer=init if config.initializer_range else None,
+            initializer=init(config) if config.initializer_range else None,
             dtype=dtype, name="token_embedding",
         )
         position = base.position_layer(config, "position", dtype)
         segment_embedding = None
         if config.num_segments:
             segment_embedding = keras.layers.Embedding(
-                config.num_segments, config.hidden_dim, embeddings_initializer=init, dtype=dtype,
+                config.num_segments, config.hidden_dim, embeddings_initializer=init(config), dtype=dtype,
                 name="segment_embedding",
             )
         embedding_norm = layers.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=dtype, name="embedding_norm")
         dropout = layers.Dropout(config.dropout, dtype=dtype, name="embedding_dropout")
         blocks = base.encoder_blocks(config, dtype)
         norm = base.final_norm(config, "final_norm", dtype)
-        pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init, dtype=dtype,
-                                    name="pooler")
+        pooler = keras.layers.Dense(config.hidden_dim, activation="tanh", kernel_initializer=init(config),
+                                    dtype=dtype, name="pooler")
         classifier = None
         if config.num_classes:
-            classifier = keras.layers.Dense(config.num_classes, kernel_initializer=init, dtype="float32",
+            classifier = keras.layers.Dense(config.num_classes, kernel_initializer=init(config), dtype="float32",
                                             name="classifier")
 
         # === Functional model ===

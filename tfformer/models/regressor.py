@@ -16,14 +16,15 @@ class SequenceRegressor(base.TransformerModel):
     """
 
     def _build(self, config, dtype):
-        init = base.kernel_initializer(config)
-        input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init, dtype=dtype,
+        init = base.kernel_initializer  # a new initializer for each layer: an instance repeats its values
+        input_projection = keras.layers.Dense(config.hidden_dim, kernel_initializer=init(config), dtype=dtype,
                                               name="input_projection")
         position = base.position_layer(config, "position", dtype)
         dropout = layers.Dropout(config.dropout, dtype=dtype, name="embedding_dropout")
         blocks = base.encoder_blocks(config, dtype)
         norm = base.final_norm(config, "final_norm", dtype)
-        head = keras.layers.Dense(config.output_dim, kernel_initializer=init, dtype="float32", name="regression_head")
+        head = keras.layers.Dense(config.output_dim, kernel_initializer=init(config), dtype="float32",
+                                 name="regression_head")
 
         # === Functional model ===
         features = keras.Input(shape=(None, config.input_dim), dtype="float32", name="inputs")
