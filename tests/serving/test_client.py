@@ -2,10 +2,12 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
 
+from tests.serving import models
 from tfformer import cli, serving
 
 
@@ -85,6 +87,53 @@ def test_errors(client):
         client.status("nope")
     assert (raised.value.code, raised.value.message) == (serving.Code.NOT_FOUND,
                                                          "Could not find any versions of model nope")
+
+
+@pytest.mark.parametrize("ids, received", [([[1.7, 2, 3, 4]], "1.7"), ([[True, 2, 3, 4]], "true"),
+                                           ([[2**31, 2, 3, 4]], "2147483648"), ("a", '"a"')])
+def test_python_values_are_checked_as_over_rest_on_both_transports(client, ids, received):
+    # Over gRPC the client converted them with numpy: 1.7 was sent as 1 (no error, a wrong sum), True as 1, and
+    # "a" or 2**31 were a ValueError / OverflowError from numpy, not a status.
+    with pytest.raises(serving.ServingError) as raised:
+        client.predict("multi", {"x": [[1, 2, 3]], "ids": ids})
+    assert raised.value.code == serving.Code.INVALID_ARGUMENT
+    assert raised.value.message.startswith(f"JSON Value: {received} ")
+    assert client.predict("multi", {"x": [[1, 2, 3]], "ids": [[1, 2, 3, 4]]})["idsum"].tolist() == [[10]]
+
+
+def test_an_unknown_signature_gets_the_servers_answer(client):
+    with pytest.raises(serving.ServingError) as raised:
+        client.predict("text", ["a"], signature_name="zzz")
+    assert (raised.value.code, raised.value.message) == (
+        (serving.Code.INVALID_ARGUMENT, 'Serving signature name: "zzz" not found in signature def')
+        if client.protocol == "rest" else (serving.Code.FAILED_PRECONDITION, 'Serving signature key "zzz" not found.'))
+
+
+def test_a_client_follows_the_latest_version_when_its_signature_changes(tmp_path):
+    # The client cached each signature's dtypes by (model, signature, version=None): after version 2 loaded with
+    # other inputs, the same client sent its int32 `ids` as int64 over gRPC (INVALID_ARGUMENT) and read its
+    # outputs with version 1's dtypes over REST.
+    models.save_dense(str(tmp_path / "1"))
+    server = serving.Server(model_name="m", model_base_path=str(tmp_path), file_system_poll_wait_seconds=0.2)
+    server.start()
+    try:
+        clients = [serving.Client(server.rest_url), serving.Client(server.grpc_url)]
+        for client in clients:
+            assert client.predict("m", {"x": [[1, 1, 1]]})["output_0"].tolist() == [[3.0, 3.0]]
+        models.save_seq(str(tmp_path / ".2"))
+        os.rename(tmp_path / ".2", tmp_path / "2")
+        server.manager.wait_for_version("m", 2)
+        for client in clients:
+            fresh = serving.Client(client.url)
+            expected = fresh.predict("m", {"ids": [[1, 2]]})
+            outputs = client.predict("m", {"ids": [[1, 2]]})
+            assert {alias: (value.dtype, value.tolist()) for alias, value in outputs.items()} == {
+                alias: (value.dtype, value.tolist()) for alias, value in expected.items()}, client.protocol
+            assert client.predict("m", {"ids": [[1, 2]]}, version=2)["total"].tolist() == [3]  # cached
+            fresh.close()
+            client.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("protocol", ["rest", "grpc"])

@@ -10,6 +10,7 @@ and a fragment; they are marked `ours`.
 """
 
 import base64
+import gzip
 import json
 
 import grpc
@@ -162,7 +163,7 @@ REST_CASES = [
                 "JSON object: does not have named input: z"), []),
     ("missing-input-name-row", "POST", "/v1/models/multi:predict", '{"instances": [{"x": [1, 2, 3]}]}', 400,
      error("Failed to process element: 0 of 'instances' list. JSON object: {\n    \"x\": [\n        1,\n        2,\n"
-           "        3\n    ]\n} must only have keys: ids,x"), []),
+           "        3\n    ]\n} keys must be equal to: ids,x"), []),
     ("plain-list-for-two-inputs", "POST", "/v1/models/multi:predict", '{"instances": [[1, 2, 3]]}', 400,
      error("instances is a plain list, but expecting list of objects as multiple input tensors required as per "
            "tensorinfo_map"), []),
@@ -287,6 +288,35 @@ def test_rest(server, case):
         assert fragment in data.decode("utf-8")
 
 
+def test_an_op_error_is_the_ops_message_alone(server):
+    # TensorFlow's eager error added "Graph execution error:", the Python stack where the server traced the function
+    # (its file paths) and " [Op:__inference_...]"; TF Serving's Session::Run reports the op's message alone.
+    code, _, data = http_request(server.rest_url, "POST", "/v1/models/classifier:predict", b'{"instances": ["x"]}')
+    assert code == 400
+    message = _loads(data)["error"]
+    assert message.startswith("Could not parse example input, value: 'x'\n\t [[{{node "), message
+    assert message.endswith("}}]]") and "Graph execution" not in message and "File " not in message, message
+
+
+def test_a_gzip_body_is_inflated(server):
+    # TF Serving's HTTP server inflates a body sent with Content-Encoding: gzip (auto_uncompress_input, on by
+    # default); one that does not inflate is read as empty. Before, both were "JSON Parse error: Invalid encoding".
+    body = b'{"instances": [[1, 1, 1]]}'
+    headers = {"Content-Encoding": "gzip"}
+    assert http_request(server.rest_url, "POST", PREDICT, gzip.compress(body), headers)[::2] == (
+        200, http_request(server.rest_url, "POST", PREDICT, body)[2])
+    code, _, data = http_request(server.rest_url, "POST", PREDICT, body, headers)
+    assert (code, _loads(data)) == (400, {"error": "JSON Parse error: The document is empty"})
+
+
+@pytest.mark.parametrize("origin, status", [("https://app.example", 200), ("", 400)])
+def test_a_cors_preflight_gets_tf_servings_answer(server, origin, status):
+    # TF Serving answers OPTIONS on /v1/ paths before its handler: 200 with an Origin of http(s)://, else
+    # FAILED_PRECONDITION, both with an empty body (it was 400 "Malformed request").
+    code, _, data = http_request(server.rest_url, "OPTIONS", PREDICT, headers={"Origin": origin} if origin else {})
+    assert (code, data) == (status, b"")
+
+
 def test_rest_case_count():
     assert len(REST_CASES) >= 40
 
@@ -384,7 +414,7 @@ GRPC_CASES = [
     ("metadata-no-field", "prediction", "GetModelMetadata", _metadata("dense"), grpc.StatusCode.INVALID_ARGUMENT,
      "GetModelMetadataRequest must specify at least one metadata_field"),
     ("metadata-bad-field", "prediction", "GetModelMetadata", _metadata("dense", "foo"),
-     grpc.StatusCode.INVALID_ARGUMENT, "Metadata field %s is not supportedfoo"),
+     grpc.StatusCode.INVALID_ARGUMENT, "Metadata field foo is not supported"),
     ("metadata-unknown-model", "prediction", "GetModelMetadata", _metadata("nope", "signature_def"),
      grpc.StatusCode.NOT_FOUND, "Servable not found for request: Latest(nope)"),
     ("status-unknown-model", "model", "GetModelStatus", _status("nope"), grpc.StatusCode.NOT_FOUND,
@@ -402,6 +432,11 @@ GRPC_CASES = [
     ("reload-duplicate-model", "model", "HandleReloadConfigRequest", None, grpc.StatusCode.INVALID_ARGUMENT,
      "Illegal to list model dense multiple times in config list"),
     ("reload-custom-config", "model", "HandleReloadConfigRequest", None, grpc.StatusCode.INVALID_ARGUMENT,
+     "ServerModelConfig type not supported by HandleReloadConfigRequest. Only ModelConfigList is currently "
+     "supported"),
+    # TF Serving's model_service_impl.cc refuses every config but a ModelConfigList, an empty one too (it answered OK).
+    ("reload-empty-config", "model", "HandleReloadConfigRequest", model_management_pb2.ReloadConfigRequest(),
+     grpc.StatusCode.INVALID_ARGUMENT,
      "ServerModelConfig type not supported by HandleReloadConfigRequest. Only ModelConfigList is currently "
      "supported"),
 ]
@@ -456,6 +491,16 @@ def test_grpc_predict(stubs):
     response = stubs["prediction"].Predict(_predict("text", {"text": np.array([b"a b"])}, label="stable"), timeout=30)
     assert response.model_spec.version.value == 1
     assert list(response.outputs["upper_bytes"].string_val) == [b"A B"]
+
+
+def test_grpc_calls_without_a_deadline(stubs):
+    # A stub called without `timeout` (gRPC's default): grpcio reports about 9e18 s remaining, which failed every
+    # call with INTERNAL "OverflowError: timestamp out of range". TF Serving takes it as no deadline.
+    request = _predict("multi", {"x": X, "ids": np.array([[1, 2, 3, 4]], np.int32)})
+    response = stubs["prediction"].Predict.future(request).result(timeout=60)  # the wait is bounded, not the call
+    np.testing.assert_array_equal(tf.make_ndarray(response.outputs["idsum"]), [[10]])
+    status = stubs["model"].GetModelStatus.future(_status("text")).result(timeout=60)
+    assert status.model_version_status
 
 
 def test_grpc_classify_and_regress(stubs):

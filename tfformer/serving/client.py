@@ -248,18 +248,19 @@ class Client:
 
     # ---------------------------------------------------------------------------------------
 
-    def _signature(self, model, signature_name, version, label):
-        """({input alias: numpy dtype}, {output alias: numpy dtype}) from the model's metadata (cached)."""
+    def _signature(self, model, signature_name, version, label, refresh=False):
+        """`({input alias: dtype name}, {output alias: dtype name})` of the signature, from the model's metadata,
+        cached. `refresh` asks again: latest (or a label) moves to a new version when one loads, and its signature
+        may differ. A signature the model lacks is the error the server gives a predict that names it."""
         key = (model, signature_name or "serving_default", version, label)
-        if key not in self._signatures:
-            signatures = self.metadata(model, version, label)["metadata"]["signature_def"]["signature_def"]
-            if key[1] not in signatures:
-                raise ServingError(Code.INVALID_ARGUMENT, f'Serving signature name: "{key[1]}" not found in '
-                                                          "signature def")
-            signature = signatures[key[1]]
-            self._signatures[key] = tuple(
-                {alias: _JSON_DTYPES.get(info.get("dtype")) for alias, info in signature[kind].items()}
-                for kind in ("inputs", "outputs"))
+        if refresh or key not in self._signatures:
+            signature = self.metadata(model, version, label)["metadata"]["signature_def"]["signature_def"].get(key[1])
+            if signature is None:
+                raise (ServingError(Code.INVALID_ARGUMENT, f'Serving signature name: "{key[1]}" not found in '
+                                                           "signature def") if self.protocol == "rest" else
+                       ServingError(Code.FAILED_PRECONDITION, f'Serving signature key "{key[1]}" not found.'))
+            self._signatures[key] = tuple({alias: info.get("dtype") for alias, info in signature[kind].items()}
+                                          for kind in ("inputs", "outputs"))
         return self._signatures[key]
 
     def _rest_predict(self, model, inputs, signature_name, version, label):
@@ -270,20 +271,24 @@ class Client:
             body["instances"] = _to_json(list(inputs) if isinstance(inputs, (tuple, np.ndarray)) else inputs)
         reply = self._rest.request("POST", _model_path(model, version, label) + ":predict",
                                    json.dumps(body).encode("utf-8"))
-        output_dtypes = self._signature(model, signature_name, version, label)[1]
         if "outputs" in reply:
             outputs = reply["outputs"]
-            if isinstance(outputs, dict) and not _is_base64(outputs):
-                items = list(outputs.items())
-            else:
-                items = [(_single(output_dtypes), outputs)]
+            named = isinstance(outputs, dict) and not _is_base64(outputs)
+            items = list(outputs.items()) if named else [(None, outputs)]
         else:
             predictions = reply["predictions"]
-            if predictions and isinstance(predictions[0], dict) and not _is_base64(predictions[0]):
-                items = [(alias, [row[alias] for row in predictions]) for alias in predictions[0]]
-            else:
-                items = [(_single(output_dtypes), predictions)]
-        return {alias: _from_json(value, output_dtypes.get(alias)) for alias, value in items}
+            named = bool(predictions) and isinstance(predictions[0], dict) and not _is_base64(predictions[0])
+            items = ([(alias, [row[alias] for row in predictions]) for alias in predictions[0]] if named
+                     else [(None, predictions)])
+        # The cached signature, unless the reply does not fit it: then another version answered, and it is asked
+        # again (its outputs were read with the old version's dtypes).
+        for refresh in (False, True):
+            output_dtypes = self._signature(model, signature_name, version, label, refresh)[1]
+            if (set(output_dtypes) >= {alias for alias, _ in items}) if named else len(output_dtypes) == 1:
+                break
+        if not named:
+            items = [(_single(output_dtypes), items[0][1])]
+        return {alias: _from_json(value, _JSON_DTYPES.get(output_dtypes.get(alias))) for alias, value in items}
 
     @staticmethod
     def _fill_spec(spec, model, signature_name, version, label):
@@ -304,10 +309,23 @@ class Client:
             raise ServingError(error.code().value[0], error.details() or "") from None
 
     def _grpc_predict(self, model, inputs, signature_name, version, label):
+        cached = (model, signature_name or "serving_default", version, label) in self._signatures
+        try:
+            return self._grpc_predict_once(model, inputs, signature_name, version, label)
+        except ServingError as error:
+            if not cached or error.code != Code.INVALID_ARGUMENT:
+                raise
+        # Refused with a cached signature: latest (or the label) may name a new version since, with other inputs.
+        return self._grpc_predict_once(model, inputs, signature_name, version, label, refresh=True)
+
+    def _grpc_predict_once(self, model, inputs, signature_name, version, label, refresh=False):
         import tensorflow as tf
+        from tensorflow.core.framework import types_pb2
         from tensorflow_serving.apis import predict_pb2
 
-        input_dtypes = self._signature(model, signature_name, version, label)[0]
+        from tfformer.serving import json_tensor
+
+        input_dtypes = self._signature(model, signature_name, version, label, refresh)[0]
         if not isinstance(inputs, dict):
             if len(input_dtypes) != 1:
                 raise ValueError(f"The signature has inputs {sorted(input_dtypes)}; pass a dict {{alias: value}}.")
@@ -315,12 +333,15 @@ class Client:
         request = predict_pb2.PredictRequest()
         self._fill_spec(request.model_spec, model, signature_name, version, label)
         for alias, value in inputs.items():
-            if isinstance(value, np.ndarray):
-                array = value  # sent as given
+            dtype = input_dtypes.get(alias)
+            if isinstance(value, np.ndarray) or dtype not in _JSON_DTYPES:
+                array = np.asarray(value)  # sent as given
             else:
-                # Python values take the signature's dtype, as JSON values do over REST.
-                dtype = input_dtypes.get(alias)
-                array = np.array(value, dtype=dtype) if dtype not in (None, object) else np.array(value)
+                # Python values are checked and converted as the server converts them from JSON over REST: 1.7 or
+                # True for an int32 input is INVALID_ARGUMENT there, not a silent 1.
+                body = json.dumps({"inputs": {alias: _to_json(value)}}).encode("utf-8")
+                dtypes = {alias: types_pb2.DataType.Value(dtype)}
+                array = json_tensor.parse_predict_request(body, lambda _: dtypes)[1][alias]
             request.inputs[alias].CopyFrom(tf.make_tensor_proto(array))
         response = self._call(self._prediction.Predict, request)
         return {alias: tf.make_ndarray(proto) for alias, proto in response.outputs.items()}

@@ -33,6 +33,9 @@ log = logging.getLogger("tfformer.serving")
 
 SIGNATURE_DEF_FIELD = "signature_def"
 MAX_MESSAGE_CHARS = 1024
+# grpcio reports a call without a deadline (a stub called without `timeout`, gRPC's default) as about 9e18 seconds
+# remaining, which `Future.result(timeout=)` cannot take (OverflowError). A remainder past this is no deadline.
+NO_DEADLINE_SECONDS = 1e9
 _GRPC_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 _VALUE_FIELD = {
@@ -111,6 +114,7 @@ class _Base:
         worker is free meanwhile; if the deadline passes first, the queued request is cancelled."""
         start = time.perf_counter()
         remaining = context.time_remaining()
+        remaining = None if remaining is None or remaining > NO_DEADLINE_SECONDS else remaining
         deadline = None if remaining is None else time.monotonic() + remaining
 
         def job():
@@ -187,7 +191,7 @@ class PredictionServicer(_Base, prediction_service_pb2_grpc.PredictionServiceSer
             raise invalid_argument("GetModelMetadataRequest must specify at least one metadata_field")
         for field in request.metadata_field:
             if field != SIGNATURE_DEF_FIELD:
-                raise invalid_argument(f"Metadata field %s is not supported{field}")  # sic, TF Serving's StrCat
+                raise invalid_argument(f"Metadata field {field} is not supported")
         servable = self.manager.get_servable_for_spec(request.model_spec)
         response = get_model_metadata_pb2.GetModelMetadataResponse()
         response.model_spec.name = servable.name
@@ -238,6 +242,9 @@ class ModelServicer(_Base, model_service_pb2_grpc.ModelServiceServicer):
         return self._run(context, "HandleReloadConfigRequest", None, lambda: self._reload(request))
 
     def _reload(self, request):
+        if request.config.WhichOneof("config") != "model_config_list":  # an empty config too (the file's is no-op)
+            raise invalid_argument("ServerModelConfig type not supported by HandleReloadConfigRequest. Only "
+                                   "ModelConfigList is currently supported")
         self.manager.reload_config(request.config)
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = 0

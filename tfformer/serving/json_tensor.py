@@ -228,7 +228,7 @@ def _from_instances(instances, input_dtypes):
                                            " of 'instances' list. Error: ", error.to_string()) from None
             if set(element) != set(names):
                 raise invalid_argument("Failed to process element: ", index, " of 'instances' list. JSON object: ",
-                                       value_to_string(element), " must only have keys: ", ",".join(names))
+                                       value_to_string(element), " keys must be equal to: ", ",".join(names))
         else:
             if is_element_object(element):
                 raise invalid_argument("Expecting value/list but got object at item ", index, " of input list")

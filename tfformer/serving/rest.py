@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import time
+import zlib
 from urllib.parse import unquote_to_bytes
 
 from google.protobuf import json_format
@@ -163,6 +164,20 @@ class RestApiHandler:
                 + "}\n}\n")
 
 
+def gunzip(data, limit):
+    """A `Content-Encoding: gzip` body inflated, as TF Serving's HTTP server does before the handler reads it: a body
+    that does not inflate is read as empty (its "JSON Parse error: The document is empty"); None past `limit`
+    bytes inflated."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        body = inflater.decompress(data, limit + 1)
+    except zlib.error:
+        return b""
+    if len(body) > limit:
+        return None
+    return body if inflater.eof else b""
+
+
 class RestApp:
     """ASGI app: TF Serving's REST API with a size limit, a timeout, a worker pool and an access log.
 
@@ -208,6 +223,12 @@ class RestApp:
         elif not PATH_REGEX.fullmatch(path):
             response = Response(NOT_FOUND_BODY.format(path=path), status_code=404, media_type="text/html")
             info["code"] = Code.NOT_FOUND.name
+        elif method == "OPTIONS":  # a CORS preflight, answered before the body is read as a request
+            origin = request.headers.get("origin", "")
+            ok = re.search(r"https?://", origin) is not None
+            if not ok:
+                info.update(code=Code.FAILED_PRECONDITION.name, error="Origin header is missing in CORS preflight")
+            response = Response(b"", status_code=200 if ok else 400)
         else:
             body, size = await self._read_body(request)
             if body is None:
@@ -248,7 +269,11 @@ class RestApp:
                 chunks.append(chunk)
         except ClientDisconnect:
             pass
-        return b"".join(chunks), size
+        body = b"".join(chunks)
+        if "gzip" in request.headers.get("content-encoding", ""):  # TF Serving inflates it (auto_uncompress_input)
+            body = gunzip(body, limit)
+            size = size if body is not None else limit + 1
+        return body, size
 
     async def _drain(self, request, size):
         if size > 4 * self.max_request_bytes:

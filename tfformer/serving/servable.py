@@ -9,6 +9,7 @@ import collections
 import concurrent.futures
 import logging
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -25,6 +26,13 @@ log = logging.getLogger("tfformer.serving")
 PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
+# What TensorFlow's eager call of a signature adds around an op's error: "Graph execution error:", then for each node
+# "Detected at node N defined at (most recent call last):" and the Python stack where this process traced it (or
+# "<stack traces unavailable>"), and " [Op:__inference_...]" at the end. TF Serving's Session::Run reports the op's
+# message alone ("<message>\n\t [[{{node N}}]]"); the stack would also show a client the server's files.
+_EAGER_ERROR_HEAD = re.compile(r"Graph execution error:\n\n(?:Detected at node [^\n]* defined at \(most recent call "
+                               r"last\):\n(?:<stack traces unavailable>\n|(?:(?:  [^\n]*)?\n)+))*")
+_EAGER_ERROR_TAIL = re.compile(r" \[Op:[^\]\n]*\]$")
 
 
 def has_saved_model(path):
@@ -79,6 +87,12 @@ def completed(fn, *args):
         future.set_exception(error)
     return future
 
+
+
+def op_error_message(message):
+    """An op's error message as TF Serving reports it: without `_EAGER_ERROR_HEAD` and `_EAGER_ERROR_TAIL`."""
+    head = _EAGER_ERROR_HEAD.match(message)
+    return _EAGER_ERROR_TAIL.sub("", message[head.end():] if head else message)
 
 class Deferred(collections.namedtuple("Deferred", ["future", "finish"])):
     """An answer that waits for a batch: `finish(future.result())` makes it once `future` is done."""
@@ -206,7 +220,7 @@ class Servable:
         try:
             outputs = function(**tensors)
         except tf.errors.OpError as error:
-            raise ServingError(error.error_code, error.message) from None
+            raise ServingError(error.error_code, op_error_message(error.message)) from None
         except (TypeError, ValueError) as error:
             raise invalid_argument(str(error)) from None
         if not isinstance(outputs, dict):
