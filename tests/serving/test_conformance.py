@@ -411,6 +411,11 @@ GRPC_CASES = [
      "output tensor alias not found in signature: nope Outputs expected to be in the set {output_0}."),
     ("truncated-message", "prediction", "Predict", _predict("dense", {LONG: X}), grpc.StatusCode.INVALID_ARGUMENT,
      ("input tensor alias not found in signature: " + LONG)[:1024] + "...TRUNCATED"),
+    # TF Serving cuts at 1024 bytes of UTF-8, not characters (it cut at 1024 characters: 2,000 bytes here).
+    ("truncated-utf8-message", "prediction", "Predict", _predict("dense", {"é" * 1000: X}),
+     grpc.StatusCode.INVALID_ARGUMENT,
+     ("input tensor alias not found in signature: " + "é" * 1000).encode()[:1024].decode(errors="ignore")
+     + "...TRUNCATED"),
     ("metadata-no-field", "prediction", "GetModelMetadata", _metadata("dense"), grpc.StatusCode.INVALID_ARGUMENT,
      "GetModelMetadataRequest must specify at least one metadata_field"),
     ("metadata-bad-field", "prediction", "GetModelMetadata", _metadata("dense", "foo"),

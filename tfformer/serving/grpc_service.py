@@ -32,7 +32,7 @@ from tfformer.serving.status import TIMEOUT_MESSAGE, Code, ServingError, invalid
 log = logging.getLogger("tfformer.serving")
 
 SIGNATURE_DEF_FIELD = "signature_def"
-MAX_MESSAGE_CHARS = 1024
+MAX_MESSAGE_BYTES = 1024
 # grpcio reports a call without a deadline (a stub called without `timeout`, gRPC's default) as about 9e18 seconds
 # remaining, which `Future.result(timeout=)` cannot take (OverflowError). A remainder past this is no deadline.
 NO_DEADLINE_SECONDS = 1e9
@@ -58,8 +58,12 @@ def grpc_code(code):
 
 
 def truncate(message):
-    """`ToGRPCStatus`: messages over 1024 characters end in `...TRUNCATED`."""
-    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "...TRUNCATED"
+    """`ToGRPCStatus`: messages over 1024 bytes (UTF-8, as TF Serving's std::string) are cut there and end in
+    `...TRUNCATED` (a character the cut splits is dropped)."""
+    data = message.encode("utf-8")
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    return data[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore") + "...TRUNCATED"
 
 
 def to_tensor_proto(array):
