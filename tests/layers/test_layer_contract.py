@@ -65,6 +65,12 @@ def test_the_seed_still_repeats_a_model():
     assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def test_a_callable_initializer_is_taken_as_it_is():
+    ones = lambda shape, dtype=None: np.ones(shape, "float32")  # noqa: E731
+    layer = _built(layers.GatedFeedForward(8, 8, kernel_initializer=ones), (1, 3, 8))
+    assert all(np.all(np.asarray(w) == 1) for w in layer.weights)
+
+
 x5 = np.zeros((2, 5, 8), "float32")
 
 

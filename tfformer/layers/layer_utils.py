@@ -28,7 +28,9 @@ def clone_initializer(initializer):
     its initializers too). Keras 3's random initializers draw the same values at every call, so one instance shared
     by several weights starts them equal, or as copies of each other's first values. The copy of an unseeded
     initializer draws a seed of its own (from Keras' seed, so `keras.utils.set_random_seed` still repeats a model);
-    a seeded one's draws the same values, as in Keras."""
+    a seeded one's draws the same values, as in Keras. A plain callable is returned as it is."""
+    if not isinstance(initializer, keras.initializers.Initializer):
+        return initializer
     return initializer.__class__.from_config(initializer.get_config())
 
 
