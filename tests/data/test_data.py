@@ -204,3 +204,30 @@ def test_translation_dataset_rejects_bad_sizes(argument, value):
     tokenizer = data.SubwordTokenizer.train(["open the file", "close the window"], vocabulary_size=40)
     with pytest.raises(ValueError, match=rf"`{argument}` must be a positive integer. Received: {argument}={value}"):
         data.make_translation_dataset([("open", "auf")], tokenizer, **{argument: value})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    # Before: a ZeroDivisionError, a TypeError, empty (B, 0) windows, a BatchDatasetV2 op error.
+    (dict(sequence_length=-1), r"`sequence_length` must be a positive integer"),
+    (dict(sequence_length=8.0), r"`sequence_length` must be a positive integer"),
+    (dict(sequence_length=0), r"`sequence_length` must be a positive integer"),
+    (dict(batch_size=0), r"`batch_size` must be a positive integer"),
+    # One string was read as a list of lines: each character, then an end token.
+    (dict(texts="def f(x):\n    return x + 1\n" * 30), r"`texts` must be a list of lines, not one string"),
+])
+def test_lm_dataset_rejects_bad_arguments(kwargs, match):
+    texts = ["def f(x):", "    return x + 1"] * 30
+    tokenizer = data.SubwordTokenizer.train(texts, vocabulary_size=30)
+    with pytest.raises(ValueError, match=match):
+        data.make_lm_dataset(**{"texts": texts, "tokenizer": tokenizer, **kwargs})
+
+
+def test_subword_detokenize_names_ids_past_the_learned_vocabulary():
+    # train() may learn fewer pieces than asked; SentencePiece's op said only "Sentencepiece conversion failed".
+    tokenizer = data.SubwordTokenizer.train(["open the file", "close the window"] * 10, vocabulary_size=40)
+    size = tokenizer.vocabulary_size
+    assert tokenizer.detokenize([[5, size - 1]]).shape == (1,)
+    for bad, match in (([[5, size]], f"`ids` must be below the vocabulary size {size}"),
+                       ([[5, -1]], "`ids` must be non-negative")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+            tokenizer.detokenize(bad)

@@ -105,6 +105,11 @@ def make_lm_dataset(texts, tokenizer, sequence_length=128, batch_size=32, shuffl
     Lines are tokenized, joined with the end id (the tokenizer's first `end_ids` when it has them, else
     `END_ID`), and cut into windows of `sequence_length + 1` tokens (inputs are the first L, labels the last L).
     """
+    if isinstance(texts, (str, bytes)):  # list() would make each character a line
+        raise ValueError(f"`texts` must be a list of lines, not one string. Received: {type(texts).__name__} of "
+                         f"{len(texts)} characters (pass text.splitlines(), or make_text_file_dataset for a file)")
+    check_int("sequence_length", sequence_length)
+    check_int("batch_size", batch_size)
     if not texts:
         raise ValueError("`texts` is empty: there is nothing to train on.")
     ids = tokenizer.tokenize(list(texts))  # (N, None)

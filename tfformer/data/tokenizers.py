@@ -10,7 +10,8 @@ with the TF-Text registrar. Why this one:
   whitespace SentencePiece would fold (tab, newline, carriage return) is mapped
   to reserved symbols (U+2409, U+240A, U+240D) before tokenization and back
   after, so `detokenize(tokenize(s)) == s` for every string whose characters
-  were seen in training (`character_coverage=1.0`). Format specifiers such as
+  were seen in training (`character_coverage=1.0`), but for those three symbols
+  and U+2581 (SentencePiece's space) written literally. Format specifiers such as
   `%s`, `%d` and `'%s'` are ordinary pieces.
 - No WordPiece: it would need every kind of whitespace mapped to symbols and
   learns slower (keras-hub's trainer took 535 s on this corpus).
@@ -111,10 +112,18 @@ class SubwordTokenizer(tf.Module):
         return tf.cast(self._tokenizer.tokenize(_escape(texts)), tf.int32)
 
     def detokenize(self, ids):
-        """Ids `(B, None)` (ragged or padded) -> strings `(B,)`. Padding, start and end ids are dropped."""
+        """Ids `(B, None)` (ragged or padded) -> strings `(B,)`. Padding, start and end ids are dropped.
+
+        Tabs and line breaks travel as the symbols U+2409, U+240A, U+240D (`ESCAPES`), which come back as tabs and
+        line breaks: those symbols themselves, and SentencePiece's U+2581, do not round-trip."""
         if not isinstance(ids, tf.RaggedTensor):
             ids = tf.RaggedTensor.from_tensor(tf.convert_to_tensor(ids))
         ids = tf.cast(ids, tf.int32)
+        # Else SentencePiece's op fails with "InternalError: Sentencepiece conversion failed". `train` may learn
+        # fewer pieces than asked (a model sized to the request can emit ids past them).
+        tf.debugging.assert_less(ids.flat_values, self.vocabulary_size,
+                                 message=f"`ids` must be below the vocabulary size {self.vocabulary_size}")
+        tf.debugging.assert_non_negative(ids.flat_values, message="`ids` must be non-negative")
         keep = (ids != PAD_ID) & (ids != START_ID) & (ids != END_ID)
         return _unescape(self._tokenizer.detokenize(tf.ragged.boolean_mask(ids, keep)))
 

@@ -8,6 +8,7 @@ Keras optimizer and loss), driving the same Keras callbacks, so logs,
 checkpoints and backups look the same either way.
 """
 
+import functools
 import os
 
 import keras
@@ -65,32 +66,53 @@ def fit(model, train_data, validation_data=None, epochs=1, steps_per_epoch=None,
     return distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch, all_callbacks, strategy)
 
 
+def _loss_values(loss):
+    """`(labels, outputs) -> unreduced loss values` of a compiled `loss`: a `keras.losses.Loss`, a name or a
+    function (per sample, as Keras' functions reduce only their last axis)."""
+    if isinstance(loss, keras.losses.Loss):
+        return loss.call
+    if isinstance(loss, (dict, list, tuple)):
+        raise ValueError("fit() under MultiWorkerMirroredStrategy takes one loss for one output. Received: "
+                         f"loss={loss!r}")
+    return keras.losses.get(loss)
+
+
+def _replica_loss(model, values_of, replicas, batch, training):
+    """`(loss / replicas, rows)` of one replica's batch: the sample-weighted loss values over their count (Keras'
+    sum_over_batch_size) plus `model.losses`; the loss is summed across the replicas."""
+    inputs, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    values = values_of(labels, model(inputs, training=training))  # per token (B_local, T), or per row
+    if sample_weight is not None:
+        weight = tf.cast(sample_weight, values.dtype)
+        for _ in range(len(values.shape) - len(weight.shape)):
+            weight = weight[..., None]  # (B,) -> (B, 1)
+        values = values * weight
+    loss = tf.reduce_sum(values) / tf.cast(tf.size(values), values.dtype)
+    if model.losses:
+        loss += tf.cast(tf.add_n(model.losses), loss.dtype)
+    return loss / replicas, tf.shape(tf.nest.flatten(inputs)[0])[0]
+
+
 def distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch, callbacks, strategy):
-    """model.fit's contract, by hand: per-replica loss scaled by the global batch, Keras optimizer, Keras callbacks."""
-    loss_fn, optimizer = model.loss, model.optimizer
-    replicas = strategy.num_replicas_in_sync
+    """model.fit's contract, by hand, on `strategy`: batches `(x, y)` or `(x, y, sample_weight)`; each replica's loss
+    (the sample-weighted values over their count, plus `model.losses`) divided by the replica count; the
+    optimizer's loss scale (LossScaleOptimizer under mixed_float16); Keras callbacks. Epoch losses weight each batch
+    by its rows, as Keras' loss tracker does; with `steps_per_epoch` an epoch goes on from where the last stopped."""
+    values_of, optimizer = _loss_values(model.loss), model.optimizer
+    replica_loss = functools.partial(_replica_loss, model, values_of, strategy.num_replicas_in_sync)
 
-    def replica_step(inputs, labels):
+    def replica_step(batch):
         with tf.GradientTape() as tape:
-            logits = model(inputs, training=True)
-            values = loss_fn.call(labels, logits)  # per token (B_local, T), as Keras' sum_over_batch_size sees it
-            loss = tf.reduce_sum(values) / tf.cast(tf.size(values) * replicas, values.dtype)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
+            loss, rows = replica_loss(batch, training=True)
+            scaled = optimizer.scale_loss(loss)  # the loss itself unless a LossScaleOptimizer
+        optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        return loss, rows
 
-    @tf.function
-    def train_step(batch):
-        per_replica = strategy.run(replica_step, args=batch)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    def reduced(per_replica):
+        return tuple(strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) for value in per_replica)
 
-    @tf.function
-    def eval_step(batch):
-        def replica(inputs, labels):
-            values = loss_fn.call(labels, model(inputs, training=False))
-            return tf.reduce_sum(values) / tf.cast(tf.size(values) * replicas, values.dtype)
-
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=batch), axis=None)
+    train_step = tf.function(lambda batch: reduced(strategy.run(replica_step, args=(batch,))))
+    eval_step = tf.function(lambda batch: reduced(strategy.run(replica_loss, args=(batch, False))))
 
     with strategy.scope():
         if not optimizer.built:
@@ -100,22 +122,29 @@ def distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch
                                                  epochs=epochs, steps=steps_per_epoch)
     model.stop_training = False
     initial_epoch = compat.begin_training(callback_list, model)  # where a BackupAndRestore resumed the run
+    iterator, logs = None, {}
     for epoch in range(initial_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
-        total, count = 0.0, 0
-        for step, batch in enumerate(dist_train):
-            if steps_per_epoch is not None and step >= steps_per_epoch:
+        if iterator is None or steps_per_epoch is None:
+            iterator = iter(dist_train)
+        total, rows, step = 0.0, 0, 0
+        while steps_per_epoch is None or step < steps_per_epoch:
+            batch = next(iterator, None)
+            if batch is None:
+                iterator = None  # the data ran out: the next epoch reads them again
                 break
             callback_list.on_train_batch_begin(step)
-            loss = float(train_step(batch))
-            total, count = total + loss, count + 1
-            callback_list.on_train_batch_end(step, {"loss": total / count})
+            loss, batch_rows = train_step(batch)
+            total, rows = total + float(loss) * int(batch_rows), rows + int(batch_rows)
+            callback_list.on_train_batch_end(step, {"loss": total / rows})
+            step += 1
             if model.stop_training:
                 break
-        logs = {"loss": total / max(count, 1)}
+        logs = {"loss": total / max(rows, 1)}
         if validation_data is not None:
-            losses = [float(eval_step(b)) for b in strategy.experimental_distribute_dataset(validation_data)]
-            logs["val_loss"] = sum(losses) / max(len(losses), 1)
+            answers = [eval_step(b) for b in strategy.experimental_distribute_dataset(validation_data)]
+            val_rows = sum(int(n) for _, n in answers)
+            logs["val_loss"] = sum(float(loss) * int(n) for loss, n in answers) / max(val_rows, 1)
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break

@@ -35,8 +35,9 @@ def _token_weights(labels, padding_id, sample_weight):
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
-class MaskedAccuracy(keras.metrics.Mean):
-    """Fraction of non-padding tokens (label != `padding_id`) whose argmax logit is the label.
+class MaskedAccuracy(keras.metrics.Metric):
+    """Fraction of non-padding tokens (label != `padding_id`) whose argmax logit is the label: correct tokens over
+    real tokens, summed over every batch of any length (as `Perplexity` sums).
 
     `update_state(y_true, y_pred, sample_weight=None)` takes the logits `(B, T, V)` or a `TokenStatistics`;
     sample weights `(B,)` or `(B, T)` weight the tokens.
@@ -45,6 +46,10 @@ class MaskedAccuracy(keras.metrics.Mean):
     def __init__(self, padding_id=0, name="masked_accuracy", dtype=None):
         super().__init__(name=name, dtype=dtype)
         self.padding_id = padding_id
+        # Not keras.metrics.Mean: it averages a (B, T) batch over T first, so a token of a length-T batch counted
+        # 1/T and length-bucketed batches were weighted wrongly (2/2 + 0/8 correct read 0.5, not 0.2).
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
 
     @property
     def accepts_token_statistics(self):
@@ -57,7 +62,12 @@ class MaskedAccuracy(keras.metrics.Mean):
             correct = y_pred.correct  # (B, T)
         else:
             correct = ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int32"), labels), "float32")
-        return super().update_state(correct, sample_weight=_token_weights(labels, self.padding_id, sample_weight))
+        weights = _token_weights(labels, self.padding_id, sample_weight)  # (B, T)
+        self.total.assign_add(ops.sum(correct * weights))
+        self.count.assign_add(ops.sum(weights))
+
+    def result(self):
+        return ops.divide_no_nan(self.total, self.count)
 
     def get_config(self):
         return {"padding_id": self.padding_id, "name": self.name, "dtype": self.dtype}
