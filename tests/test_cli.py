@@ -9,7 +9,7 @@ import time
 import pytest
 
 import tfformer_command
-from tfformer import cli, models
+from tfformer import cli, generation, models
 
 TINY = ["--set", "hidden_dim=16", "--set", "num_heads=2", "--set", "intermediate_dim=32",
         "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1", "--batch-size", "8"]
@@ -315,6 +315,8 @@ def test_generate_and_chat_continue_a_causal_lm_run(tmp_path, capsys):
     assert all(expected) and generated.stdout == "".join(f"{text}\n" for text in expected)
     with pytest.raises(ValueError, match="`prompt` must be one string: `stream` continues one prompt"):
         lm.stream(prompts)  # checked when called; was "too many values to unpack" at the first piece
+    with pytest.raises(ValueError, match="`sampler` must pick one token a step"):
+        lm.stream("open the", sampler=generation.BeamSampler(2))  # was NotImplementedError at the first piece
     refused = _here(capsys, "generate", "--run", run, "--max-new-tokens", "6", "open the", " ")
     assert refused.returncode == 2 and refused.stdout == "" and "whitespace-only" in refused.stderr  # no part-output
     chatted = _here(capsys, "chat", "--run", run, "--message", "open the file", "--max-new-tokens", "6")

@@ -145,6 +145,10 @@ def test_edge_generator_equals_cached_keras_decoding(tmp_path, causal_lm, seq2se
     assert gen.detokenize(source) == "open the file"
     with pytest.raises(ValueError, match="holds at most 12"):
         gen.translate(list(range(4, 20)))
+    # More than the file's 16 decoder positions: it returned 16 tokens, no error.
+    with pytest.raises(ValueError, match=r"`max_new_tokens` must be at most 16, the file's decoder positions"):
+        gen.translate(source, max_new_tokens=20)
+    assert gen.translate(source) == gen.translate(source, max_new_tokens=16)  # the default: all 16
     with pytest.raises(ValueError, match="seq2seq .* use `translate`"):  # encode's buffers would be read unset
         gen.generate([5, 6, 7])
 

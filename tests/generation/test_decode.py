@@ -249,6 +249,15 @@ def test_bad_arguments(seq2seq, lm):
         generation.generate_ids(lm, np.ones((1, 30), "int32"), 5)
     with pytest.raises(ValueError, match="empty prompt"):
         generation.generate_ids(lm, np.array([[5, 6], [0, 0]], "int32"), 3)
+    # A prompt's length is its count of non-padding ids: left or inner padding read the padding as the prompt's
+    # last tokens (a wrong continuation, no error). Hugging Face pads decoder-only prompts on the left.
+    for padded in ([[0, 0, 5, 6]], [[5, 0, 0, 6]], [[5, 6, 7, 0], [0, 5, 6, 7]]):
+        with pytest.raises(ValueError, match=r"`token_ids` must be right-padded.*rows \["):
+            generation.generate_ids(lm, np.array(padded, "int32"), 3)
+    with pytest.raises(ValueError, match="empty source"):  # was decoded from padding alone
+        generation.generate_ids(seq2seq, np.array([[5, 6], [0, 0]], "int32"), 3)
+    with pytest.raises(ValueError, match="integer ids.*float64"):  # was "`inputs` must hold str"
+        lm.generate(np.array([[5.0, 6.0]]), max_new_tokens=3)
     with pytest.raises(ValueError, match="`sampler` must be a Sampler.*'nucleus'"):
         generation.generate_ids(seq2seq, SOURCE, 4, sampler="nucleus")
     # Float ids used to be truncated to int32 silently; out-of-range ids clamped by XLA's gather.
@@ -827,6 +836,20 @@ def test_patience_beam_search_equals_ctranslate2s_loop(seed, beam, length_penalt
                                               jit_compile=True)(), found)
 
 
+def test_patience_keeps_a_finished_hypothesis_that_scores_minus_infinity():
+    # The end as the second of the first step's candidates: a hypothesis of length 0, -inf under "length"
+    # normalization with a length penalty. Every registered candidate at -inf, argmax took candidate 0, which had
+    # not ended, and (round(2 * 0.5) = 1 hypothesis) returned it as the answer.
+    table, start = _history_table(0), 1
+    table[_state(start, ())] = -5.0
+    table[_state(start, ()), [3, STUB_END]] = -0.1, -0.2
+    sampler = generation.BeamSampler(2, 1.0, normalization="length", patience=0.5)
+    tokens, ended = ctranslate2_beam_search(lambda tokens: table[_state(start, tokens)], STUB_VOCAB, 2, STUB_END, 6,
+                                            1.0, 0.5)
+    assert (tokens, ended) == ([], True)
+    assert _run_patience(sampler, table, np.array([start]), 6, fill=7).numpy().tolist() == [[STUB_END] + [7] * 5]
+
+
 def test_patience_beam_search_searches():
     """The fixture of the test above is not trivial: some rows end early, some run to the last step, and the
     search finds sequences that greedy decoding and the search keeping ended beams in their slots do not."""
@@ -888,3 +911,21 @@ def test_beam_sampler_options():
     for bad in (0, -1.0, True, "1"):
         with pytest.raises(ValueError, match=rf"`patience` must be a number > 0 or None. Received: patience={bad!r}"):
             generation.BeamSampler(2, patience=bad)
+
+
+def test_a_generated_padding_id_ends_the_row_in_generate():
+    """Id 0 is padding to the model (SmolLM2's <|endoftext|>): the cached loop went on after it as after any token,
+    while `model(...)` masks it and the exported files stop at it. `CausalLM.generate` now ends the row there: up to
+    it, an uncached greedy loop over `model(...)`; after it, zeros."""
+    model = _spread(models.build_causal_lm(models.TransformerConfig(architecture="causal_lm", **CFG)), seed=1)
+    kernel, bias = model.output_projection.get_weights()
+    model.output_projection.set_weights([kernel, np.where(np.arange(len(bias)) == 0, 4.0, bias).astype("float32")])
+    prompts = np.array([[5, 6, 7], [9, 10, 0]], "int32")
+    new = model.generate(prompts, max_new_tokens=8, jit_compile=False).numpy().tolist()
+    for prompt, row in zip(prompts.tolist(), new):
+        sequence, expected = [t for t in prompt if t], []
+        while len(expected) < 8 and (not expected or expected[-1] != 0):
+            expected.append(int(np.argmax(model({"token_ids": np.array([sequence], "int32")})[0, -1])))
+            sequence.append(expected[-1])
+        assert 0 in expected, "the fixture must generate id 0"
+        assert row == expected + [0] * (8 - len(expected))

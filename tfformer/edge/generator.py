@@ -188,20 +188,26 @@ class Generator:
             return ""
         return _as_str(self.tokenizer.detokenize(np.array(new, np.int32)))
 
-    def translate(self, source_ids, max_new_tokens=32, beam_size=None, length_penalty=0.6):
+    def translate(self, source_ids, max_new_tokens=None, beam_size=None, length_penalty=0.6):
         """Seq2seq: target ids for `source_ids` (ending with the end token if one is chosen), greedy or, with a
         `beam_size`, by beam search with the GNMT `length_penalty`: the choices of the SavedModel's
-        `serving_default` exported with the same `beam_size` (`tfformer.generation.BeamSampler`)."""
+        `serving_default` exported with the same `beam_size` (`tfformer.generation.BeamSampler`). At most
+        `max_new_tokens`, by default the file's decoder length (`max_length`), as the Keras model's `translate`
+        defaults to its own."""
         if not self.is_seq2seq:
             raise ValueError(f"`translate` needs a seq2seq (translator) file; {self.path} is a causal LM's: use "
                              "`generate`.")
+        max_new_tokens = self.max_length if max_new_tokens is None else max_new_tokens
         self._check(source_ids, self.source_length, "`source_ids`", max_new_tokens)
+        if max_new_tokens > self.max_length:  # it returned max_length tokens, no error
+            raise ValueError(f"`max_new_tokens` must be at most {self.max_length}, the file's decoder positions "
+                             f"(export with a larger `max_length` for more). Received: max_new_tokens={max_new_tokens}")
         check_int("beam_size", beam_size, allow_none=True, numpy=True)
         check_number("length_penalty", length_penalty)
         src = np.zeros((1, self.source_length), np.int32)
         src[0, : len(source_ids)] = source_ids
         self._encode(encoder_token_ids=src)  # its outputs are decode_step's inputs
-        steps = min(max_new_tokens, self.max_length)
+        steps = int(max_new_tokens)
         if beam_size:
             return self._beam_search(steps, int(beam_size), float(length_penalty))
         self._start(self._caches)
@@ -300,7 +306,7 @@ class Generator:
             text = text.replace(symbol, raw)
         return text
 
-    def translate_text(self, text, max_new_tokens=32, beam_size=None, length_penalty=0.6):
+    def translate_text(self, text, max_new_tokens=None, beam_size=None, length_penalty=0.6):
         """Seq2seq, text in and out with the same placeholder protection as the SavedModel's `serving_default`
         (`tfformer.data.placeholders`): every placeholder and the edge whitespace of `text` are in the result.
         `beam_size` and `length_penalty` as in `translate` (the SavedModel's export options)."""

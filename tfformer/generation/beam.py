@@ -146,7 +146,9 @@ class BeamSampler(Sampler):
         # Finished hypotheses: the ended among the best `beam` candidates (every one of them at the last column).
         register = (tf.range(candidates) < beam) & (ended | last[:, None]) & ~done[:, None]  # (B, C)
         normalized = tf.where(register, self._normalized(cand_scores, cand_lengths), -float("inf"))
-        pick = tf.argmax(normalized, axis=1, output_type=tf.int32)  # (B,)
+        # Among the registered only, also when each scores -inf: TF's argmax finds nothing above its lowest float in
+        # a row of -inf (or of float32.min) and answers 0, a candidate that may not have ended.
+        pick = tf.argmax(tf.where(register, tf.maximum(normalized, -1e30), -2e30), axis=1, output_type=tf.int32)
         picked = tf.gather(normalized, pick, batch_dims=1)
         hypothesis = _write(tf.gather(tokens, tf.gather(source, pick, batch_dims=1), batch_dims=1), column,
                             tf.gather(token, pick, batch_dims=1))  # (B, T)

@@ -178,8 +178,14 @@ def _checked(model, token_ids, max_new_tokens, jit_compile, prefill_jit_compile,
         if ids.shape[1] + max_new_tokens > limit:
             raise ValueError(f"Prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_sequence_length={limit}; shorten the prompt or ask for fewer tokens.")
-        if not (ids != PAD_ID).any(axis=1).all():
-            raise ValueError("Every prompt needs at least one token; received an empty prompt.")
+        real = ids != PAD_ID
+        if (real[:, 1:] & ~real[:, :-1]).any():  # a prompt's length is its count of non-padding ids
+            rows = sorted(set(np.nonzero(real[:, 1:] & ~real[:, :-1])[0].tolist()))
+            raise ValueError(f"`token_ids` must be right-padded: padding (id {PAD_ID}) only after a prompt's tokens. "
+                             f"Received left or inner padding in rows {rows}")
+    kind = "prompt" if config.architecture == "causal_lm" else "source"
+    if not (ids != PAD_ID).any(axis=1).all():
+        raise ValueError(f"Every {kind} needs at least one token; received an empty {kind}.")
     return ids.astype(np.int32, copy=False), compiled
 
 

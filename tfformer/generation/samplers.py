@@ -117,7 +117,8 @@ class TemperatureSampler(Sampler):
 
 
 class TopKSampler(TemperatureSampler):
-    """A draw among the `k` most likely tokens (int >= 1), from softmax(logits / temperature)."""
+    """A draw among the `k` most likely tokens (int >= 1), from softmax(logits / temperature). Tokens tied with the
+    k-th are kept too (as Hugging Face's top-k keeps them): with ties, `k=1` is not greedy."""
     kind = "top_k"
 
     def __init__(self, k, temperature=1.0, seed=0):

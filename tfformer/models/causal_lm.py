@@ -8,6 +8,7 @@ from tfformer.checks import check_int, check_messages
 from tfformer.generation.decode import cached_function
 from tfformer.layers.layer_utils import apply_dense, uncast
 from tfformer.models import base, task
+from tfformer.tokens import PAD_ID
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -87,13 +88,17 @@ class CausalLM(base.TransformerModel):
 
         Returns:
             The continuations without the prompt: a str for a str, a list of str for a list, new ids
-            `(B, max_new_tokens)` for ids. Generation stops at the preprocessor's end token (`end_ids`).
+            `(B, max_new_tokens)` for ids. Generation stops at the preprocessor's end token (`end_ids`) and at id 0,
+            padding to the model (SmolLM2's `<|endoftext|>`); ids after it are 0.
         """
         if prefill_jit_compile is None:
             prefill_jit_compile = jit_compile and self.prefill_jit_compile_for_policy()
         options = dict(jit_compile=jit_compile, end_id=self.end_ids[0], prefill_jit_compile=prefill_jit_compile)
         if task.is_token_ids(inputs):
-            return generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty, **options)
+            new_ids = generation.generate_ids(self, inputs, max_new_tokens, sampler, beam_size, length_penalty,
+                                              **options)
+            # A generated id 0 ends its row, as in the exported files: the model reads it as padding.
+            return tf.where(tf.cumsum(tf.cast(new_ids == PAD_ID, tf.int32), axis=1) > 0, PAD_ID, new_ids)
         texts, single = task.as_texts(inputs, "inputs")
         new_ids = generation.generate_ids(self, self.tokenize(texts), max_new_tokens, sampler, beam_size,
                                           length_penalty, **options)
@@ -134,6 +139,9 @@ class CausalLM(base.TransformerModel):
                              f"Received {len(prompts)} prompts.")
         (prompt,) = prompts
         sampler = generation.samplers.get(sampler)
+        if sampler.beams > 1:
+            raise ValueError(f"`sampler` must pick one token a step: `stream` yields one row (beam search needs the "
+                             f"whole search; use `generate`). Received: sampler={sampler!r}")
         ids = self.tokenize([prompt])  # (1, L)
         length = ids.shape[1]
         check_int("max_new_tokens", max_new_tokens)
@@ -152,7 +160,7 @@ class CausalLM(base.TransformerModel):
         new_ids, shown = [], ""
         for i in range(max_new_tokens):
             token = int(sampler.get_next_token(logits[:, -1, :], tf.constant(length + i))[0])
-            if token in self.end_ids:
+            if token in self.end_ids or token == PAD_ID:  # id 0 is padding to the model, an end in `generate`
                 break
             new_ids.append(token)
             text = self.detokenize([new_ids])[0]

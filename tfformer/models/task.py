@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfformer.data import assets
 from tfformer.files import write_json
-from tfformer.tokens import END_ID
+from tfformer.tokens import END_ID, PAD_ID
 from tfformer.version import __version__
 
 PRESET_FILE, CONFIG_FILE, MODEL_FILE = "preset.json", "config.json", "model.keras"
@@ -52,12 +52,13 @@ def as_texts(texts, name, allow_blank=False):
 
 
 def is_token_ids(inputs):
-    """True for token ids (an integer tensor, array or nested list), False for a str or a list of str."""
+    """True for token ids (a numeric tensor, array or nested list: `generation.generate_ids` names a float one),
+    False for a str or a list of str."""
     if tf.is_tensor(inputs):
-        return inputs.dtype.is_integer
+        return inputs.dtype.is_integer or inputs.dtype.is_floating
     if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
         return False
-    return np.asarray(inputs).dtype.kind in "iu"
+    return np.asarray(inputs).dtype.kind in "iuf"
 
 
 class Task:
@@ -97,11 +98,12 @@ class Task:
         return tokenizer.tokenize(list(texts)).to_tensor(default_value=0).numpy().astype(np.int32)
 
     def detokenize(self, ids):
-        """str per row of generated ids `(B, N)`, cut before the first end id (`end_ids`)."""
+        """str per row of generated ids `(B, N)`, cut before the first end id (`end_ids`) or padding (id 0: the model
+        reads it as padding, and the exported files stop at it)."""
         tokenizer = self.require_preprocessor("detokenize")
         rows = []
         for row in np.asarray(ids).tolist():
-            cut = min((row.index(i) for i in self.end_ids if i in row), default=len(row))
+            cut = min((row.index(i) for i in (*self.end_ids, PAD_ID) if i in row), default=len(row))
             rows.append(row[:cut])
         ragged = tf.ragged.constant(rows, dtype=tf.int32, ragged_rank=1)  # (B, None)
         return [text.decode("utf-8") for text in tokenizer.detokenize(ragged).numpy()]
