@@ -37,8 +37,10 @@ def clone_initializer(initializer):
 def check_sequences(**tensors):
     """Raise a ValueError naming the argument unless each tensor given (None passes) is `(B, T, D)`."""
     for name, x in tensors.items():
-        shape = None if x is None else tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-        if shape is not None and len(shape) != 3:
+        if x is None or getattr(getattr(x, "shape", None), "rank", 0) is None:  # unknown rank: nothing to check
+            continue
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        if len(shape) != 3:
             raise ValueError(f"`{name}` must be a batch of sequences (B, T, D), 3-D. Received: shape={shape}")
 
 
