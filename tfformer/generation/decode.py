@@ -179,8 +179,8 @@ def _checked(model, token_ids, max_new_tokens, jit_compile, prefill_jit_compile,
             raise ValueError(f"Prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_sequence_length={limit}; shorten the prompt or ask for fewer tokens.")
         real = ids != PAD_ID
-        if (real[:, 1:] & ~real[:, :-1]).any():  # a prompt's length is its count of non-padding ids
-            rows = sorted(set(np.nonzero(real[:, 1:] & ~real[:, :-1])[0].tolist()))
+        rows = sorted(set(np.nonzero(real[:, 1:] & ~real[:, :-1])[0].tolist()))  # a token after padding
+        if rows:  # a prompt's length is its count of non-padding ids
             raise ValueError(f"`token_ids` must be right-padded: padding (id {PAD_ID}) only after a prompt's tokens. "
                              f"Received left or inner padding in rows {rows}")
     kind = "prompt" if config.architecture == "causal_lm" else "source"
