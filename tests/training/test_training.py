@@ -449,11 +449,14 @@ def test_distributed_loop_trains_as_model_fit(rng, case):
     AttributeError."""
     import tensorflow as tf
 
-    x = rng.normal(size=(18, 3)).astype("float32")  # batches of 4: the last of 2 rows
+    # Batches of 4, the last of 2 rows; with steps_per_epoch 2, 4 batches: the data end with the second epoch, and
+    # the third reads them from the start again.
+    rows = 16 if case == "steps_per_epoch" else 18
+    x = rng.normal(size=(rows, 3)).astype("float32")
     y = (x @ [[1.0], [-2.0], [0.5]]).astype("float32")
-    data = (x, y, rng.uniform(0.2, 2.0, size=(18,)).astype("float32")) if case == "sample_weight" else (x, y)
+    data = (x, y, rng.uniform(0.2, 2.0, size=(rows,)).astype("float32")) if case == "sample_weight" else (x, y)
     train = tf.data.Dataset.from_tensor_slices(data).batch(4)
-    validation = tf.data.Dataset.from_tensor_slices((x[:5], y[:5])).batch(4)
+    validation = tf.data.Dataset.from_tensor_slices((x[:5], y[:5])).batch(4)  # the last batch of 1 row
     loss = "mse" if case == "string_loss" else keras.losses.MeanSquaredError()
     regularizer = keras.regularizers.L2(0.1) if case == "regularizer" else None
     steps = 2 if case == "steps_per_epoch" else None

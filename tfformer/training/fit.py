@@ -130,8 +130,11 @@ def distributed_loop(model, train_data, validation_data, epochs, steps_per_epoch
         total, rows, step = 0.0, 0, 0
         while steps_per_epoch is None or step < steps_per_epoch:
             batch = next(iterator, None)
+            if batch is None and step == 0 and steps_per_epoch is not None:  # the last epoch ended with the data
+                iterator = iter(dist_train)
+                batch = next(iterator, None)
             if batch is None:
-                iterator = None  # the data ran out: the next epoch reads them again
+                iterator = None  # the data ran out: Keras ends the epoch there and reads them again at the next
                 break
             callback_list.on_train_batch_begin(step)
             loss, batch_rows = train_step(batch)
