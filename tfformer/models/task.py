@@ -58,7 +58,8 @@ def is_token_ids(inputs):
         return inputs.dtype.is_integer or inputs.dtype.is_floating
     if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
         return False
-    return np.asarray(inputs).dtype.kind in "iuf"
+    array = np.asarray(inputs)
+    return array.dtype.kind in "iu" or (array.dtype.kind == "f" and array.size > 0)  # [] is no texts, not ids
 
 
 class Task:
