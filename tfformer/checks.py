@@ -49,6 +49,12 @@ def check_number(name, value, above=None, at_least=None, below=None, at_most=Non
         _fail(name, value, expected or " ".join(["a number", " and ".join(bounds)]).strip(), allow_none)
 
 
+def check_one_of(name, value, allowed):
+    """Raise a ValueError naming `name` unless `value` is in `allowed` (a tuple, which the message lists)."""
+    if value not in allowed:
+        _fail(name, value, f"one of {allowed}", False)
+
+
 def check_messages(messages):
     """`messages` must be a non-empty list of `{"role": str, "content": str}` dicts."""
     if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:

@@ -4,12 +4,12 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_one_of
 from tfformer.compat import gradient_recording
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.layer_utils import (PLAIN, LowRankAdapters, LowRankProjections, check_dropout, check_lora_alpha,
-                                         check_sequences, clone_initializer, in_query_chunks)
+                                         add_kernel, add_weight, check_sequences, in_query_chunks)
 from tfformer.layers.rotary_embedding import RotaryEmbedding, check_rope_max_wavelength
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
@@ -123,8 +123,7 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
                              f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}")
         check_dropout(dropout)
         check_rope_max_wavelength(rope_max_wavelength)
-        if score not in SCORES:
-            raise ValueError(f"`score` must be one of {SCORES}. Received: score={score!r}")
+        check_one_of("score", score, SCORES)
         check_int("window", window, minimum=0, allow_none=True)
         check_int("lora_rank", lora_rank, allow_none=True)
         check_lora_alpha(lora_alpha)
@@ -149,13 +148,6 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
             raise ValueError(f"A cache needs value_dim == key_dim. Received: key_dim={self.key_dim}, "
                              f"value_dim={self.value_dim}")
 
-    def _weight(self, name, shape, initializer):  # each weight draws from a copy of the initializer
-        return self.add_weight(name=name, shape=shape, initializer=clone_initializer(initializer))
-
-    def _kernel(self, name, input_dim, units):
-        kernel = self._weight(f"{name}_kernel", (input_dim, units), self.kernel_initializer)
-        return kernel, self._weight(f"{name}_bias", (units,), self.bias_initializer) if self.use_bias else None
-
     def build(self, query_shape, value_shape, key_shape=None):
         query_dim, value_dim = query_shape[-1], value_shape[-1]
         key_dim = value_dim if key_shape is None else key_shape[-1]
@@ -163,16 +155,17 @@ class MultiHeadAttention(keras.layers.Layer, LowRankProjections):
         self._q_units, self._k_units, self._v_units = n * h, kv * h, kv * hv
         self._fused = query_dim == value_dim == key_dim
         if self._fused:
-            self.qkv_kernel, self.qkv_bias = self._kernel("qkv", query_dim, n * h + kv * h + kv * hv)
+            self.qkv_kernel, self.qkv_bias = add_kernel(self, "qkv", query_dim, n * h + kv * h + kv * hv)
         else:
-            self.query_kernel, self.query_bias = self._kernel("query", query_dim, n * h)
-            self.key_kernel, self.key_bias = self._kernel("key", key_dim, kv * h)
-            self.value_kernel, self.value_bias = self._kernel("value", value_dim, kv * hv)
+            self.query_kernel, self.query_bias = add_kernel(self, "query", query_dim, n * h)
+            self.key_kernel, self.key_bias = add_kernel(self, "key", key_dim, kv * h)
+            self.value_kernel, self.value_bias = add_kernel(self, "value", value_dim, kv * hv)
         if self.score == "general":
-            self.general_kernel = self._weight("general_kernel", (n, h, h), self.kernel_initializer)
+            self.general_kernel = add_weight(self, "general_kernel", (n, h, h), self.kernel_initializer)
         elif self.score == "additive":
-            self.additive_vector = self._weight("additive_vector", (n, 1, h), self.kernel_initializer)
-        self.output_kernel, self.output_bias = self._kernel("output", n * hv, self.output_dim or query_dim)  # N heads
+            self.additive_vector = add_weight(self, "additive_vector", (n, 1, h), self.kernel_initializer)
+        # The N heads' values back to the output width.
+        self.output_kernel, self.output_bias = add_kernel(self, "output", n * hv, self.output_dim or query_dim)
         if self.lora_rank:
             self._add_adapters()
         self.built = True

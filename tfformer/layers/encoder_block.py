@@ -1,6 +1,6 @@
 import keras
 
-from tfformer.checks import check_int, check_number
+from tfformer.checks import check_int, check_number, check_one_of
 from tfformer.layers import masks as masks_lib
 from tfformer.layers.attention import SCORES, MultiHeadAttention
 from tfformer.layers.dropout import Dropout
@@ -87,9 +87,8 @@ class EncoderBlock(keras.layers.Layer):
                 f"Received: num_key_value_heads={num_key_value_heads}, num_heads={num_heads}"
             )
         # Checked here too, not only when the sublayers are made at the first call.
-        for name, value, allowed in (("activation", activation, ACTIVATIONS), ("score", score, SCORES)):
-            if value not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
+        check_one_of("activation", activation, ACTIVATIONS)
+        check_one_of("score", score, SCORES)
         check_number("layer_norm_epsilon", layer_norm_epsilon, at_least=0, expected="a non-negative float")
         check_int("window", window, minimum=0, allow_none=True)
         super().__init__(**kwargs)

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfformer.checks import check_int
+from tfformer.checks import check_int, check_one_of
 from tfformer.compat import gradient_recording
 from tfformer.layers.dropout import Dropout
 from tfformer.layers.layer_utils import (PLAIN, check_dropout, clone_initializer, dense, matmul_bias, quantized,
@@ -114,8 +114,7 @@ class FeedForward(keras.layers.Layer):
                  kernel_initializer="glorot_uniform", **kwargs):
         check_int("hidden_dim", hidden_dim)
         check_int("intermediate_dim", intermediate_dim)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={activation!r}")
+        check_one_of("activation", activation, ACTIVATIONS)
         check_dropout(dropout)
         super().__init__(**kwargs)
         self.hidden_dim = hidden_dim

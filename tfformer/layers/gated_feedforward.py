@@ -5,7 +5,7 @@ from keras import ops
 
 from tfformer.checks import check_int
 from tfformer.layers.dropout import Dropout
-from tfformer.layers.layer_utils import PLAIN, check_dropout, clone_initializer
+from tfformer.layers.layer_utils import PLAIN, add_kernel, check_dropout
 
 
 @keras.saving.register_keras_serializable(package="tfformer")
@@ -58,16 +58,10 @@ class GatedFeedForward(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.supports_masking = True
 
-    def _kernel(self, name, input_dim, units):
-        kernel = self.add_weight(name=f"{name}_kernel", shape=(input_dim, units),
-                                 initializer=clone_initializer(self.kernel_initializer))
-        bias = (self.add_weight(name=f"{name}_bias", shape=(units,),
-                                initializer=clone_initializer(self.bias_initializer)) if self.use_bias else None)
-        return kernel, bias
-
     def build(self, inputs_shape):
-        self.gate_up_kernel, self.gate_up_bias = self._kernel("gate_up", inputs_shape[-1], 2 * self.intermediate_dim)
-        self.down_kernel, self.down_bias = self._kernel("down", self.intermediate_dim, self.hidden_dim)
+        self.gate_up_kernel, self.gate_up_bias = add_kernel(self, "gate_up", inputs_shape[-1],
+                                                            2 * self.intermediate_dim)
+        self.down_kernel, self.down_bias = add_kernel(self, "down", self.intermediate_dim, self.hidden_dim)
         self._dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy)
         self.built = True
 

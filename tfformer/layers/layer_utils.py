@@ -15,7 +15,7 @@ from keras import ops
 
 from tfformer.checks import check_int, check_number
 from tfformer.compat import collection_paused, gradient_recording
-from tfformer.layers.masks import masked_softmax
+from tfformer.layers.masks import masked_softmax, static_shape
 
 
 def check_dropout(value, name="dropout"):
@@ -34,13 +34,23 @@ def clone_initializer(initializer):
     return initializer.__class__.from_config(initializer.get_config())
 
 
+def add_weight(layer, name, shape, initializer, **kwargs):
+    """`layer.add_weight` drawing from a copy of `initializer` of its own (`clone_initializer`)."""
+    return layer.add_weight(name=name, shape=shape, initializer=clone_initializer(initializer), **kwargs)
+
+
+def add_kernel(layer, name, input_dim, units):
+    """`(kernel (input_dim, units), bias (units,) or None)` named `{name}_kernel`, `{name}_bias`, of a layer with
+    `kernel_initializer`, `bias_initializer` and `use_bias`; the kernel is made first (weights load in that order)."""
+    kernel = add_weight(layer, f"{name}_kernel", (input_dim, units), layer.kernel_initializer)
+    return kernel, add_weight(layer, f"{name}_bias", (units,), layer.bias_initializer) if layer.use_bias else None
+
+
 def check_sequences(**tensors):
     """Raise a ValueError naming the argument unless each tensor given (None passes) is `(B, T, D)`."""
     for name, x in tensors.items():
-        if x is None or getattr(getattr(x, "shape", None), "rank", 0) is None:  # unknown rank: nothing to check
-            continue
-        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-        if len(shape) != 3:
+        shape = static_shape(x)  # None: nothing to check
+        if shape is not None and len(shape) != 3:
             raise ValueError(f"`{name}` must be a batch of sequences (B, T, D), 3-D. Received: shape={shape}")
 
 
@@ -351,8 +361,7 @@ class LowRankAdapters(keras.layers.Layer):
         for name, (input_dim, units) in kernel_shapes.items():
             for part, shape, initializer in (("a", (input_dim, self.rank), self.a_initializer),
                                              ("b", (self.rank, units), self.b_initializer)):
-                weight = self.add_weight(name=f"{name}_lora_{part}", shape=shape,
-                                         initializer=clone_initializer(initializer), dtype="float32")
+                weight = add_weight(self, f"{name}_lora_{part}", shape, initializer, dtype="float32")
                 setattr(self, f"{name}_lora_{part}", weight)
         self.kernel_names = tuple(kernel_shapes)
         self.built = True

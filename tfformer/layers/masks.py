@@ -53,14 +53,22 @@ def query_mask(mask):
     return None if mask is None else ops.expand_dims(ops.cast(mask, "bool"), 2)
 
 
+def static_shape(x):
+    """The static shape of a tensor, array or nested list as a tuple (None for an unknown size); None for None or
+    a tensor of unknown rank."""
+    if x is None or getattr(getattr(x, "shape", None), "rank", 0) is None:
+        return None
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def check_mask(name, mask, axes, shape, exact=()):
     """Raise a ValueError naming `name` unless `mask` (None passes) has one axis per entry of `shape` and each
     static size is that entry (None: any) or 1, which broadcasts (not on the axes listed in `exact`). `axes` names
     them for the message, e.g. `"(B, T, S)"`. Without it a `(B, S)` padding mask given as an `attention_mask`
     would broadcast its batch over the heads: no error, and wrong weights when `B` equals the head count."""
-    if mask is None or getattr(getattr(mask, "shape", None), "rank", 0) is None:  # unknown rank: nothing to check
+    actual = static_shape(mask)
+    if actual is None:
         return
-    actual = tuple(mask.shape) if hasattr(mask, "shape") else np.shape(mask)
     if len(actual) != len(shape) or not all(
             size is None or want is None or size == want or (size == 1 and axis not in exact)
             for axis, (size, want) in enumerate(zip(actual, shape))):

@@ -4,7 +4,7 @@ import dataclasses
 import json
 from typing import Optional
 
-from tfformer.checks import check_int, check_number
+from tfformer.checks import check_int, check_number, check_one_of
 from tfformer.layers.feedforward import ACTIVATIONS
 from tfformer.layers.layer_utils import check_dropout
 
@@ -62,9 +62,7 @@ class TransformerConfig:
         """Each field's type and range, and the head counts that must divide."""
         for name, allowed in (("architecture", ARCHITECTURES), ("position", POSITIONS), ("activation", ACTIVATIONS),
                               ("score", SCORES), ("normalization", NORMALIZATIONS)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}. Received: {name}={value!r}")
+            check_one_of(name, getattr(self, name), allowed)
         for name in ("vocabulary_size", "hidden_dim", "num_heads", "intermediate_dim", "max_sequence_length",
                      "output_dim"):
             check_int(name, getattr(self, name))
